@@ -1,0 +1,235 @@
+"""The real BFCL multi-turn world: tasks, executable environment, official checker.
+
+Wraps bfcl-eval's executor and `multi_turn_checker` with the isolation they lack
+(DESIGN §2 pitfalls):
+
+- the executor caches instances in its module globals by (model name, task id):
+  every trajectory and every checker call gets a unique `[A-Za-z0-9_]` name and
+  its cached instances are removed afterwards;
+- long_context scenario data is shared by reference at module level and mutated
+  by tool calls: the environment's instances get private copies, and the shared
+  data is restored in place after every checker run;
+- the executor `eval()`s call strings: only strings rendered by common.calls from
+  validated literals reach it.
+"""
+
+import copy
+import itertools
+import json
+import os
+import re
+import tempfile
+
+# Importing bfcl_eval.constants creates result folders under BFCL_PROJECT_ROOT
+# (site-packages by default): point it at scratch space first.
+os.environ.setdefault("BFCL_PROJECT_ROOT", os.path.join(tempfile.gettempdir(), "seal-bfcl"))
+
+from bfcl_eval.constants.default_prompts import (  # noqa: E402
+    DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING as NEW_TOOLS_TEMPLATE,
+)
+from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_checker as _checker  # noqa: E402
+from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils as _utils  # noqa: E402
+from bfcl_eval.eval_checker.multi_turn_eval.func_source_code import long_context as _long  # noqa: E402
+
+from common import calls as C  # noqa: E402
+from common.jsonl import RecordError, read_jsonl  # noqa: E402
+
+CATEGORIES = ["base", "miss_func", "miss_param", "long_context"]
+TASK_FIELDS = ["id", "category", "questions", "initial_config", "involved_classes", "tools",
+               "missed_function", "long_context", "ground_truth"]
+EXEC_ERROR_PREFIX = "Error during execution:"
+
+_PRISTINE_LONG = {k: copy.deepcopy(v) for k, v in vars(_long).items()
+                  if k.isupper() and isinstance(v, (dict, list))}
+_counter = itertools.count()
+
+
+def load_tasks(path):
+    """Task records by id, in file order."""
+    tasks = {}
+    for rec in read_jsonl(path, required=TASK_FIELDS):
+        if rec["category"] not in CATEGORIES:
+            raise RecordError(f"{path}:{rec['_line']}: unknown category {rec['category']!r}")
+        if len(rec["ground_truth"]) != len(rec["questions"]):
+            raise RecordError(f"{path}:{rec['_line']}: {len(rec['questions'])} turns but "
+                              f"{len(rec['ground_truth'])} ground-truth turns")
+        rec.pop("_line")
+        tasks[rec["id"]] = rec
+    return tasks
+
+
+def unique_name(prefix="seal"):
+    """A per-process unique instance-name prefix; bfcl-eval keys its cache by it."""
+    return f"{prefix}_{os.getpid()}_{next(_counter)}"
+
+
+def _forget(name):
+    """Drop the executor's cached instances whose key starts with `name`."""
+    cache = vars(_utils)
+    for key in [k for k in cache if k.startswith(name + "_") and k.endswith("_instance")]:
+        del cache[key]
+
+
+def restore_shared_data():
+    """Undo mutations of long_context's module-level data, in place (others hold references)."""
+    for key, pristine in _PRISTINE_LONG.items():
+        live = getattr(_long, key)
+        if live != pristine:
+            if isinstance(live, dict):
+                live.clear()
+                live.update(copy.deepcopy(pristine))
+            else:
+                live[:] = copy.deepcopy(pristine)
+
+
+def tools_at(task, turn):
+    """The tool schemas available at `turn`: held-out tools join at their turn (miss_func)."""
+    tools = list(task["tools"])
+    for t, extra in sorted(task["missed_function"].items(), key=lambda kv: int(kv[0])):
+        if int(t) <= turn:
+            tools.extend(extra)
+    return tools
+
+
+def turn_messages(task, turn, new_tools=None):
+    """The user messages of `turn`.
+
+    A held-out turn (miss_func) has none: like bfcl-eval's prompting path, it
+    announces the new tools' documentation in a user message, since the tool list
+    in the system prompt cannot change without re-rendering the whole context.
+    `new_tools` overrides the schemas shown (the schema cue annotates them).
+    """
+    msgs = task["questions"][turn]
+    if not msgs and str(turn) in task["missed_function"]:
+        docs = new_tools if new_tools is not None else task["missed_function"][str(turn)]
+        text = NEW_TOOLS_TEMPLATE.format(functions=json.dumps(docs, ensure_ascii=False))
+        return [{"role": "user", "content": text}]
+    return msgs
+
+
+def is_error_result(result):
+    """Whether a tool result reports failure (an exception or an {"error": ...} payload)."""
+    if result.startswith(EXEC_ERROR_PREFIX):
+        return True
+    if result.startswith("{"):
+        try:
+            payload = json.loads(result)
+        except json.JSONDecodeError:
+            return False
+        return isinstance(payload, dict) and "error" in payload
+    return False
+
+
+class Environment:
+    """One trajectory's executable world for one task.
+
+        with Environment(task) as env:
+            env.start_turn(0)
+            step = env.step(model_text, fmt="json")   # calls, parse_error, results, call_errors
+            ...
+            env.decoded                               # per turn, per step: rendered call strings
+    """
+
+    def __init__(self, task):
+        self.task = task
+        self.name = unique_name()
+        self.turn = -1
+        self.tools = []
+        self.decoded = []  # what the checker gets: per turn, per step with calls, rendered strings
+        # Create the instances once with no call, then give them private copies of
+        # anything they share with module-level scenario data.
+        _, instances = self._execute([])
+        for inst in instances.values():
+            inst.__dict__.update(copy.deepcopy(inst.__dict__))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        _forget(self.name)
+
+    def start_turn(self, turn):
+        """Enter `turn`; returns the tool schemas that became available with it."""
+        before = {t["name"] for t in self.tools}
+        self.turn = turn
+        self.tools = tools_at(self.task, turn)
+        self.decoded.append([])
+        return [t for t in self.tools if t["name"] not in before] if turn > 0 else []
+
+    def step(self, text, fmt):
+        """Parse one model output, run what is valid, and return the step record's fields."""
+        calls, parse_error = C.parse(text, fmt, self.tools)
+        results, call_errors = self.run_calls(calls)
+        return {"calls": calls, "parse_error": parse_error, "results": results, "call_errors": call_errors}
+
+    def run_calls(self, calls):
+        """Validate and execute parsed calls in order; rejected ones never reach the executor."""
+        results, errors, rendered = [], [], []
+        for call in calls:
+            reason = C.validate(call, self.tools)
+            if reason is None:
+                try:
+                    rendered.append((len(results), C.render(call)))
+                except C.CallError as e:
+                    reason = str(e)
+            results.append(f"Error: {reason}" if reason else None)
+            errors.append(reason)
+        if rendered:
+            out, _ = self._execute([s for _, s in rendered])
+            for (i, _), res in zip(rendered, out, strict=True):
+                results[i] = res
+                if is_error_result(res):
+                    errors[i] = res
+            self.decoded[-1].append([s for _, s in rendered])
+        return results, errors
+
+    def _execute(self, call_strings):
+        return _utils.execute_multi_turn_func_call(
+            call_strings, self.task["initial_config"], self.task["involved_classes"],
+            self.name, self.task["id"], long_context=self.task["long_context"])
+
+
+def official_verdict(task, decoded):
+    """bfcl-eval's multi_turn_checker verdict for per-turn, per-step call strings.
+
+    Returns {"valid": bool, "error_type": str | None, "turn": int | None}. A trajectory
+    with fewer turns than the task (stopped early) is force-terminated, as in bfcl-eval.
+    """
+    gt = task["ground_truth"]
+    if len(decoded) != len(gt):
+        return {"valid": False, "error_type": "multi_turn:force_terminated", "turn": len(decoded)}
+    name = unique_name("check")
+    # The checker itself derives long_context from the id, as bfcl-eval's runner does.
+    entry = {"id": task["id"], "initial_config": task["initial_config"],
+             "involved_classes": task["involved_classes"]}
+    try:
+        res = _checker.multi_turn_checker(decoded, gt, entry, "multi_turn", name)
+    finally:
+        _forget(name + "_eval")
+        _forget(name + "_ground_truth_eval")
+        restore_shared_data()
+    if res["valid"]:
+        return {"valid": True, "error_type": None, "turn": None}
+    return {"valid": False, "error_type": res["error_type"], "turn": _failing_turn(res)}
+
+
+def _failing_turn(res):
+    m = re.search(r"turn (\d+)", res.get("error_message", ""))
+    if m:
+        return int(m.group(1))
+    executed = res.get("execution_result") or res.get("details", {}).get("execution_result")
+    return len(executed) - 1 if executed else None
+
+
+def ground_truth_calls(task, turn):
+    """The ground-truth calls of `turn` parsed like model output (positional args bound by schema)."""
+    calls = []
+    for s in task["ground_truth"][turn]:
+        parsed, err = C.parse(s, "python", tools_at(task, turn))
+        if err:
+            raise RecordError(f"task {task['id']}: ground truth {s!r} does not parse: {err}")
+        calls.extend(parsed)
+    return calls

@@ -1,0 +1,82 @@
+"""Evaluate a policy on BFCL multi-turn with the official checker, Ω removed.
+
+    python evaluate.py --policy oracle --split heldin --out runs/oracle/eval
+
+`--policy oracle` plays every task's ground-truth calls through the environment
+exactly as a model's output would go (parsed, validated, rendered, executed, turn
+by turn) and scores them with bfcl-eval's multi_turn_checker: a check of the
+whole pipeline. Writes DIR/results.jsonl (one verdict per task) and DIR/scores.json
+(percent per category and their average).
+"""
+
+import argparse
+import os
+import sys
+
+from tqdm import tqdm
+
+from common import bfcl
+from common.jsonl import RecordError, write_json, write_jsonl
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--policy", required=True, help="'oracle' (ground truth)")
+parser.add_argument("--split", default="heldin", choices=["heldin", "train"])
+parser.add_argument("--tasks", default=None, help="task file (default: data/<split>.jsonl)")
+parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
+parser.add_argument("--out", required=True, help="output folder")
+
+
+def oracle_trajectory(task):
+    """The ground truth, fed turn by turn through the same path as model text."""
+    with bfcl.Environment(task) as env:
+        for turn, gt in enumerate(task["ground_truth"]):
+            env.start_turn(turn)
+            if gt:
+                env.step("[" + ", ".join(gt) + "]", fmt="python")
+        return env.decoded
+
+
+def category_scores(results):
+    """Percent solved per category and the unweighted average of the four (as BFCL reports)."""
+    scores = {}
+    for cat in bfcl.CATEGORIES:
+        rows = [r for r in results if r["category"] == cat]
+        if rows:
+            scores[cat] = round(100 * sum(r["valid"] for r in rows) / len(rows), 2)
+    scores["average"] = round(sum(scores.values()) / len(scores), 2) if scores else 0.0
+    return scores
+
+
+def print_table(scores, title):
+    cols = [c for c in bfcl.CATEGORIES if c in scores] + ["average"]
+    print(f"\n{title}")
+    print("  ".join(f"{c:>12}" for c in cols))
+    print("  ".join(f"{scores[c]:>12.2f}" for c in cols))
+
+
+def main(args):
+    path = args.tasks or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"{args.split}.jsonl")
+    tasks = list(bfcl.load_tasks(path).values())
+    if args.limit:
+        tasks = [t for cat in bfcl.CATEGORIES for t in [x for x in tasks if x["category"] == cat][: args.limit]]
+    if args.policy != "oracle":
+        sys.exit("error: only --policy oracle is available in this version")
+
+    results = []
+    for task in tqdm(tasks, desc="oracle", unit="task"):
+        verdict = bfcl.official_verdict(task, oracle_trajectory(task))
+        results.append({"task_id": task["id"], "category": task["category"], **verdict})
+    scores = category_scores(results)
+    write_jsonl(os.path.join(args.out, "results.jsonl"), results)
+    write_json(os.path.join(args.out, "scores.json"), scores)
+    print_table(scores, f"{args.policy} on {os.path.relpath(path)} (BFCL multi-turn @ bfcl-eval {'2026.3.23'})")
+    for r in results:
+        if not r["valid"]:
+            print(f"  failed: {r['task_id']} {r['error_type']} turn {r['turn']}")
+
+
+if __name__ == "__main__":
+    try:
+        main(parser.parse_args())
+    except RecordError as e:
+        sys.exit(f"error: {e}")

