@@ -111,7 +111,7 @@ def is_error_result(result):
     """Whether a tool result reports failure (an exception or an {"error": ...} payload)."""
     if result.startswith(EXEC_ERROR_PREFIX):
         return True
-    if result.startswith("{"):
+    if result.startswith("{") and '"error"' in result:  # cheap test first: results can be large
         try:
             payload = json.loads(result)
         except json.JSONDecodeError:
@@ -136,11 +136,13 @@ class Environment:
         self.turn = -1
         self.tools = []
         self.decoded = []  # what the checker gets: per turn, per step with calls, rendered strings
-        # Create the instances once with no call, then give them private copies of
-        # anything they share with module-level scenario data.
-        _, instances = self._execute([])
-        for inst in instances.values():
-            inst.__dict__.update(copy.deepcopy(inst.__dict__))
+        if task["long_context"]:
+            # Long-context instances hold references to module-level scenario data
+            # (credit cards, bookings, transactions): create them now and give them
+            # private copies, so this trajectory's calls cannot reach the next one's.
+            _, instances = self._execute([])
+            for inst in instances.values():
+                inst.__dict__.update(copy.deepcopy(inst.__dict__))
 
     def __enter__(self):
         return self
