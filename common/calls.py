@@ -90,9 +90,13 @@ def _reject_constant(name):
     raise CallError(f"{name} is not an allowed value")
 
 
+CALL_START_RE = re.compile(r"[\[(]|[A-Za-z_][\w.]*\s*\(")
+
+
 def parse_python_calls(text, tools=()):
     src = text.strip()
-    if not src:
+    # Like bfcl-eval's decoding, text that does not even start like a call is an answer.
+    if not CALL_START_RE.match(src):
         return []
     try:
         tree = ast.parse(src, mode="eval")

@@ -1,0 +1,89 @@
+"""Diagnose rollouts: the official reward and one failure label per user turn (Ψ).
+
+    python diagnose.py --tasks data/train.jsonl --rollouts runs/x/round_000/rollouts.jsonl \
+        --out runs/x/round_000/diagnoses.jsonl
+
+For every rollout record, replays the trajectory against the ground truth turn
+by turn with bfcl-eval's executor and official checks (common/replay.py), and
+writes one diagnosis record (DESIGN §3) per trajectory, in input order: the
+reward (the official multi_turn_checker verdict, 1 solved else 0), the official
+error type and turn, a label and a one-line evidence string for every turn
+(rules: common/taxonomy.py) and the profile p_j (fraction of turns per label,
+all labels). Prints reward and label mix per category and the commonest failure evidence.
+"""
+
+import argparse
+import collections
+import sys
+
+from tqdm import tqdm
+
+from common import bfcl, taxonomy
+from common.jsonl import RecordError, read_jsonl, write_jsonl
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--tasks", required=True, help="task file (data/train.jsonl or data/heldin.jsonl)")
+parser.add_argument("--rollouts", required=True, help="rollout records (JSONL)")
+parser.add_argument("--out", required=True, help="diagnosis records (JSONL)")
+parser.add_argument("--top", type=int, default=10, help="how many of the commonest evidence strings to print")
+
+# The rollout fields this stage reads; within each turn: steps[].calls and steps[].parse_error.
+ROLLOUT_FIELDS = ["task_id", "category", "sample_index", "round", "turns"]
+
+
+def diagnose_file(tasks, path):
+    """Diagnosis records for every rollout of `path`; stops at the first bad record."""
+    rollouts = read_jsonl(path, required=ROLLOUT_FIELDS)
+    out = []
+    for r in tqdm(rollouts, desc="diagnose", unit="traj"):
+        where = f"{path}:{r['_line']}"
+        task = tasks.get(r["task_id"])
+        if task is None:
+            raise RecordError(f"{where}: unknown task id {r['task_id']!r}")
+        if r["category"] != task["category"]:
+            raise RecordError(f"{where}: category {r['category']!r} but task {task['id']} is {task['category']!r}")
+        try:
+            out.append(taxonomy.diagnose(task, r))
+        except RecordError as e:
+            raise RecordError(f"{where}: {e}") from None
+    return out
+
+
+def print_summary(records, top):
+    cats = [c for c in bfcl.CATEGORIES if any(r["category"] == c for r in records)]
+    turns = {c: collections.Counter() for c in cats}
+    for r in records:
+        turns[r["category"]].update(r["turn_labels"])
+    total = sum(turns.values(), collections.Counter())
+
+    print(f"\n{len(records)} trajectories, {sum(total.values())} turns")
+    print(f"{'':>20}" + "".join(f"{c:>14}" for c in cats + ["all"]))
+    rewards = [[r["reward"] for r in records if r["category"] == c] for c in cats]
+    rewards.append([r["reward"] for r in records])
+    print(f"{'reward mean':>20}" + "".join(f"{sum(x) / len(x):>14.3f}" for x in rewards))
+    print("label share of turns:")
+    for z in taxonomy.LABELS:
+        shares = [turns[c][z] / max(1, sum(turns[c].values())) for c in cats] + [total[z] / max(1, sum(total.values()))]
+        print(f"{z:>20}" + "".join(f"{s:>14.3f}" for s in shares))
+    common = collections.Counter((z, e) for r in records for z, e in zip(r["turn_labels"], r["evidence"], strict=True)
+                                 if z not in ("pass", "correct_abstention"))
+    print(f"commonest failure evidence (of {len(common)} distinct):")
+    # Ties broken by text, so the summary is as deterministic as the output file.
+    for (z, e), n in sorted(common.items(), key=lambda kv: (-kv[1], kv[0]))[:top]:
+        print(f"{n:>8}  {z:<18} {e}")
+
+
+def main(args):
+    tasks = bfcl.load_tasks(args.tasks)
+    records = diagnose_file(tasks, args.rollouts)
+    write_jsonl(args.out, records)
+    if records:
+        print_summary(records, args.top)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    try:
+        main(parser.parse_args())
+    except RecordError as e:
+        sys.exit(f"error: {e}")
