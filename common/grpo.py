@@ -1,0 +1,414 @@
+"""Diagnosis-guided GRPO: the numbers (advantages, SEAL weight, per-token loss) and the
+batching that feeds them to a causal LM.
+
+The SEAL weight of trajectory j (DESIGN §6):
+
+    w_j = clip( Σ_z p_j(z) · ρ(z), 0.5, 2.0 )        -> diagnosis_weight()
+
+where p_j(z) is the fraction of j's user turns labelled z and ρ(z) the utility of label z
+(default table: common.taxonomy.RHO). The advantage every model token of j receives is
+
+    Ã_j = w_j · A_j,   A_j = (r_j − mean(r_group)) / (std(r_group) + 1e-6)   -> group_advantages()
+
+and the per-token loss is the PPO clipped surrogate plus a k3 KL penalty to the reference
+policy, averaged over all model tokens of the mini-batch (token-mean) -> token_loss().
+
+Token alignment: a trajectory is one sequence `prompt_ids + ids`; the logits at position t
+predict the token at t+1, so the log-probability of ids[i] (sequence position P+i, P the
+prompt length) comes from the logits at position P+i-1. Only ids with mask 1 (tokens the
+model generated) carry loss; prompt, cue and tool-response tokens are context only.
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from common.jsonl import RecordError, read_json
+from common.taxonomy import RHO
+
+WEIGHT_MIN, WEIGHT_MAX = 0.5, 2.0
+ADV_EPS = 1e-6
+
+
+# ---------------------------------------------------------------- advantages and weights
+
+
+def group_advantages(group_ids, rewards, eps=ADV_EPS):
+    """A_j = (r_j - mean) / (std + eps) within each group; returns (advantages, zero-variance group ids).
+
+    std is the population standard deviation (divide by n, not n-1). verl's GRPO uses the
+    unbiased one; the two differ by a constant sqrt(n/(n-1)) per group size (1.07 for n=8).
+    Groups whose rewards are all equal get A = 0 exactly: they carry no learning signal.
+    """
+    groups = {}
+    for j, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(j)
+    adv = [0.0] * len(rewards)
+    zero_var = []
+    for g, members in groups.items():
+        rs = [float(rewards[j]) for j in members]
+        if max(rs) == min(rs):
+            zero_var.append(g)
+            continue
+        mean = sum(rs) / len(rs)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs))
+        for j, r in zip(members, rs, strict=True):
+            adv[j] = (r - mean) / (std + eps)
+    return adv, zero_var
+
+
+def diagnosis_weight(profile, rho, lo=WEIGHT_MIN, hi=WEIGHT_MAX):
+    """SEAL weight w = clip(Σ_z p(z)·ρ(z), lo, hi) of one trajectory's label profile {label: fraction}."""
+    unknown = sorted(z for z in profile if z not in rho)
+    if unknown:
+        raise KeyError(f"unknown label(s) {', '.join(unknown)} (ρ knows {', '.join(sorted(rho))})")
+    s = sum(float(p) * float(rho[z]) for z, p in profile.items())
+    return min(max(s, lo), hi)
+
+
+def load_rho(interface_path=None, rho_path=None):
+    """The utility table ρ: the interface file's "rho" if it has one, else the JSON object in
+    `rho_path`, else the default common.taxonomy.RHO."""
+    path, rho = rho_path, RHO
+    if interface_path:
+        path, interface = interface_path, read_json(interface_path)
+        if not isinstance(interface, dict):
+            raise RecordError(f"{path}: expected a JSON object")
+        rho = interface["rho"] if interface.get("rho") is not None else RHO
+    elif rho_path:
+        rho = read_json(rho_path)
+    if not isinstance(rho, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in rho.values()
+    ):
+        raise RecordError(f"{path}: ρ must be a JSON object mapping labels to numbers")
+    return rho
+
+
+# ---------------------------------------------------------------- per-token loss
+
+
+def token_logprobs(logits, targets):
+    """log p(targets) under logits, both already aligned: logits[..., t, :] scores targets[..., t]."""
+    # cross_entropy is the fused log_softmax + gather: about twice as fast as
+    # gather - logsumexp in forward + backward
+    if logits.dtype in (torch.float32, torch.float64):
+        return -F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view(
+            targets.shape
+        )
+    # bf16 logits: upcast one sequence at a time; a float32 copy of the whole (B, T, V)
+    # block would be the largest tensor of the step for a 150k vocabulary
+    rows = [
+        -F.cross_entropy(row.float(), t, reduction="none") for row, t in zip(logits, targets, strict=True)
+    ]
+    return torch.stack(rows)
+
+
+def kl_k3(logp, ref_logp):
+    """Low-variance KL estimate per token, k3 = exp(ref - new) - (ref - new) - 1 (>= 0, unbiased)."""
+    # bounded as in verl: one token the policy has pushed far below the reference must not
+    # dominate the loss (and exp must not overflow into inf·0 = nan gradients)
+    d = torch.clamp(ref_logp - logp, -20.0, 20.0)
+    return torch.clamp(torch.exp(d) - d - 1, max=10.0)
+
+
+def clipped_surrogate(logp, old_logp, adv, clip=0.2):
+    """Per-token PPO loss -min(ratio·A, clip(ratio, 1-c, 1+c)·A) and where the clipped branch is the one used."""
+    # the log-ratio is bounded so that a token the policy has moved far from cannot overflow exp
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def token_loss(logp, old_logp, ref_logp, adv, mask, norm, clip=0.2, kl_coef=0.0):
+    """Σ over model tokens of (surrogate + kl_coef·k3), divided by `norm`; plus detached sums for logging.
+
+    `norm` is the model-token count of the whole mini-batch on all processes (token-mean),
+    so that summing micro-batch losses reproduces the mini-batch mean whatever the split.
+    """
+    pg, clipped = clipped_surrogate(logp, old_logp, adv, clip)
+    per_token = pg
+    kl = None
+    if kl_coef > 0:
+        kl = kl_k3(logp, ref_logp)
+        per_token = pg + kl_coef * kl
+    # torch.where rather than a product: a masked-out position may hold inf/nan (padding)
+    loss = torch.where(mask, per_token, 0.0).sum() / norm
+    stats = {
+        "pg_sum": torch.where(mask, pg, 0.0).sum().item(),
+        "kl_sum": torch.where(mask, kl, 0.0).sum().item() if kl is not None else 0.0,
+        "clip_count": (clipped & mask).sum().item(),
+        "tokens": mask.sum().item(),
+    }
+    return loss, stats
+
+
+# ---------------------------------------------------------------- trajectories
+
+
+@dataclass
+class Trajectory:
+    """One rollout joined with its diagnosis, as the trainer needs it."""
+
+    task_id: str
+    sample_index: int
+    prompt_ids: list
+    ids: list
+    mask: list
+    engine_logprobs: list
+    reward: float
+    weight: float
+    advantage: float = 0.0  # A_j; the trained advantage is weight * advantage
+    old_logprobs: torch.Tensor | None = field(default=None, repr=False)  # aligned with ids
+    ref_logprobs: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def length(self):
+        return len(self.prompt_ids) + len(self.ids)
+
+    @property
+    def model_tokens(self):
+        return sum(self.mask)
+
+
+def _check_tokens(tokens, where):
+    if not isinstance(tokens, dict):
+        raise RecordError(f"{where}: tokens must be an object")
+    for k in ("prompt_ids", "ids", "mask", "logprobs"):
+        if not isinstance(tokens.get(k), list):
+            raise RecordError(f"{where}: tokens.{k} missing or not a list")
+    n = len(tokens["ids"])
+    for k in ("mask", "logprobs"):
+        if len(tokens[k]) != n:
+            raise RecordError(f"{where}: tokens.{k} has {len(tokens[k])} entries, tokens.ids has {n}")
+    if not tokens["prompt_ids"]:
+        raise RecordError(f"{where}: tokens.prompt_ids is empty (the first id has no logits to score it)")
+    for k in ("prompt_ids", "ids"):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens[k]):
+            raise RecordError(f"{where}: tokens.{k} must hold non-negative integers")
+    if not all(m in (0, 1) for m in tokens["mask"]):
+        raise RecordError(f"{where}: tokens.mask must hold 0 or 1")
+    if not all(lp is None or isinstance(lp, (int, float)) for lp in tokens["logprobs"]):
+        raise RecordError(f"{where}: tokens.logprobs must hold numbers or null")
+
+
+def _key(rec, where):
+    tid, idx = rec["task_id"], rec["sample_index"]
+    if not isinstance(tid, str) or not isinstance(idx, int) or isinstance(idx, bool):
+        raise RecordError(f"{where}: task_id must be a string and sample_index an integer")
+    return tid, idx
+
+
+def join_trajectories(
+    rollouts, diagnoses, rho, reweight=True, rollouts_path="rollouts", diagnoses_path="diagnoses"
+):
+    """Trajectories from rollout and diagnosis records (as read_jsonl returns them) joined on
+    (task_id, sample_index), with weights and group advantages filled in.
+
+    Every profile label must be in `rho`, also when `reweight` is off (then w = 1, which is
+    ρ ≡ 1 for a profile whose fractions sum to one). Raises RecordError naming file:line.
+    """
+    diag_by_key = {}
+    for d in diagnoses:
+        where = f"{diagnoses_path}:{d.get('_line', '?')}"
+        key = _key(d, where)
+        if key in diag_by_key:
+            raise RecordError(f"{where}: second diagnosis for task {key[0]} sample {key[1]}")
+        reward = d["reward"]
+        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+            raise RecordError(f"{where}: reward must be a number")
+        profile = d["profile"]
+        if not isinstance(profile, dict) or not all(
+            isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1 for p in profile.values()
+        ):
+            raise RecordError(f"{where}: profile must map labels to fractions in [0, 1]")
+        try:
+            weight = diagnosis_weight(profile, rho)
+        except KeyError as e:
+            raise RecordError(f"{where}: {e.args[0]}") from None
+        diag_by_key[key] = (d, weight if reweight else 1.0)
+
+    trajectories, seen = [], set()
+    for r in rollouts:
+        where = f"{rollouts_path}:{r.get('_line', '?')}"
+        key = _key(r, where)
+        if key in seen:
+            raise RecordError(f"{where}: second rollout for task {key[0]} sample {key[1]}")
+        seen.add(key)
+        if key not in diag_by_key:
+            raise RecordError(f"{where}: no diagnosis for task {key[0]} sample {key[1]} in {diagnoses_path}")
+        _check_tokens(r["tokens"], where)
+        d, weight = diag_by_key[key]
+        t = r["tokens"]
+        trajectories.append(
+            Trajectory(
+                task_id=key[0],
+                sample_index=key[1],
+                prompt_ids=t["prompt_ids"],
+                ids=t["ids"],
+                mask=t["mask"],
+                engine_logprobs=t["logprobs"],
+                reward=float(d["reward"]),
+                weight=weight,
+            )
+        )
+    for key, (d, _) in diag_by_key.items():
+        if key not in seen:
+            raise RecordError(
+                f"{diagnoses_path}:{d.get('_line', '?')}: no rollout for task {key[0]} sample {key[1]} in {rollouts_path}"
+            )
+
+    adv, _ = group_advantages([t.task_id for t in trajectories], [t.reward for t in trajectories])
+    for t, a in zip(trajectories, adv, strict=True):
+        t.advantage = a
+    return trajectories
+
+
+# ---------------------------------------------------------------- batching
+
+
+def plan_micro_batches(lengths, num_processes, max_tokens, group_by_length=True):
+    """Split one mini-batch (sequence lengths) over processes and into micro-batches.
+
+    Returns, per process, a list of micro-batches (lists of indices into `lengths`). A
+    micro-batch holds as many sequences as fit in `max_tokens` once padded to its longest
+    (a longer sequence goes alone). Every process gets the same number of micro-batches,
+    padded with empty ones: FSDP and ZeRO-3 gather parameters in every forward, so all
+    processes must run the same number of them. With `group_by_length`, sequences are
+    sorted by length so that each micro-batch pads little.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    shards, load = [[] for _ in range(num_processes)], [0] * num_processes
+    for i in order:  # longest first onto the least-loaded process balances the work
+        p = min(range(num_processes), key=lambda q: (load[q], q))
+        shards[p].append(i)
+        load[p] += lengths[i]
+    plans = []
+    for shard in shards:
+        items = shard if group_by_length else sorted(shard)
+        mbs, cur, cur_max = [], [], 0
+        for i in items:
+            new_max = max(cur_max, lengths[i])
+            if cur and new_max * (len(cur) + 1) > max_tokens:
+                mbs.append(cur)
+                cur, new_max = [], lengths[i]
+            cur.append(i)
+            cur_max = new_max
+        if cur:
+            mbs.append(cur)
+        plans.append(mbs)
+    most = max(len(p) for p in plans)
+    for p in plans:
+        p.extend([] for _ in range(most - len(p)))
+    return plans
+
+
+def padding_share(lengths, micro_batches):
+    """Share of padded positions over all positions the micro-batches compute."""
+    real = sum(lengths[i] for mb in micro_batches for i in mb)
+    padded = sum(len(mb) * max(lengths[i] for i in mb) for mb in micro_batches if mb)
+    return (padded - real) / padded if padded else 0.0
+
+
+def collate(trajs, device):
+    """Right-padded batch tensors for a micro-batch of trajectories.
+
+    Per-token tensors cover sequence positions off..T-1 (off = shortest prompt), the only
+    positions whose tokens can carry loss; `off` lets the forward pass compute logits for
+    those positions only.
+    """
+    T = max(t.length for t in trajs)
+    off = min(len(t.prompt_ids) for t in trajs)
+    B, W = len(trajs), T - off
+    input_ids = torch.zeros(B, T, dtype=torch.long)
+    attention = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, W, dtype=torch.bool)
+    adv = torch.zeros(B, W)
+    old = torch.zeros(B, W)
+    ref = torch.zeros(B, W)
+    for b, t in enumerate(trajs):
+        P, n = len(t.prompt_ids), len(t.ids)
+        input_ids[b, : P + n] = torch.tensor(t.prompt_ids + t.ids)
+        attention[b, : P + n] = 1
+        s = slice(P - off, P - off + n)
+        mask[b, s] = torch.tensor(t.mask, dtype=torch.bool)
+        adv[b, s] = t.weight * t.advantage
+        if t.old_logprobs is not None:
+            old[b, s] = t.old_logprobs
+        if t.ref_logprobs is not None:
+            ref[b, s] = t.ref_logprobs
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "mask": mask,
+        "adv": adv,
+        "old": old,
+        "ref": ref,
+    }
+    return {k: v.to(device) for k, v in batch.items()} | {"off": off}
+
+
+def sequence_logprobs(model, input_ids, attention_mask, off):
+    """log p of each token at positions off..T-1 given its prefix: shape (B, T - off).
+
+    The logits at position t score the token at t+1, so positions off-1..T-2 are needed;
+    `logits_to_keep` makes the model run its output layer on those only (the prompt,
+    most of a BFCL sequence, never needs a vocabulary projection).
+    """
+    T = input_ids.shape[1]
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T - off + 1, use_cache=False
+    )
+    return token_logprobs(out.logits[:, :-1], input_ids[:, off:])
+
+
+def _dummy_forward(model, device):
+    # a process with nothing to do in this micro-batch slot still runs the model, so that the
+    # collectives of FSDP/ZeRO-3 (in forward) and of DDP (in backward) line up on every process
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.sum() * 0.0
+
+
+@torch.no_grad()
+def score_trajectories(model, micro_batches, device, attr):
+    """Set `attr` (old_logprobs or ref_logprobs) of each trajectory to its log-probs over ids."""
+    for mb in micro_batches:
+        if not mb:
+            _dummy_forward(model, device)
+            continue
+        b = collate(mb, device)
+        lp = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["off"]).float().cpu()
+        for row, t in zip(lp, mb, strict=True):
+            s = len(t.prompt_ids) - b["off"]
+            setattr(t, attr, row[s : s + len(t.ids)].clone())
+
+
+def accumulate_gradients(model, accelerator, micro_batches, norm, clip=0.2, kl_coef=0.0):
+    """Forward and backward over this process's micro-batches of one mini-batch; returns summed stats.
+
+    `norm` is the model-token count of the whole mini-batch over all processes. The loss is
+    multiplied by the process count because DDP/FSDP/ZeRO average gradients over processes:
+    the synced gradient is then Σ_all tokens ∇loss / norm, the same as on one process.
+    Gradients are synced once, in the last micro-batch's backward.
+    """
+    totals = {"pg_sum": 0.0, "kl_sum": 0.0, "clip_count": 0, "tokens": 0}
+    for k, mb in enumerate(micro_batches):
+        last = k == len(micro_batches) - 1
+        # DeepSpeed reads this flag in backward to mark the accumulation boundary
+        accelerator.sync_gradients = last
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            if not mb:
+                accelerator.backward(_dummy_forward(model, accelerator.device))
+                continue
+            b = collate(mb, accelerator.device)
+            logp = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["off"]).float()
+            loss, stats = token_loss(
+                logp, b["old"], b["ref"], b["adv"], b["mask"], max(norm, 1), clip, kl_coef
+            )
+            accelerator.backward(loss * accelerator.num_processes)
+        for key in totals:
+            totals[key] += stats[key]
+    return totals

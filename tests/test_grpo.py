@@ -1,0 +1,344 @@
+"""The numbers of common/grpo.py on hand-computed examples: group advantages (population std,
+zero-variance groups), the SEAL weight and its clip, the clipped surrogate, the k3 KL, the
+logits-to-token shift, loss masking (checked through gradients), token-mean normalisation,
+micro-batch planning, and the join of rollouts with diagnoses.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from common.grpo import (
+    ADV_EPS,
+    clipped_surrogate,
+    collate,
+    diagnosis_weight,
+    group_advantages,
+    join_trajectories,
+    kl_k3,
+    load_rho,
+    padding_share,
+    plan_micro_batches,
+    sequence_logprobs,
+    token_logprobs,
+    token_loss,
+)
+from common.jsonl import RecordError, read_jsonl
+from common.taxonomy import RHO
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_group_advantages_population_std():
+    adv, zero = group_advantages(["a"] * 4 + ["b"] * 4, [1, 0, 0, 1, 0, 0, 0, 1])
+    # a: mean 0.5, std 0.5
+    assert adv[:4] == pytest.approx([x * 0.5 / (0.5 + ADV_EPS) for x in (1, -1, -1, 1)], rel=1e-9)
+    # b: mean 0.25, population std sqrt(3/16) = 0.4330 (the unbiased one, 0.5, would give 1.5 and -0.5)
+    std = math.sqrt(3 / 16)
+    assert adv[7] == pytest.approx(0.75 / (std + ADV_EPS)) and adv[7] == pytest.approx(1.7320508, rel=1e-5)
+    assert adv[4] == pytest.approx(-0.25 / (std + ADV_EPS)) and adv[4] == pytest.approx(-0.5773503, rel=1e-5)
+    assert sum(adv[4:]) == pytest.approx(0, abs=1e-9)
+    assert zero == []
+
+
+def test_zero_variance_groups_give_zero_advantage():
+    adv, zero = group_advantages(["a", "a", "b", "b", "c", "c", "d"], [1, 1, 0, 0, 0, 1, 1])
+    assert adv[:4] == [0.0] * 4 and adv[6] == 0.0  # all-solved, all-failed, single sample
+    assert sorted(zero) == ["a", "b", "d"]
+    assert adv[4] == pytest.approx(-1, rel=1e-5) and adv[5] == pytest.approx(1, rel=1e-5)
+
+
+# ---------------------------------------------------------------- SEAL weight
+
+
+def test_default_rho_table():
+    assert RHO == {
+        "invalid_tool_call": 2.0, "correct_abstention": 1.8, "missing_tool_call": 1.5, "argument_mismatch": 1.2,
+        "recovery_failure": 1.2, "state_mismatch": 1.0, "pass": 1.0, "response_mismatch": 0.9,
+    }  # fmt: skip
+
+
+def test_diagnosis_weight_mix_and_clip():
+    # 0.5·1.0 + 0.25·2.0 + 0.25·1.5 = 1.375
+    assert diagnosis_weight({"pass": 0.5, "invalid_tool_call": 0.25, "missing_tool_call": 0.25}, RHO) == 1.375
+    assert diagnosis_weight({"response_mismatch": 1.0}, RHO) == pytest.approx(0.9)
+    assert diagnosis_weight({"invalid_tool_call": 1.0}, RHO) == 2.0  # exactly on the upper bound
+    rho = {"big": 3.0, "small": 0.2, "mid": 1.0}
+    assert diagnosis_weight({"big": 1.0}, rho) == 2.0  # 3.0 clipped down
+    assert diagnosis_weight({"big": 0.5, "mid": 0.5}, rho) == 2.0  # 2.0 stays
+    assert diagnosis_weight({"big": 0.4, "mid": 0.6}, rho) == pytest.approx(1.8)
+    assert diagnosis_weight({"small": 1.0}, rho) == 0.5  # 0.2 clipped up
+    assert diagnosis_weight({"small": 0.5, "mid": 0.5}, rho) == pytest.approx(0.6)
+    with pytest.raises(KeyError, match="unknown label"):
+        diagnosis_weight({"pass": 0.5, "made_up": 0.5}, RHO)
+
+
+def test_load_rho(tmp_path):
+    custom = {"pass": 1.0, "invalid_tool_call": 3.0}
+    (tmp_path / "with.json").write_text(json.dumps({"version": 1, "rho": custom}))
+    (tmp_path / "without.json").write_text(json.dumps({"version": 1}))
+    (tmp_path / "rho.json").write_text(json.dumps(custom))
+    (tmp_path / "bad.json").write_text(json.dumps({"pass": "high"}))
+    assert load_rho(str(tmp_path / "with.json")) == custom
+    assert load_rho(str(tmp_path / "without.json")) == RHO
+    assert load_rho(rho_path=str(tmp_path / "rho.json")) == custom
+    assert load_rho() == RHO
+    with pytest.raises(RecordError, match=r"bad\.json: ρ must be"):
+        load_rho(rho_path=str(tmp_path / "bad.json"))
+    with pytest.raises(RecordError, match="no such file"):
+        load_rho(str(tmp_path / "missing.json"))
+
+
+# ---------------------------------------------------------------- per-token loss
+
+
+@pytest.mark.parametrize(
+    "ratio, adv, loss, clipped, grad",
+    [
+        (1.5, 1.0, -1.2, True, 0.0),  # A > 0, ratio above 1 + c: capped, no gradient
+        (0.5, 1.0, -0.5, False, -0.5),  # A > 0, ratio below 1 - c: unclipped (pessimistic min)
+        (0.5, -1.0, 0.8, True, 0.0),  # A < 0, ratio below 1 - c: capped, no gradient
+        (1.5, -1.0, 1.5, False, 1.5),  # A < 0, ratio above 1 + c: unclipped
+        (1.1, 2.0, -2.2, False, -2.2),  # inside the band
+    ],
+)
+def test_clipped_surrogate(ratio, adv, loss, clipped, grad):
+    logp = torch.tensor([math.log(ratio)], requires_grad=True)
+    value, was_clipped = clipped_surrogate(logp, torch.zeros(1), torch.tensor([adv]), clip=0.2)
+    value.sum().backward()
+    assert value.item() == pytest.approx(loss, rel=1e-6)
+    assert was_clipped.item() is clipped
+    # d/dlogp of -A·ratio is -A·ratio
+    assert logp.grad.item() == pytest.approx(grad, rel=1e-6, abs=1e-12)
+
+
+def test_kl_k3_value_and_gradient():
+    new = torch.tensor([math.log(0.5), math.log(0.3), -100.0], requires_grad=True)
+    ref = torch.tensor([math.log(0.25), math.log(0.3), math.log(0.9)])
+    k = kl_k3(new, ref)
+    # d = ref - new = ln 0.5: exp(d) - d - 1 = 0.5 + ln 2 - 1
+    assert k[0].item() == pytest.approx(0.5 + math.log(2) - 1, rel=1e-6)
+    assert k[1].item() == 0.0
+    assert k[2].item() == 10.0  # a token the policy has all but ruled out: bounded
+    k.sum().backward()
+    # d k3 / d new = 1 - exp(ref - new): 0.5 above, 0 where the policies agree or at the bound
+    assert new.grad.tolist() == pytest.approx([0.5, 0.0, 0.0], abs=1e-7)
+
+
+def test_token_loss_is_token_mean_across_sequences():
+    """Two sequences with 1 and 3 model tokens: the loss is the mean over the 4 tokens, not
+    the mean of the two per-sequence means."""
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    adv = torch.tensor([[4.0, 4.0, 4.0], [1.0, 1.0, 1.0]])
+    zeros = torch.zeros(2, 3)
+    loss, stats = token_loss(zeros, zeros, zeros, adv, mask, norm=4, clip=0.2, kl_coef=0.0)
+    assert loss.item() == pytest.approx(-(4 + 1 + 1 + 1) / 4)  # not -(4 + 1) / 2
+    assert stats["tokens"] == 4 and stats["pg_sum"] == pytest.approx(-7)
+    # split in micro-batches normalised by the mini-batch count, the pieces add up to the same
+    a, _ = token_loss(zeros[:1], zeros[:1], zeros[:1], adv[:1], mask[:1], norm=4)
+    b, _ = token_loss(zeros[1:], zeros[1:], zeros[1:], adv[1:], mask[1:], norm=4)
+    assert (a + b).item() == pytest.approx(loss.item())
+
+
+def test_token_loss_ignores_non_finite_values_at_masked_positions():
+    mask = torch.tensor([[True, False]])
+    logp = torch.tensor([[0.0, float("inf")]], requires_grad=True)
+    loss, _ = token_loss(
+        logp, torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), mask, norm=1, kl_coef=0.1
+    )
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and logp.grad[0, 1] == 0
+
+
+# ---------------------------------------------------------------- token alignment and masking
+
+
+def test_token_logprobs_against_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    targets = torch.randint(0, 11, (2, 5))
+    expect = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    assert torch.allclose(token_logprobs(logits, targets), expect, atol=1e-6)
+    # the bf16 path upcasts per sequence and agrees up to bf16 rounding of the logits
+    assert torch.allclose(token_logprobs(logits.bfloat16(), targets), expect, atol=0.05)
+
+
+class LeafLogitsModel:
+    """Stands in for a causal LM: its logits are a leaf tensor, so the test can read the
+    gradient the loss sends to each position's logits."""
+
+    def __init__(self, batch, length, vocab):
+        self.logits = torch.zeros(batch, length, vocab, requires_grad=True)
+
+    def __call__(self, input_ids, attention_mask, logits_to_keep, use_cache):
+        class Out:
+            pass
+
+        out = Out()
+        out.logits = self.logits[:, -logits_to_keep:]
+        return out
+
+
+def traj(prompt, ids, mask, adv=1.0, weight=1.0):
+    from common.grpo import Trajectory
+
+    return Trajectory("t", 0, prompt, ids, mask, [None] * len(ids), 1.0, weight, adv)
+
+
+def test_shift_and_mask_through_gradients():
+    """Loss flows only into the logits at position P+i-1 for each model token ids[i]
+    (mask 1), and only towards that token: prompt, cue/tool-response tokens (mask 0) and
+    padding get exactly zero gradient."""
+    a = traj([5, 6, 7], [1, 2, 3, 4, 8], [1, 0, 0, 1, 1])  # P = 3
+    b = traj([5, 6], [9, 3], [1, 1])  # P = 2, shorter: right-padded
+    batch = collate([a, b], "cpu")
+    T = batch["input_ids"].shape[1]
+    assert T == 8 and batch["off"] == 2
+    model = LeafLogitsModel(2, T, 12)
+    logp = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["off"])
+    loss, _ = token_loss(logp, batch["old"], batch["ref"], batch["adv"], batch["mask"], norm=5)
+    loss.backward()
+    grad = model.logits.grad
+    touched = {(r, p) for r, p in (grad.abs().sum(-1) > 0).nonzero().tolist()}
+    # row a: model tokens ids[0], ids[3], ids[4] sit at positions 3, 6, 7 -> logits 2, 5, 6
+    # row b: ids[0], ids[1] at positions 2, 3 -> logits 1, 2
+    assert touched == {(0, 2), (0, 5), (0, 6), (1, 1), (1, 2)}
+    # at each such position the push is towards the target token (softmax gradient: -(1 - p))
+    for r, p, tok in [(0, 2, 1), (0, 5, 4), (0, 6, 8), (1, 1, 9), (1, 2, 3)]:
+        assert grad[r, p].argmin().item() == tok
+
+
+def test_sequence_logprobs_matches_unpadded_full_forward():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(cfg).eval()
+    trajs = [traj([3, 4, 5, 6], [7, 8, 9], [1, 0, 1]), traj([10, 11], [12, 13, 14, 15, 16], [1, 1, 0, 0, 1])]
+    batch = collate(trajs, "cpu")
+    with torch.no_grad():
+        lp = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["off"])
+        for row, t in zip(lp, trajs, strict=True):
+            seq = torch.tensor([t.prompt_ids + t.ids])
+            full = torch.log_softmax(model(seq).logits[0], -1)
+            P = len(t.prompt_ids)
+            # the logits at position P+i-1 score ids[i]
+            expect = torch.stack([full[P + i - 1, tok] for i, tok in enumerate(t.ids)])
+            s = P - batch["off"]
+            assert torch.allclose(row[s : s + len(t.ids)], expect, atol=1e-5)
+
+
+# ---------------------------------------------------------------- planning
+
+
+def test_plan_micro_batches():
+    lengths = [90, 30, 30, 30, 10, 50]
+    plans = plan_micro_batches(lengths, 2, max_tokens=100)
+    assert len(plans[0]) == len(plans[1])  # same number of forwards on each process
+    flat = sorted(i for plan in plans for mb in plan for i in mb)
+    assert flat == list(range(6))
+    for plan in plans:
+        for mb in plan:
+            assert not mb or len(mb) * max(lengths[i] for i in mb) <= 100 or len(mb) == 1
+    loads = [sum(lengths[i] for mb in plan for i in mb) for plan in plans]
+    assert abs(loads[0] - loads[1]) <= 30
+    # one process: a sequence longer than the budget goes alone; idle slots are padded with []
+    assert plan_micro_batches([150, 20], 1, 100) == [[[0], [1]]]
+    assert plan_micro_batches([90, 30, 30, 30], 2, 60) == [[[0], []], [[1, 2], [3]]]
+
+
+def test_length_grouping_reduces_padding():
+    lengths = [100, 10, 95, 12, 90, 8, 105, 11]
+    grouped = plan_micro_batches(lengths, 1, 220, group_by_length=True)[0]
+    plain = plan_micro_batches(lengths, 1, 220, group_by_length=False)[0]
+    assert padding_share(lengths, grouped) < 0.1 < padding_share(lengths, plain)
+
+
+# ---------------------------------------------------------------- join
+
+
+def write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def rollout(tid, k, ids=(1, 2), mask=(1, 1)):
+    tokens = {"prompt_ids": [3], "ids": list(ids), "mask": list(mask), "logprobs": [-1.0] * len(ids)}
+    return {"task_id": tid, "sample_index": k, "tokens": tokens}
+
+
+def diagnosis(tid, k, reward, profile=None):
+    return {"task_id": tid, "sample_index": k, "reward": reward, "profile": profile or {"pass": 1.0}}
+
+
+def join(tmp_path, rollouts, diagnoses, reweight=True):
+    rp, dp = write(tmp_path / "r.jsonl", rollouts), write(tmp_path / "d.jsonl", diagnoses)
+    return join_trajectories(read_jsonl(rp), read_jsonl(dp), RHO, reweight, rp, dp)
+
+
+def test_join_weights_and_advantages(tmp_path):
+    ts = join(
+        tmp_path,
+        [rollout("a", 1), rollout("a", 0), rollout("b", 0)],
+        [
+            diagnosis("a", 0, 1, {"invalid_tool_call": 0.5, "pass": 0.5}),
+            diagnosis("a", 1, 0),
+            diagnosis("b", 0, 1),
+        ],
+    )
+    assert [(t.task_id, t.sample_index, t.weight) for t in ts] == [
+        ("a", 1, 1.0),
+        ("a", 0, 1.5),
+        ("b", 0, 1.0),
+    ]
+    assert ts[0].advantage == pytest.approx(-1, rel=1e-5) and ts[1].advantage == pytest.approx(1, rel=1e-5)
+    assert ts[2].advantage == 0.0
+    plain = join(
+        tmp_path, [rollout("a", 0)], [diagnosis("a", 0, 1, {"invalid_tool_call": 1.0})], reweight=False
+    )
+    assert plain[0].weight == 1.0
+
+
+@pytest.mark.parametrize(
+    "rollouts, diagnoses, message",
+    [
+        (
+            [rollout("a", 0), rollout("a", 1)],
+            [diagnosis("a", 0, 1)],
+            r"r\.jsonl:2: no diagnosis for task a sample 1",
+        ),
+        (
+            [rollout("a", 0)],
+            [diagnosis("a", 0, 1), diagnosis("a", 3, 0)],
+            r"d\.jsonl:2: no rollout for task a sample 3",
+        ),
+        (
+            [rollout("a", 0)],
+            [diagnosis("a", 0, 1, {"pass": 0.5, "oops": 0.5})],
+            r"d\.jsonl:1: unknown label\(s\) oops",
+        ),
+        ([rollout("a", 0), rollout("a", 0)], [diagnosis("a", 0, 1)], r"r\.jsonl:2: second rollout"),
+        ([rollout("a", 0, ids=(1, 2), mask=(1,))], [diagnosis("a", 0, 1)], r"r\.jsonl:1: tokens\.mask has 1"),
+        (
+            [rollout("a", 0, mask=(1, 2))],
+            [diagnosis("a", 0, 1)],
+            r"r\.jsonl:1: tokens\.mask must hold 0 or 1",
+        ),
+        ([rollout("a", 0)], [diagnosis("a", 0, "yes")], r"d\.jsonl:1: reward must be a number"),
+    ],
+)
+def test_join_errors_name_file_and_line(tmp_path, rollouts, diagnoses, message):
+    with pytest.raises(RecordError, match=message):
+        join(tmp_path, rollouts, diagnoses)
+
+
+def test_bad_json_line_names_file_and_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(rollout("a", 0)) + "\n{not json\n")
+    with pytest.raises(RecordError, match=r"r\.jsonl:2: not valid JSON"):
+        read_jsonl(str(path), required=["task_id", "sample_index", "tokens"])

@@ -1,0 +1,255 @@
+"""train_grpo.py end to end on a tiny random Qwen2 (built here, no hub): it learns in the
+direction of the weighted advantage, --no-reweight changes the update by exactly w,
+2 DDP processes on CPU give the 1-process update, LoRA adapters save/load/continue, and
+bad input stops with file:line and no output.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.grpo import collate, join_trajectories, sequence_logprobs
+from common.jsonl import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "train_grpo.py")
+ENV = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+# task -> rewards of its 4 samples; t2 has no variance and must be left out of the update
+REWARDS = {"t0": [1, 0, 0, 1], "t1": [0, 0, 0, 1], "t2": [0, 0, 0, 0], "t3": [1, 1, 0, 1]}
+# every turn carries this label, so w_j = ρ(label) for all j; the weighted run takes ρ from an
+# interface file that sets it to 1.6 (the default table says 1.5)
+LABEL, W = "missing_tool_call", 1.6
+COMMON = ["--lr", "1e-3", "--mini-batch-tasks", "2", "--max-tokens-per-micro-batch", "100", "--cpu"]
+
+
+def make_data(folder, rewards=REWARDS, seed=0):
+    """Rollout and diagnosis files in the DESIGN §3 format: a task prompt shared by its samples,
+    then model tokens (mask 1), a tool response (mask 0), model tokens again."""
+    rng = random.Random(seed)
+    rollouts, diagnoses = [], []
+    for tid, rs in rewards.items():
+        prompt = [rng.randrange(512) for _ in range(rng.randint(14, 24))]
+        for k, r in enumerate(rs):
+            parts = [(rng.randint(4, 10), 1), (rng.randint(3, 8), 0), (rng.randint(3, 8), 1)]
+            if (tid, k) == ("t1", 0):  # a long tool response: with 2 processes one gets an idle micro-batch
+                parts[1] = (40, 0)
+            ids = [rng.randrange(512) for n, _ in parts for _ in range(n)]
+            mask = [m for n, m in parts for _ in range(n)]
+            logprobs = [-rng.uniform(5, 7) if m else None for m in mask]
+            rollouts.append({
+                "task_id": tid, "category": "base", "sample_index": k, "round": 0, "policy": "p0",
+                "interface_version": 0, "turns": [], "stop": "done",
+                "tokens": {"prompt_ids": prompt, "ids": ids, "mask": mask, "logprobs": logprobs},
+                "stats": {"gen_tokens": sum(mask), "cue_tokens": 0, "seconds": 0.1},
+            })  # fmt: skip
+            diagnoses.append({
+                "task_id": tid, "sample_index": k, "round": 0, "reward": r,
+                "official": {"valid": bool(r), "error_type": None, "turn": None},
+                "turn_labels": [LABEL], "evidence": [""], "profile": {LABEL: 1.0},
+            })  # fmt: skip
+    os.makedirs(folder, exist_ok=True)
+    paths = {}
+    for name, recs in (("rollouts", rollouts), ("diagnoses", diagnoses)):
+        paths[name] = os.path.join(folder, f"{name}.jsonl")
+        with open(paths[name], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in recs)
+    return paths["rollouts"], paths["diagnoses"]
+
+
+def run_train(model, rollouts, diagnoses, out, *extra, launcher=()):
+    cmd = [*launcher, SCRIPT] if launcher else [sys.executable, SCRIPT]
+    cmd += ["--model", model, "--rollouts", rollouts, "--diagnoses", diagnoses, "--out", out, *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def metrics_of(out):
+    return read_jsonl(os.path.join(os.path.dirname(out), "train_metrics.jsonl"))
+
+
+def load(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def mean_logprobs(model, trajectories):
+    """Mean log-prob over each trajectory's model tokens (mask 1)."""
+    out = []
+    with torch.no_grad():
+        for t in trajectories:
+            b = collate([t], "cpu")
+            lp = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["off"])
+            out.append(lp[b["mask"]].mean().item())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    folder = str(tmp_path_factory.mktemp("tiny") / "model")
+    Qwen2ForCausalLM(cfg).save_pretrained(folder)
+    config = json.load(open(os.path.join(folder, "config.json")))
+    with open(os.path.join(folder, "config.json"), "w") as f:  # as a Qwen checkpoint says
+        json.dump(config | {"dtype": "bfloat16"}, f)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"note": "stands in for the tokenizer files that must travel with the policy"}, f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_data(str(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture(scope="module")
+def weighted_run(tiny, data, tmp_path_factory):
+    """One process, w = 1.5 everywhere, 3 epochs of 2 mini-batches = 6 optimiser steps."""
+    folder = tmp_path_factory.mktemp("weighted")
+    interface = folder / "interface.json"
+    interface.write_text(json.dumps({"version": 0, "round": 0, "rho": {LABEL: W, "pass": 1.0}}))
+    out = str(folder / "policy")
+    ok(run_train(tiny, *data, out, *COMMON, "--epochs", "3", "--interface", str(interface)))
+    return out
+
+
+def test_learns_towards_weighted_advantage(tiny, data, weighted_run):
+    trajs = join_trajectories(read_jsonl(data[0]), read_jsonl(data[1]), {LABEL: W})
+    before = mean_logprobs(load(tiny), trajs)
+    after = mean_logprobs(load(weighted_run), trajs)
+    up = [a - b for a, b, t in zip(after, before, trajs, strict=True) if t.weight * t.advantage > 0]
+    down = [a - b for a, b, t in zip(after, before, trajs, strict=True) if t.weight * t.advantage < 0]
+    assert len(up) == 6 and len(down) == 6
+    assert sum(up) / len(up) > 0.05, up
+    assert sum(down) / len(down) < -0.05, down
+
+    m = metrics_of(weighted_run)
+    assert [r["step"] for r in m] == [1, 2, 3, 4, 5, 6]
+    assert all(r["zero_var_share"] == pytest.approx(0.25) for r in m)  # t2 of 4 groups
+    assert all(r["w_mean"] == pytest.approx(W) and r["w_std"] == pytest.approx(0) for r in m)
+    assert m[0]["clip_frac"] == 0 and m[0]["kl"] == pytest.approx(0, abs=1e-6)  # step 1: policy = old = ref
+    assert m[-1]["clip_frac"] > 0 and m[-1]["kl"] > 0
+    # engine log-probs are made up, about 6 off the tiny model's ~ -ln(512)
+    assert 0 < m[0]["logprob_mismatch"] < 3
+    for key in ("loss", "pg_loss", "grad_norm", "reward_mean", "tokens_per_s", "lr", "model_tokens"):
+        assert key in m[0]
+    # the policy folder is a loadable HF model carrying the tokenizer files of --model; its
+    # weights stay float32 (an lr-1e-6 update would vanish in bf16), its config keeps bf16
+    assert os.path.isfile(os.path.join(weighted_run, "tokenizer_config.json"))
+    assert json.load(open(os.path.join(weighted_run, "config.json")))["dtype"] == "bfloat16"
+    assert {v.dtype for v in load_file(os.path.join(weighted_run, "model.safetensors")).values()} == {
+        torch.float32
+    }
+    assert not any(n.startswith(".tmp-") for n in os.listdir(os.path.dirname(weighted_run)))
+
+
+def test_no_reweight_scales_update_by_w(tiny, data, weighted_run, tmp_path):
+    """Step 1 (same mini-batch, ratio 1, zero KL gradient): every token advantage is divided
+    by w = 1.6, so the pg loss and the gradient (norm before clipping) are divided by 1.6."""
+    out = str(tmp_path / "policy")
+    # gradient checkpointing and a separate reference model (here equal to the input policy)
+    # must not change the update: they ride along to be exercised
+    ok(run_train(tiny, *data, out, *COMMON, "--no-reweight", "--gradient-checkpointing", "--ref-model", tiny))
+    plain, weighted = metrics_of(out)[0], metrics_of(weighted_run)[0]
+    assert plain["w_mean"] == 1.0
+    assert weighted["pg_loss"] == pytest.approx(W * plain["pg_loss"], rel=1e-5)
+    assert weighted["grad_norm"] == pytest.approx(W * plain["grad_norm"], rel=1e-4)
+    assert abs(plain["pg_loss"]) > 1e-3 and plain["grad_norm"] > 1e-3
+
+
+def test_two_processes_match_one(tiny, data, weighted_run, tmp_path):
+    """DDP over 2 CPU processes, same global mini-batches: same metrics and same final weights."""
+    out = str(tmp_path / "policy")
+    launcher = [
+        os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--multi_gpu",
+        "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+    ]  # fmt: skip
+    interface = os.path.join(os.path.dirname(weighted_run), "interface.json")
+    args = [*COMMON, "--epochs", "3", "--interface", interface]
+    proc = ok(run_train(tiny, *data, out, *args, launcher=launcher))
+    assert "policy written" in proc.stdout
+    one, two = metrics_of(weighted_run), metrics_of(out)
+    assert len(one) == len(two) == 6
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "model_tokens", "logprob_mismatch"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    sd1, sd2 = load(weighted_run).state_dict(), load(out).state_dict()
+    start = load(tiny).state_dict()
+    for k in sd1:
+        assert torch.allclose(sd1[k], sd2[k], atol=2e-5), k
+    assert max((sd1[k] - start[k]).abs().max().item() for k in sd1) > 1e-3  # and they did move
+
+
+def test_lora_adapter_trains_saves_and_continues(tiny, data, tmp_path):
+    from peft import PeftModel
+
+    out = str(tmp_path / "r0" / "policy")
+    ok(
+        run_train(
+            tiny, *data, out, *COMMON, "--lora", "--lora-r", "4", "--lora-alpha", "8", "--save-optimizer"
+        )
+    )
+    cfg = json.load(open(os.path.join(out, "adapter_config.json")))
+    assert cfg["base_model_name_or_path"] == os.path.abspath(tiny)
+    assert os.path.isfile(os.path.join(out, "optimizer.pt"))
+    assert not os.path.exists(os.path.join(out, "model.safetensors"))
+
+    ids = torch.tensor([list(range(1, 40))])
+    with torch.no_grad():
+        base_logits = load(tiny)(ids).logits
+        adapted = PeftModel.from_pretrained(load(tiny), out).eval()
+        lora_logits = adapted(ids).logits
+    assert (lora_logits - base_logits).abs().max() > 1e-4
+
+    # next round: --model is the adapter; training continues it (KL reference = base, adapter off)
+    out2 = str(tmp_path / "r1" / "policy")
+    proc = ok(run_train(out, *data, out2, *COMMON))
+    assert "resuming optimiser state" in proc.stdout
+    m = metrics_of(out2)
+    assert m[0]["kl"] > 0  # the adapter already moved the policy away from the base
+    with torch.no_grad():
+        lora2_logits = PeftModel.from_pretrained(load(tiny), out2).eval()(ids).logits
+    assert (lora2_logits - lora_logits).abs().max() > 1e-5
+
+
+def test_bad_input_stops_without_output(tiny, tmp_path):
+    """The command's side of bad input; the messages of each kind are tested in test_grpo.py."""
+    rollouts, diagnoses = make_data(str(tmp_path))
+    lines = open(rollouts).read().splitlines()
+    rec = json.loads(lines[2])
+    del rec["tokens"]
+    lines[2] = json.dumps(rec)
+    open(rollouts, "w").write("\n".join(lines) + "\n")
+    out = str(tmp_path / "run" / "policy")
+    proc = run_train(tiny, rollouts, diagnoses, out, "--cpu")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {rollouts}:3: missing field(s) tokens"
+    assert not os.path.exists(os.path.dirname(out))
+
+
+@pytest.mark.parametrize(
+    "name, kind, procs",
+    [("fsdp_4gpu", "FSDP", 4), ("zero3_4gpu", "DEEPSPEED", 4), ("ddp_cpu2", "MULTI_GPU", 2)],
+)
+def test_accelerate_configs_parse(name, kind, procs):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(os.path.join(ROOT, "configs", "accelerate", f"{name}.yaml"))
+    assert cfg.distributed_type == kind and cfg.num_processes == procs

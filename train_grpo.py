@@ -1,0 +1,334 @@
+"""SEAL train stage: one round of diagnosis-weighted GRPO on the round's rollouts.
+
+Joins the rollouts (token ids, loss mask, engine log-probs) with their diagnoses (reward,
+label profile) on (task_id, sample_index), gives each trajectory the advantage
+Ã_j = w_j·A_j with the SEAL weight w_j = clip(Σ_z p_j(z)·ρ(z), 0.5, 2.0) (common/grpo.py),
+and takes one optimiser step per mini-batch of tasks with the PPO-clipped token-mean loss
+plus a k3 KL penalty to the reference policy. Writes the next policy to --out.
+
+    python train_grpo.py --model DIR --rollouts R.jsonl --diagnoses D.jsonl \\
+        [--interface interface.json | --rho rho.json] --out round_000/policy [--lora]
+    accelerate launch --multi_gpu --num_processes 2 train_grpo.py ... --cpu      # 2-process DDP on CPU
+    accelerate launch --config_file configs/accelerate/fsdp_4gpu.yaml train_grpo.py ...   # 7B, 4 GPUs
+    accelerate launch --config_file configs/accelerate/zero3_4gpu.yaml train_grpo.py ...  # needs deepspeed
+
+Multi-node: the same command on every node with `--num_machines N --machine_rank R
+--main_process_ip HOST --main_process_port PORT --num_processes <total GPUs>` added after
+`accelerate launch` (or in the config file); every node needs the input files and --model.
+
+Semantics:
+- Group = all samples of one task_id in the rollouts file. A = (r - mean)/(std + 1e-6) with
+  the population std. Groups with equal rewards have A = 0 and are left out of the update
+  entirely (no forward/backward, so also no KL term); their share is logged. A round
+  whose groups all have equal rewards writes the input policy unchanged.
+- ρ: the interface file's "rho" if it has one, else --rho FILE (a JSON object), else
+  common.taxonomy.RHO. A profile label missing from ρ is an error. --no-reweight sets w = 1.
+- Old log-probs are recomputed by this trainer with the input weights before the first
+  step; the engine's log-probs only feed the logprob_mismatch metric.
+- Reference policy for the KL: --ref-model if given, else the input policy (for a round
+  after the first, pass the round-0 model to keep "KL to the initial policy"). With LoRA it
+  is the base model (adapter disabled). Its log-probs are computed once before training,
+  so no second model is held while training. --kl-coef 0 skips it.
+- Loss = Σ over model tokens of the mini-batch / number of model tokens in the mini-batch
+  (on all processes together), so 1 or N processes give the same update.
+- Precision: full fine-tuning keeps float32 weights and, on GPU, computes in bf16 (autocast):
+  a bf16 weight cannot absorb an lr-1e-6 update. The saved weights stay float32 (the next
+  round resumes exactly); config.json keeps the input's dtype so engines load bf16. With
+  LoRA the frozen base is bf16 on GPU and the adapter float32. CPU: float32 throughout.
+- --lr: 1e-6 is the paper's full fine-tuning value; LoRA usually needs about 1e-5.
+
+Outputs: --out holds a Hugging Face model folder (plus the tokenizer and chat-template
+files of --model), or with --lora (or when --model is an adapter folder, whose training then
+continues) a PEFT adapter folder whose adapter_config.json names the base model's absolute
+path. --save-optimizer adds optimizer.pt; a --model folder holding one resumes from it.
+--metrics (default: train_metrics.jsonl next to --out) gets one line per optimiser step:
+step, epoch, loss, pg_loss, kl, clip_frac, grad_norm (before clipping), w_mean, w_std,
+zero_var_share (of the round's groups), reward_mean (of the step's trajectories: groups
+with differing rewards only), model_tokens, tokens_per_s (prompt + response tokens per
+second of the update step),
+logprob_mismatch (mean |engine - trainer| log-prob over model tokens), lr.
+Bad input stops with `error: file:line: ...`, a non-zero exit and no output.
+"""
+
+import argparse
+import math
+import os
+import random
+import shutil
+import sys
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from common.grpo import (
+    accumulate_gradients,
+    join_trajectories,
+    load_rho,
+    plan_micro_batches,
+    score_trajectories,
+)
+from common.jsonl import RecordError, atomic_dir, read_json, read_jsonl, write_json, write_jsonl
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", required=True, help="HF model folder, or a PEFT adapter folder to keep training"
+    )
+    ap.add_argument("--rollouts", required=True)
+    ap.add_argument("--diagnoses", required=True)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--interface", help="interface.json; its 'rho' (if any) is the utility table")
+    src.add_argument("--rho", help="JSON object {label: utility}")
+    ap.add_argument("--out", required=True, help="folder for the next policy")
+    ap.add_argument("--metrics", help="default: train_metrics.jsonl in the folder that holds --out")
+    ap.add_argument("--ref-model", help="reference policy for the KL (default: --model; ignored with LoRA)")
+    ap.add_argument("--no-reweight", action="store_true", help="w = 1 for every trajectory (ρ ≡ 1)")
+    ap.add_argument("--lr", type=float, default=1e-6, help="1e-6 for full fine-tuning; ~1e-5 with --lora")
+    ap.add_argument("--kl-coef", type=float, default=0.001, help="0 disables the KL term and the reference")
+    ap.add_argument("--clip", type=float, default=0.2)
+    ap.add_argument("--mini-batch-tasks", type=int, default=8, help="tasks (whole groups) per optimiser step")
+    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="padded tokens per forward")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables")
+    ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--lora-alpha", type=int, default=32)
+    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--save-optimizer", action="store_true", help="write optimizer.pt (one process or DDP)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu", action="store_true", help="force CPU (Accelerator(cpu=True))")
+    args = ap.parse_args(argv)
+    if args.mini_batch_tasks < 1 or args.epochs < 1 or args.max_tokens_per_micro_batch < 1:
+        ap.error("--mini-batch-tasks, --epochs and --max-tokens-per-micro-batch must be positive")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        train(args)
+    except RecordError as e:
+        sys.exit(f"error: {e}")
+
+
+def train(args):
+    # ---- inputs, all checked before anything is loaded or written
+    rho = load_rho(args.interface, args.rho)
+    rollouts = read_jsonl(args.rollouts, required=["task_id", "sample_index", "tokens"])
+    diagnoses = read_jsonl(args.diagnoses, required=["task_id", "sample_index", "reward", "profile"])
+    trajectories = join_trajectories(
+        rollouts, diagnoses, rho, reweight=not args.no_reweight,
+        rollouts_path=args.rollouts, diagnoses_path=args.diagnoses,
+    )  # fmt: skip
+    if not trajectories:
+        raise RecordError(f"{args.rollouts}: no rollout records")
+    lines = {(r["task_id"], r["sample_index"]): r["_line"] for r in rollouts}
+    del rollouts, diagnoses
+    adapter_in = os.path.isfile(os.path.join(args.model, "adapter_config.json"))
+    base_path = (
+        read_json(os.path.join(args.model, "adapter_config.json"))["base_model_name_or_path"]
+        if adapter_in
+        else args.model
+    )
+    use_lora = args.lora or adapter_in
+    config = read_json(os.path.join(base_path, "config.json"))
+    saved_dtype = config.get("dtype") or config.get("torch_dtype")
+    if args.kl_coef <= 0:
+        ref_source = None
+    elif adapter_in:
+        ref_source = "base"  # the adapter disabled
+    elif use_lora or not args.ref_model:
+        ref_source = "input"  # a fresh adapter starts out as the base model
+    else:
+        ref_source = "ref_model"
+    metrics_path = args.metrics or os.path.join(
+        os.path.dirname(os.path.abspath(args.out)), "train_metrics.jsonl"
+    )
+
+    accelerator = Accelerator(
+        cpu=args.cpu, mixed_precision="bf16" if torch.cuda.is_available() and not args.cpu else "no"
+    )
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    if args.save_optimizer and sharded:
+        sys.exit("error: --save-optimizer needs one process or DDP (FSDP/DeepSpeed shard optimiser state)")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        if ref_source == "ref_model":
+            sys.exit("error: --ref-model is not supported under DeepSpeed (ZeRO-3 partitions every model)")
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        # there is no DataLoader to infer it from; DeepSpeed only uses it for its logging
+        ds_config["train_micro_batch_size_per_gpu"] = 1
+        ds_config["gradient_clipping"] = args.grad_clip
+    set_seed(args.seed)
+    on_gpu = accelerator.device.type != "cpu"
+
+    # ---- groups and mini-batches (whole tasks; the same plan on every process)
+    by_task = {}
+    for t in trajectories:
+        by_task.setdefault(t.task_id, []).append(t)
+    live = [tid for tid, ts in by_task.items() if any(t.advantage != 0.0 for t in ts)]
+    zero_var_share = 1 - len(live) / len(by_task) if by_task else 0.0
+    rng = random.Random(args.seed)
+    rng.shuffle(live)
+    mini_batches = []
+    for i in range(0, len(live), args.mini_batch_tasks):
+        trajs = [t for tid in live[i : i + args.mini_batch_tasks] for t in by_task[tid]]
+        plan = plan_micro_batches(
+            [t.length for t in trajs], accelerator.num_processes, args.max_tokens_per_micro_batch
+        )
+        mine = [[trajs[k] for k in mb] for mb in plan[accelerator.process_index]]
+        mini_batches.append({"trajs": trajs, "mine": mine, "norm": sum(t.model_tokens for t in trajs)})
+
+    # ---- model
+    from_pretrained = {"dtype": torch.bfloat16 if use_lora and on_gpu else torch.float32}
+    model = AutoModelForCausalLM.from_pretrained(os.path.abspath(base_path), **from_pretrained)
+    vocab = model.get_input_embeddings().num_embeddings
+    for t in trajectories:
+        if max(t.prompt_ids + t.ids) >= vocab:
+            raise RecordError(
+                f"{args.rollouts}:{lines[t.task_id, t.sample_index]}: token id outside the model's vocabulary ({vocab})"
+            )
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if use_lora:
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if adapter_in:
+            model = PeftModel.from_pretrained(model, args.model, is_trainable=True)
+        else:
+            # no LoRA dropout: it would make the first step's ratio differ from 1 by noise
+            lora = LoraConfig(
+                r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                target_modules="all-linear", task_type="CAUSAL_LM",
+            )  # fmt: skip
+            model = get_peft_model(model, lora)
+
+    if ref_source == "ref_model" and mini_batches:
+        ref = AutoModelForCausalLM.from_pretrained(
+            os.path.abspath(args.ref_model), dtype=torch.bfloat16 if on_gpu else torch.float32
+        ).to(accelerator.device)
+        ref.eval()
+        with accelerator.autocast():
+            for mb in mini_batches:
+                score_trajectories(ref, mb["mine"], accelerator.device, "ref_logprobs")
+        del ref
+        accelerator.free_memory()
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    # no weight decay: a round is a handful of steps and decay would only shrink the policy
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    opt_file = os.path.join(args.model, "optimizer.pt")
+    if os.path.isfile(opt_file):
+        try:
+            optimizer.load_state_dict(torch.load(opt_file, map_location="cpu"))
+        except (ValueError, KeyError) as e:
+            raise RecordError(f"{opt_file}: does not match this model's trainable parameters ({e})") from None
+        for g in optimizer.param_groups:
+            g["lr"] = args.lr
+        accelerator.print(f"resuming optimiser state from {opt_file}")
+    model, optimizer = accelerator.prepare(model, optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them with sharded ones
+
+    # ---- old (and reference) log-probs with the input weights, before any update
+    model.eval()
+    for mb in mini_batches:
+        score_trajectories(model, mb["mine"], accelerator.device, "old_logprobs")
+        mine = [t for micro in mb["mine"] for t in micro]
+        if ref_source == "base":
+            with accelerator.unwrap_model(model).disable_adapter():
+                score_trajectories(model, mb["mine"], accelerator.device, "ref_logprobs")
+        elif ref_source == "input":
+            for t in mine:
+                t.ref_logprobs = t.old_logprobs
+        mm_sum = mm_count = 0.0
+        for t in mine:
+            engine = torch.tensor([math.nan if e is None else e for e in t.engine_logprobs])
+            used = torch.tensor(t.mask, dtype=torch.bool) & ~engine.isnan()
+            mm_sum += (engine - t.old_logprobs)[used].abs().sum().item()
+            mm_count += used.sum().item()
+        mb["mismatch"] = (mm_sum, mm_count)
+
+    # ---- optimiser steps: every mini-batch once per epoch, in a fresh order each epoch
+    metrics, step = [], 0
+    max_norm = args.grad_clip if args.grad_clip > 0 else math.inf
+    bar = tqdm(total=len(mini_batches) * args.epochs, desc="grpo", disable=not accelerator.is_main_process)
+    model.train()
+    for epoch in range(args.epochs):
+        for mb in rng.sample(mini_batches, len(mini_batches)):
+            t0 = time.perf_counter()
+            sums = accumulate_gradients(model, accelerator, mb["mine"], mb["norm"], args.clip, args.kl_coef)
+            grad_norm = accelerator.clip_grad_norm_(params, max_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if on_gpu:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            keys = ("pg_sum", "kl_sum", "clip_count", "tokens")
+            local = [sums[k] for k in keys] + list(mb["mismatch"])
+            pg, kl, clipped, tokens, mm_sum, mm_count = accelerator.reduce(
+                torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum"
+            ).tolist()
+            tokens = max(tokens, 1)
+            ws = [t.weight for t in mb["trajs"]]
+            w_mean = sum(ws) / len(ws)
+            step += 1
+            metrics.append({
+                "step": step,
+                "epoch": epoch,
+                "loss": (pg + args.kl_coef * kl) / tokens,
+                "pg_loss": pg / tokens,
+                "kl": kl / tokens,
+                "clip_frac": clipped / tokens,
+                "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "w_mean": w_mean,
+                "w_std": math.sqrt(sum((w - w_mean) ** 2 for w in ws) / len(ws)),
+                "zero_var_share": zero_var_share,
+                "reward_mean": sum(t.reward for t in mb["trajs"]) / len(mb["trajs"]),
+                "model_tokens": int(tokens),
+                "tokens_per_s": sum(t.length for t in mb["trajs"]) / seconds,
+                "logprob_mismatch": mm_sum / mm_count if mm_count else None,
+                "lr": optimizer.param_groups[0]["lr"],
+            })  # fmt: skip
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics[-1]['loss']:.4f}", reward=f"{metrics[-1]['reward_mean']:.2f}")
+    bar.close()
+    if not mini_batches:
+        accelerator.print("no group has differing rewards: nothing to learn, the policy is written unchanged")
+
+    # ---- next policy (main process only; every process takes part in gathering the weights)
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        with atomic_dir(args.out) as tmp:
+            unwrapped.save_pretrained(tmp, state_dict=state_dict)
+            if not use_lora and saved_dtype:
+                # save_pretrained records the float32 of the weights; engines should keep loading the input's dtype
+                saved = read_json(os.path.join(tmp, "config.json"))
+                write_json(os.path.join(tmp, "config.json"), saved | {"dtype": saved_dtype})
+            for name in TOKENIZER_FILES:
+                for folder in (args.model, base_path):
+                    if os.path.isfile(os.path.join(folder, name)):
+                        shutil.copy(os.path.join(folder, name), os.path.join(tmp, name))
+                        break
+            if args.save_optimizer:
+                torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+            write_jsonl(metrics_path, metrics)
+        print(f"{step} optimiser steps; policy written to {args.out}; metrics to {metrics_path}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
