@@ -10,15 +10,21 @@ Wraps bfcl-eval's executor and `multi_turn_checker` with the isolation they lack
   by tool calls: the environment's instances get private copies, and the shared
   data is restored in place after every checker run;
 - the executor `eval()`s call strings: only strings rendered by common.calls from
-  validated literals reach it.
+  validated literals reach it;
+- a schema-valid call can still run for ever (MathAPI.logarithm with precision
+  987654321): every execution runs under a deadline, and the call that overruns
+  fails with an error result like any other.
 """
 
+import contextlib
 import copy
 import itertools
 import json
 import os
 import re
+import signal
 import tempfile
+import threading
 
 # Importing bfcl_eval.constants creates result folders under BFCL_PROJECT_ROOT
 # (site-packages by default): point it at scratch space first.
@@ -38,6 +44,7 @@ CATEGORIES = ["base", "miss_func", "miss_param", "long_context"]
 TASK_FIELDS = ["id", "category", "questions", "initial_config", "involved_classes", "tools",
                "missed_function", "long_context", "ground_truth"]
 EXEC_ERROR_PREFIX = "Error during execution:"
+EXEC_DEADLINE_S = 5.0  # for one batch of calls; real tool calls take milliseconds
 
 _PRISTINE_LONG = {k: copy.deepcopy(v) for k, v in vars(_long).items()
                   if k.isupper() and isinstance(v, (dict, list))}
@@ -56,6 +63,29 @@ def load_tasks(path):
         rec.pop("_line")
         tasks[rec["id"]] = rec
     return tasks
+
+
+def _overrun(signum, frame):
+    raise TimeoutError(f"tool call exceeded {EXEC_DEADLINE_S:g} s")
+
+
+@contextlib.contextmanager
+def deadline(seconds=EXEC_DEADLINE_S):
+    """Raise TimeoutError inside the block after `seconds` (main thread only: SIGALRM).
+
+    bfcl-eval's executor and tools catch exceptions per call, so an overrunning call
+    becomes an error result and the calls after it still run.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _overrun)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def unique_name(prefix="seal"):
@@ -189,9 +219,10 @@ class Environment:
         return results, errors
 
     def _execute(self, call_strings):
-        return _utils.execute_multi_turn_func_call(
-            call_strings, self.task["initial_config"], self.task["involved_classes"],
-            self.name, self.task["id"], long_context=self.task["long_context"])
+        with deadline():
+            return _utils.execute_multi_turn_func_call(
+                call_strings, self.task["initial_config"], self.task["involved_classes"],
+                self.name, self.task["id"], long_context=self.task["long_context"])
 
 
 def official_verdict(task, decoded):
@@ -208,7 +239,8 @@ def official_verdict(task, decoded):
     entry = {"id": task["id"], "initial_config": task["initial_config"],
              "involved_classes": task["involved_classes"]}
     try:
-        res = _checker.multi_turn_checker(decoded, gt, entry, "multi_turn", name)
+        with deadline(EXEC_DEADLINE_S * (1 + len(gt))):
+            res = _checker.multi_turn_checker(decoded, gt, entry, "multi_turn", name)
     finally:
         _forget(name + "_eval")
         _forget(name + "_ground_truth_eval")

@@ -117,9 +117,10 @@ def replay(task, turns):
     long_context = "long_context" in category or "composite" in category
 
     def execute(call_strings, who):
-        return _utils.execute_multi_turn_func_call(
-            call_strings, task["initial_config"], task["involved_classes"], who, task["id"],
-            long_context=long_context, is_evaL_run=True)
+        with bfcl.deadline():  # a schema-valid call can still hang (see common/bfcl.py)
+            return _utils.execute_multi_turn_func_call(
+                call_strings, task["initial_config"], task["involved_classes"], who, task["id"],
+                long_context=long_context, is_evaL_run=True)
 
     model_results = []  # all model results so far: the response check reads every turn's
     try:

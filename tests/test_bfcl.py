@@ -179,3 +179,16 @@ def test_bad_task_file_names_file_and_line(tmp_path):
                           "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode != 0 and f"{bad}:1: missing field" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_call_that_would_run_for_ever_fails_with_an_error_result(train):
+    """Schema-valid, but mpmath would compute 987654321 digits: the deadline turns it into an error."""
+    task = next(t for t in train.values() if "MathAPI" in t["involved_classes"])
+    with bfcl.Environment(task) as env:
+        env.start_turn(0)
+        step = env.step("[logarithm(value=20, base=10, precision=987654321), logarithm(value=100, base=10, "
+                        "precision=2)]", "python")
+    assert "exceeded" in step["call_errors"][0]
+    assert step["call_errors"][1] is None and "2.0" in step["results"][1]
+    decoded = env.decoded + [[]] * (len(task["ground_truth"]) - 1)
+    assert bfcl.official_verdict(task, decoded)["valid"] is False

@@ -1,0 +1,230 @@
+"""Evolve the training-time interface: Ω_{t+1} = Evolve(Ω_t, C_t) (DESIGN §5).
+
+    python evolve.py --diagnoses runs/x/round_000/diagnoses.jsonl \
+        --previous runs/x/round_000/interface.json --out runs/x/round_001/interface.json
+
+Aggregates one round's diagnosis records into the failure profile C_t: per label,
+its count and share of all labelled turns and the mean reward of the trajectories
+carrying it (also per category), and for failure labels the pressure =
+share × (1 − mean reward).
+Then writes Ω_{t+1} (the record of common/interface.py) and prints each change
+from Ω_t with its numbers.
+
+Activation (--mode seal): a failure label (never pass / correct_abstention) is
+selected when it has ≥ --min-count turns, ≥ --min-share of all turns and a mean
+reward < --max-reward; the selected labels are ranked by pressure, highest first
+(ties in LABELS order), and the first --max-cues get their capability line. A
+selected label also switches on its cue families (interface.ACTIVATES):
+argument_mismatch and invalid_tool_call → schema cue, recovery_failure → error
+feedback. Families are never switched off in seal mode (Ω_0 starts with both
+on, and taking a family away would shift what the policy has learnt to read);
+capability cues are re-chosen every round, so they come and go.
+
+--mode static: Ω_t's cues are kept as they are (the "w/o closed-loop" ablation:
+Ω fixed after round 0); --mode off: every family off (Vanilla RL, "w/o env-side").
+Both still record C_t. Without --previous, Ω_t = interface.initial(). Without
+--diagnoses, writes the mode's Ω_0 (round 0): initial(), or all off for --mode off.
+
+--dynamic-rho (off by default) moves ρ towards labels that are frequent and hard,
+by an exponential moving average:
+    target(z) = clip(RHO(z) · (1 + pressure(z)), 0.5, 2.0)      RHO: common.taxonomy default
+    ρ_new(z)  = clip((1 − β) · ρ_old(z) + β · target(z), 0.5, 2.0),  β = --rho-beta
+Failure labels absent from the round, and pass / correct_abstention, count as
+pressure 0, so they drift back to their default.
+Without it ρ is copied from Ω_t. Not applied in --mode static (no closed loop).
+"""
+
+import argparse
+import sys
+from collections import defaultdict
+
+from common import interface
+from common.jsonl import RecordError, read_jsonl, write_json
+from common.taxonomy import LABELS, RHO
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--diagnoses", default=None, help="diagnoses.jsonl of round t (omit to write Ω_0)")
+parser.add_argument("--previous", default=None, help="interface.json of round t (default: Ω_0)")
+parser.add_argument("--out", required=True, help="interface.json to write (Ω_{t+1})")
+parser.add_argument("--mode", default="seal", choices=["seal", "static", "off"])
+parser.add_argument("--min-count", type=int, default=8, help="turns a label needs to get a cue")
+parser.add_argument("--min-share", type=float, default=0.10, help="share of all turns a label needs")
+parser.add_argument("--max-reward", type=float, default=0.6, help="mean reward must be below this")
+parser.add_argument("--max-cues", type=int, default=interface.MAX_CUES, help="capability cues at most")
+parser.add_argument("--dynamic-rho", action="store_true", help="move ρ towards frequent, hard labels")
+parser.add_argument("--rho-beta", type=float, default=0.3, help="EMA step of --dynamic-rho")
+parser.add_argument("--round", type=int, default=None, help="round of Ω_{t+1} (default: diagnoses' round + 1)")
+
+RHO_MIN, RHO_MAX = 0.5, 2.0
+DIAG_FIELDS = ["task_id", "round", "reward", "turn_labels"]
+
+
+def read_diagnoses(path):
+    records = read_jsonl(path, required=DIAG_FIELDS)
+    if not records:
+        raise RecordError(f"{path}: no diagnosis records")
+    for rec in records:
+        where = f"{path}:{rec['_line']}"
+        r = rec["reward"]
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise RecordError(f"{where}: reward must be a number in [0, 1], got {r!r}")
+        if not isinstance(rec["round"], int) or isinstance(rec["round"], bool) or rec["round"] < 0:
+            raise RecordError(f"{where}: round must be a non-negative integer, got {rec['round']!r}")
+        labels = rec["turn_labels"]
+        if not isinstance(labels, list) or not labels:
+            raise RecordError(f"{where}: turn_labels must be a non-empty list")
+        for z in labels:
+            if z not in LABELS:
+                raise RecordError(f"{where}: unknown label {z!r}")
+    return records
+
+
+def label_stats(records):
+    """{label: count, share, mean_reward} over the records' turns; labels in LABELS order."""
+    counts, rewards = defaultdict(int), defaultdict(list)
+    for rec in records:
+        for z in rec["turn_labels"]:
+            counts[z] += 1
+        for z in set(rec["turn_labels"]):
+            rewards[z].append(rec["reward"])
+    turns = sum(counts.values())
+    return {z: {"count": counts[z], "share": counts[z] / turns,
+                "mean_reward": sum(rewards[z]) / len(rewards[z])} for z in LABELS if counts[z]}
+
+
+def summary(records):
+    return {"trajectories": len(records), "turns": sum(len(r["turn_labels"]) for r in records),
+            "mean_reward": sum(r["reward"] for r in records) / len(records)}
+
+
+def failure_profile(records):
+    """C_t: label stats over all turns (with the pressure of failure labels) and per category."""
+    labels = label_stats(records)
+    for z, s in labels.items():
+        if z in interface.FAILURE_LABELS:
+            s["pressure"] = s["share"] * (1 - s["mean_reward"])
+    by_cat = defaultdict(list)
+    for rec in records:
+        by_cat[rec.get("category", "unknown")].append(rec)
+    return {"round": max(r["round"] for r in records), **summary(records), "labels": labels,
+            "categories": {c: {**summary(recs), "labels": label_stats(recs)} for c, recs in sorted(by_cat.items())}}
+
+
+def select(profile, args):
+    """(selected labels by pressure, {label: why not selected}) under the thresholds."""
+    passing, why_not = [], {}
+    for z in interface.FAILURE_LABELS:
+        s = profile["labels"].get(z)
+        if s is None:
+            continue
+        if s["count"] < args.min_count:
+            why_not[z] = f"count {s['count']} < {args.min_count}"
+        elif s["share"] < args.min_share:
+            why_not[z] = f"share {s['share']:.3f} < {args.min_share}"
+        elif s["mean_reward"] >= args.max_reward:
+            why_not[z] = f"mean reward {s['mean_reward']:.3f} >= {args.max_reward}"
+        else:
+            passing.append(z)
+    passing.sort(key=lambda z: -profile["labels"][z]["pressure"])  # stable: ties keep LABELS order
+    for z in passing[args.max_cues:]:
+        why_not[z] = f"pressure ranks below the top {args.max_cues}"
+    return passing[: args.max_cues], why_not
+
+
+def dynamic_rho(old, profile, beta):
+    new = {}
+    for z in LABELS:
+        pressure = profile["labels"].get(z, {}).get("pressure", 0.0)  # pass / correct_abstention have none
+        target = min(RHO_MAX, max(RHO_MIN, RHO[z] * (1 + pressure)))
+        new[z] = round(min(RHO_MAX, max(RHO_MIN, (1 - beta) * old.get(z, RHO[z]) + beta * target)), 4)
+    return new
+
+
+def rounded(obj, digits=4):
+    """Floats rounded so the file is short and stable across platforms."""
+    if isinstance(obj, float):
+        return round(obj, digits)
+    if isinstance(obj, dict):
+        return {k: rounded(v, digits) for k, v in obj.items()}
+    return obj
+
+
+def describe(z, profile):
+    s = profile["labels"][z]
+    pressure = f", pressure {s['pressure']:.3f}" if "pressure" in s else ""
+    return f"count {s['count']}, share {s['share']:.3f}, mean reward {s['mean_reward']:.3f}{pressure}"
+
+
+def main(args):
+    if args.diagnoses is None:  # Ω_0 of the mode
+        omega = interface.off() if args.mode == "off" else interface.initial()
+        if args.round is not None:
+            omega["round"] = args.round
+        write_json(args.out, omega)
+        print(f"wrote Ω_0 ({args.mode}) to {args.out}")
+        return
+
+    prev = interface.load(args.previous) if args.previous else interface.initial()
+    if prev is None:
+        raise RecordError(f"{args.previous}: holds no interface (null)")
+    records = read_diagnoses(args.diagnoses)
+    profile = failure_profile(records)
+
+    print(f"C_t: {profile['trajectories']} trajectories, {profile['turns']} turns, "
+          f"mean reward {profile['mean_reward']:.3f}")
+    for z in profile["labels"]:
+        print(f"  {z:<20} {describe(z, profile)}")
+
+    omega = {"version": prev["version"] + 1,
+             "round": args.round if args.round is not None else profile["round"] + 1,
+             "schema_cue": dict(prev["schema_cue"]), "error_feedback": prev["error_feedback"],
+             "capability_cues": [dict(c) for c in prev["capability_cues"]],
+             "profile": rounded(profile), "rho": dict(prev["rho"])}
+    changes = []
+    if args.mode == "off":
+        omega["schema_cue"], omega["error_feedback"], omega["capability_cues"] = dict(interface.SCHEMA_OFF), False, []
+        if prev["schema_cue"]["enabled"]:
+            changes.append("schema cue off: --mode off")
+        if prev["error_feedback"]:
+            changes.append("error feedback off: --mode off")
+        changes += [f"capability cue off: {c['label']} (--mode off)" for c in prev["capability_cues"]]
+    elif args.mode == "seal":  # (static keeps Ω_t's cues as they are)
+        selected, why_not = select(profile, args)
+        omega["capability_cues"] = [{"label": z, "text": interface.CAPABILITY_TEXT[z]} for z in selected]
+        for z in selected:
+            # A family already on stays as it is (its annotations may have been ablated by hand).
+            if "schema_cue" in interface.ACTIVATES[z] and not omega["schema_cue"]["enabled"]:
+                omega["schema_cue"] = dict(interface.SCHEMA_ON)
+                changes.append(f"schema cue on: activated by {z} ({describe(z, profile)})")
+            if "error_feedback" in interface.ACTIVATES[z] and not omega["error_feedback"]:
+                omega["error_feedback"] = True
+                changes.append(f"error feedback on: activated by {z} ({describe(z, profile)})")
+        before = [c["label"] for c in prev["capability_cues"]]
+        changes += [f"capability cue on: {z} ({describe(z, profile)})" for z in selected if z not in before]
+        changes += [f"capability cue off: {z} ({why_not.get(z, 'not seen this round')})"
+                    for z in before if z not in selected]
+
+    if args.dynamic_rho and args.mode != "static":
+        omega["rho"] = dynamic_rho(prev["rho"], profile, args.rho_beta)
+        for z in LABELS:
+            if omega["rho"][z] != prev["rho"].get(z):
+                p = profile["labels"].get(z, {}).get("pressure", 0.0)  # only failure labels have one
+                changes.append(f"rho {z}: {prev['rho'].get(z)} -> {omega['rho'][z]} (pressure {p:.3f})")
+    elif args.dynamic_rho:
+        print("note: --dynamic-rho ignored in --mode static (Ω is fixed)")
+
+    problem = interface.check(omega)
+    assert problem is None, problem
+    write_json(args.out, omega)
+    print(f"Ω v{prev['version']} -> v{omega['version']} (round {omega['round']}, mode {args.mode}):")
+    for line in changes or ["no change"]:
+        print(f"  {line}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    try:
+        main(parser.parse_args())
+    except RecordError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
