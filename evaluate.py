@@ -1,8 +1,10 @@
 """Evaluate a policy on BFCL multi-turn with the official checker, Ω removed.
 
+    python evaluate.py --policy DIR --split heldin --out runs/NAME/eval/TAG [--engine vllm|hf]
     python evaluate.py --policy oracle --split heldin --out runs/oracle/eval
 
-`--policy oracle` plays every task's ground-truth calls through the environment
+A policy folder (HF model or LoRA adapter) plays every task once, greedily, with
+plain prompts (no interface). `--policy oracle` plays every task's ground-truth calls through the environment
 exactly as a model's output would go (parsed, validated, rendered, executed, turn
 by turn) and scores them with bfcl-eval's multi_turn_checker: a check of the
 whole pipeline. Writes DIR/results.jsonl (one verdict per task) and DIR/scores.json
@@ -15,8 +17,9 @@ import sys
 
 from tqdm import tqdm
 
-from common import bfcl
+from common import bfcl, play
 from common.jsonl import RecordError, write_json, write_jsonl
+from common.replay import read_turns
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--policy", required=True, help="'oracle' (ground truth)")
@@ -24,6 +27,12 @@ parser.add_argument("--split", default="heldin", choices=["heldin", "train"])
 parser.add_argument("--tasks", default=None, help="task file (default: data/<split>.jsonl)")
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
 parser.add_argument("--out", required=True, help="output folder")
+parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
+parser.add_argument("--max-model-len", type=int, default=16384)
+parser.add_argument("--max-new-tokens", type=int, default=512)
+parser.add_argument("--max-steps-per-turn", type=int, default=20)
+parser.add_argument("--call-format", default="json", choices=["json", "python"])
+parser.add_argument("--tensor-parallel-size", type=int, default=1)
 
 
 def oracle_trajectory(task):
@@ -59,20 +68,35 @@ def main(args):
     tasks = list(bfcl.load_tasks(path).values())
     if args.limit:
         tasks = [t for cat in bfcl.CATEGORIES for t in [x for x in tasks if x["category"] == cat][: args.limit]]
-    if args.policy != "oracle":
-        sys.exit("error: only --policy oracle is available in this version")
+
+    if args.policy == "oracle":
+        decoded = [oracle_trajectory(t) for t in tqdm(tasks, desc="oracle", unit="task")]
+    else:
+        from common.engines import make_engine  # imports torch: only for model policies
+
+        engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
+                             tensor_parallel_size=args.tensor_parallel_size)
+        try:
+            records, _ = play.play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=0.0,
+                                max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,
+                                max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy))
+        finally:
+            engine.close()
+        write_jsonl(os.path.join(args.out, "rollouts.jsonl"), records)
+        decoded = [[t.decoded for t in read_turns(task, rec["turns"]) if t.played]
+                   for task, rec in zip(tasks, records, strict=True)]
 
     results = []
-    for task in tqdm(tasks, desc="oracle", unit="task"):
-        verdict = bfcl.official_verdict(task, oracle_trajectory(task))
-        results.append({"task_id": task["id"], "category": task["category"], **verdict})
+    for task, dec in zip(tasks, decoded, strict=True):
+        results.append({"task_id": task["id"], "category": task["category"], **bfcl.official_verdict(task, dec)})
     scores = category_scores(results)
     write_jsonl(os.path.join(args.out, "results.jsonl"), results)
     write_json(os.path.join(args.out, "scores.json"), scores)
-    print_table(scores, f"{args.policy} on {os.path.relpath(path)} (BFCL multi-turn @ bfcl-eval {'2026.3.23'})")
-    for r in results:
-        if not r["valid"]:
-            print(f"  failed: {r['task_id']} {r['error_type']} turn {r['turn']}")
+    print_table(scores, f"{args.policy} on {os.path.relpath(path)} (BFCL multi-turn @ bfcl-eval 2026.3.23)")
+    if args.policy == "oracle":
+        for r in results:
+            if not r["valid"]:
+                print(f"  failed: {r['task_id']} {r['error_type']} turn {r['turn']}")
 
 
 if __name__ == "__main__":

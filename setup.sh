@@ -14,8 +14,11 @@ fi
 stamp=.venv/.setup-stamp
 want="$flavour $(cat requirements.txt requirements-$flavour.txt requirements-bfcl.txt | sha256sum | cut -c1-16)"
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-   && .venv/bin/python -c "import torch, transformers, accelerate, peft, vllm, bfcl_eval" 2>/dev/null; then
+# find_spec, not import: importing vllm alone takes seconds, and this check runs before every loop.
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "
+import importlib.util, sys
+sys.exit(any(importlib.util.find_spec(m) is None for m in
+             ('torch', 'transformers', 'accelerate', 'peft', 'vllm', 'bfcl_eval', 'matplotlib')))" 2>/dev/null; then
   echo "setup: .venv is up to date ($flavour)"
 else
   echo "setup: installing into .venv ($flavour build)"

@@ -45,8 +45,9 @@ path. --save-optimizer adds optimizer.pt; a --model folder holding one resumes f
 step, epoch, loss, pg_loss, kl, clip_frac, grad_norm (before clipping), w_mean, w_std,
 zero_var_share (of the round's groups), reward_mean (of the step's trajectories: groups
 with differing rewards only), model_tokens, tokens_per_s (prompt + response tokens per
-second of the update step),
-logprob_mismatch (mean |engine - trainer| log-prob over model tokens), lr.
+second of the update step), seconds (of the update step), logprob_mismatch (mean
+|engine - trainer| log-prob over model tokens), lr. A round with nothing to learn writes
+one line with step 0 and the weights, zero-variance share and reward of all trajectories.
 Bad input stops with `error: file:line: ...`, a non-zero exit and no output.
 """
 
@@ -297,6 +298,7 @@ def train(args):
                 "reward_mean": sum(t.reward for t in mb["trajs"]) / len(mb["trajs"]),
                 "model_tokens": int(tokens),
                 "tokens_per_s": sum(t.length for t in mb["trajs"]) / seconds,
+                "seconds": seconds,
                 "logprob_mismatch": mm_sum / mm_count if mm_count else None,
                 "lr": optimizer.param_groups[0]["lr"],
             })  # fmt: skip
@@ -305,6 +307,12 @@ def train(args):
     bar.close()
     if not mini_batches:
         accelerator.print("no group has differing rewards: nothing to learn, the policy is written unchanged")
+        # One step-0 line still records the round's weights, so runs and modes stay comparable.
+        ws = [t.weight for t in trajectories]
+        w_mean = sum(ws) / len(ws)
+        metrics.append({"step": 0, "w_mean": w_mean, "w_std": math.sqrt(sum((w - w_mean) ** 2 for w in ws) / len(ws)),
+                        "zero_var_share": zero_var_share,
+                        "reward_mean": sum(t.reward for t in trajectories) / len(trajectories)})
 
     # ---- next policy (main process only; every process takes part in gathering the weights)
     accelerator.wait_for_everyone()

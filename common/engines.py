@@ -1,0 +1,397 @@
+"""Generation engines: token ids in, token ids and per-token log-probabilities out.
+
+    engine = make_engine("vllm" | "hf", model_dir, max_model_len=16384, seed=0)
+    gens = engine.generate(prompts, max_new_tokens, temperature)   # list[Generation]
+    engine.tokenizer                                               # the policy's HF tokenizer
+    engine.close()
+
+`model_dir` is a full Hugging Face model folder, or a PEFT LoRA adapter folder (it
+holds adapter_config.json, whose base_model_name_or_path names the base folder):
+the HF engine loads base + adapter with peft (merged for speed), the vLLM engine
+loads the base with enable_lora and passes a LoRARequest with every call.
+
+Common contract of both engines:
+- `Generation.ids` are the generated ids, including the final stop id when one was
+  produced (`finish == "stop"`); otherwise `finish == "length"`. Generation stops at
+  the tokenizer's eos and at the eos ids of the model's generation_config (vLLM does
+  the latter by itself; the HF engine is told the same set, `engine.stop_ids`).
+- `max_new_tokens[i]` is clamped to `max_model_len - len(prompts[i])`; a prompt
+  that leaves no room raises ValueError (the caller decides what a full context means).
+- `temperature == 0` is greedy decoding; otherwise plain sampling from
+  softmax(logits / temperature) with no top-k, top-p or penalties (model
+  generation_config defaults such as Qwen's top_k=20 are overridden).
+- `Generation.logprobs[t]` is the log-probability of `ids[t]` under the
+  distribution it was drawn from: log_softmax(logits / temperature)[id] when
+  sampling, log_softmax(logits)[id] when greedy. At temperature 1 this is the
+  model's own log-probability, what a trainer recomputes; at other temperatures it
+  is not (a trainer must divide its logits by the same temperature). vLLM gives
+  this with logprobs_mode="processed_logprobs", the HF engine with a logits
+  logits processor that applies the temperature itself.
+- Deterministic for a given seed and sequence of calls: the HF engine reseeds
+  torch before every call from (seed, call counter); vLLM uses its engine seed
+  (per-request seeds fail on CPU).
+"""
+
+import gc
+import json
+import os
+from dataclasses import dataclass
+
+# vLLM's max_lora_rank must be one of these.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+CPU_KV_CACHE_BYTES = 1 << 30  # vLLM on CPU: KV cache size unless VLLM_CPU_KVCACHE_SPACE or kwargs say
+
+
+@dataclass
+class Generation:
+    ids: list[int]  # generated ids, including the final eos if produced
+    logprobs: list[float]  # one per generated id
+    finish: str  # "stop" (eos) or "length"
+
+
+def resolve_model(model_dir):
+    """(base folder, adapter folder or None, adapter config or None) for a model or adapter folder."""
+    model_dir = os.path.abspath(model_dir)
+    cfg_path = os.path.join(model_dir, "adapter_config.json")
+    if not os.path.isfile(cfg_path):
+        return model_dir, None, None
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    base = cfg.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{cfg_path}: no base_model_name_or_path")
+    if not os.path.isabs(base) and os.path.isdir(os.path.join(model_dir, base)):
+        base = os.path.join(model_dir, base)  # a path relative to the adapter folder
+    return base, model_dir, cfg
+
+
+def load_tokenizer(model_dir):
+    """The policy's tokenizer: the adapter folder's own copy if it has one, else the base model's."""
+    from transformers import AutoTokenizer
+    base, adapter, _ = resolve_model(model_dir)
+    where = adapter if adapter and os.path.isfile(os.path.join(adapter, "tokenizer_config.json")) else base
+    return AutoTokenizer.from_pretrained(where)
+
+
+def _stop_ids(tokenizer, base):
+    """The tokenizer's eos plus the eos ids of the model's generation_config."""
+    from transformers import GenerationConfig
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        eos = GenerationConfig.from_pretrained(base).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    for i in eos if isinstance(eos, list) else [eos]:
+        if i is not None and i not in ids:
+            ids.append(i)
+    if not ids:
+        raise ValueError(f"{base}: no eos token id")
+    return ids
+
+
+def _lora_rank(cfg):
+    ranks = [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]
+    need = max(ranks)
+    for r in VLLM_LORA_RANKS:
+        if r >= need:
+            return r
+    raise ValueError(f"LoRA rank {need} exceeds vLLM's maximum {VLLM_LORA_RANKS[-1]}")
+
+
+def _cuda():
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+class Engine:
+    """Interface; see the module docstring for the contract."""
+
+    tokenizer = None
+    stop_ids: list[int] = []
+    max_model_len: int = 0
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _limits(self, prompts, max_new_tokens):
+        """Per-prompt generation limits, clamped to the room left in the context."""
+        if len(prompts) != len(max_new_tokens):
+            raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
+        limits = []
+        for i, (p, m) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            room = self.max_model_len - len(p)
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if room <= 0 or m <= 0:
+                raise ValueError(f"prompt {i}: {len(p)} tokens leave no room to generate "
+                                 f"(max_model_len {self.max_model_len}, max_new_tokens {m})")
+            limits.append(min(m, room))
+        return limits
+
+    def _finish(self, ids, logprobs, limit):
+        """Cut a raw continuation at its first stop id or its limit."""
+        ids, logprobs = list(ids[:limit]), list(logprobs[:limit])
+        stops = set(self.stop_ids)
+        for t, i in enumerate(ids):
+            if i in stops:
+                return Generation(ids[: t + 1], logprobs[: t + 1], "stop")
+        return Generation(ids, logprobs, "length")
+
+
+def make_engine(kind, model_dir, *, max_model_len, seed=0, tensor_parallel_size=1, dtype=None, **kwargs):
+    """An engine of `kind` ("vllm" or "hf") for a model or LoRA adapter folder.
+
+    dtype None means float32 without a GPU and the model's own dtype ("auto") with one.
+    Extra keyword arguments go to the engine class (HF: max_batch_tokens; vLLM: LLM kwargs).
+    """
+    if kind == "hf":
+        if tensor_parallel_size != 1:
+            raise ValueError("the HF engine runs on one device (tensor_parallel_size must be 1)")
+        return HFEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **kwargs)
+    if kind == "vllm":
+        return VLLMEngine(model_dir, max_model_len=max_model_len, seed=seed,
+                          tensor_parallel_size=tensor_parallel_size, dtype=dtype, **kwargs)
+    raise ValueError(f"unknown engine kind {kind!r} (vllm or hf)")
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+class HFEngine(Engine):
+    """transformers `generate`, batched with left padding.
+
+    Prompts are sorted by length and split into sub-batches only to keep
+    rows x (longest prompt + largest limit) under `max_batch_tokens`.
+    """
+
+    def __init__(self, model_dir, *, max_model_len, seed=0, dtype=None, max_batch_tokens=None, device=None):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.base, self.adapter, _ = resolve_model(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.stop_ids = _stop_ids(self.tokenizer, self.base)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.calls = 0
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.float32 if self.device.type == "cpu" else "auto"
+        elif isinstance(dtype, str) and dtype != "auto":
+            dtype = getattr(torch, dtype)
+        self.max_batch_tokens = max_batch_tokens or (65_536 if self.device.type == "cpu" else 1_048_576)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(self.base, dtype=dtype)
+        if self.adapter:
+            from peft import PeftModel
+            model = PeftModel.from_pretrained(model, self.adapter).merge_and_unload()
+        self.model = model.to(self.device).eval()
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        import torch
+        limits = self._limits(prompts, max_new_tokens)
+        if not prompts:
+            return []
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        batches, batch = [], []
+        for i in order:
+            rows = len(batch) + 1
+            width = max([len(prompts[j]) for j in batch] + [len(prompts[i])])
+            new = max([limits[j] for j in batch] + [limits[i]])
+            if batch and rows * (width + new) > self.max_batch_tokens:
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
+            batches.append(batch)
+        results = [None] * len(prompts)
+        # Deterministic per (seed, call), without disturbing the caller's global RNG state.
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.manual_seed(self.seed * 1_000_003 + self.calls)
+            self.calls += 1
+            for batch in batches:
+                self._run(batch, prompts, limits, temperature, results)
+        return results
+
+    def _run(self, batch, prompts, limits, temperature, results):
+        import torch
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, i in enumerate(batch):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
+            mask[r, width - len(prompts[i]):] = 1
+        row_limits = torch.tensor([limits[i] for i in batch], device=self.device)
+        sample = temperature > 0
+        # plain sampling: override generation_config defaults (e.g. Qwen's top_k=20, top_p=0.8)
+        # (the temperature itself is applied by the recorder, see LogprobRecorder)
+        sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0} if sample else {}
+        config = GenerationConfig(
+            max_new_tokens=int(row_limits.max()), do_sample=sample, repetition_penalty=1.0,
+            no_repeat_ngram_size=0, num_beams=1, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
+            bos_token_id=None, return_dict_in_generate=True, **sampling)
+        recorder_cls, row_limit_cls = _hf_helpers()
+        recorder = recorder_cls(temperature if sample else 1.0)
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config,
+                logits_processor=LogitsProcessorList([recorder]),
+                stopping_criteria=StoppingCriteriaList([row_limit_cls(width, row_limits)]))
+        new = out.sequences[:, width:]
+        logprobs = recorder.finish(new)
+        new, logprobs = new.tolist(), logprobs.tolist()
+        for r, i in enumerate(batch):
+            results[i] = self._finish(new[r], logprobs[r], limits[i])
+
+    def close(self):
+        self.model = None
+        gc.collect()
+
+
+_HELPERS = {}
+
+
+def _hf_helpers():
+    """The logits processor and stopping criterion classes (built lazily: transformers is slow to import)."""
+    if _HELPERS:
+        return _HELPERS["recorder"], _HELPERS["row_limit"]
+    import torch
+    from transformers import LogitsProcessor, StoppingCriteria
+
+    class LogprobRecorder(LogitsProcessor):
+        """Applies the temperature itself and keeps the chosen ids' log-probabilities.
+
+        generate() runs user processors before its own warpers, so the engine asks
+        generate for temperature 1 (no warper) and divides here: the scores it records
+        are exactly those the next id is drawn from. At step t it sees the id chosen at
+        step t-1 as the last input id, so it only holds one step's log-softmax
+        (batch x vocab), never the whole history.
+        """
+
+        def __init__(self, temperature):
+            self.temperature = temperature
+            self.prev = None
+            self.steps = []
+
+        def __call__(self, input_ids, scores):
+            if self.prev is not None:
+                self.steps.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
+            if self.temperature != 1.0:
+                scores = scores / self.temperature
+            self.prev = torch.log_softmax(scores.float(), dim=-1)
+            return scores
+
+        def finish(self, new_ids):
+            if self.prev is not None and len(self.steps) < new_ids.shape[1]:
+                self.steps.append(self.prev.gather(1, new_ids[:, -1:]).squeeze(1))
+            self.prev = None
+            if not self.steps:
+                return torch.zeros((new_ids.shape[0], 0))
+            return torch.stack(self.steps, dim=1).cpu()
+
+    class RowLimit(StoppingCriteria):
+        """Stops each row once it generated its own max_new_tokens."""
+
+        def __init__(self, prompt_width, limits):
+            self.prompt_width = prompt_width
+            self.limits = limits
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return (input_ids.shape[1] - self.prompt_width) >= self.limits
+
+    _HELPERS.update(recorder=LogprobRecorder, row_limit=RowLimit)
+    return LogprobRecorder, RowLimit
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+class VLLMEngine(Engine):
+    """vllm.LLM on token prompts; a LoRA adapter is served with a LoRARequest per call."""
+
+    def __init__(self, model_dir, *, max_model_len, seed=0, tensor_parallel_size=1, dtype=None, **llm_kwargs):
+        cpu = not _cuda()
+        if cpu:
+            # In-process engine core: starts in ~3 s instead of 15-18 s on CPU.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM  # slow import: only here
+
+        self.base, self.adapter, cfg = resolve_model(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.stop_ids = _stop_ids(self.tokenizer, self.base)
+        self.max_model_len = max_model_len
+        kwargs = {"model": self.base, "tokenizer": self.base, "max_model_len": max_model_len, "seed": seed,
+                  "tensor_parallel_size": tensor_parallel_size,
+                  "dtype": dtype or ("float32" if cpu else "auto"),
+                  "logprobs_mode": "processed_logprobs",
+                  # On CPU, torch.compile costs ~25 s at start and gains little; GPUs keep graphs.
+                  "enforce_eager": cpu}
+        if cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            # vllm-cpu otherwise reserves 92% of the node's memory and refuses to start on a
+            # shared machine; 1 GiB holds ~1M tokens of the tiny model's cache.
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        self.lora = None
+        if self.adapter:
+            from vllm.lora.request import LoRARequest
+            kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(cfg), max_loras=1)
+            self.lora = LoRARequest("policy", 1, self.adapter)
+        kwargs.update(llm_kwargs)
+        self.llm = LLM(**kwargs)
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        limits = self._limits(prompts, max_new_tokens)
+        if not prompts:
+            return []
+        params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
+                                 repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                                 max_tokens=m, logprobs=0, stop_token_ids=list(self.stop_ids),
+                                 detokenize=False)
+                  for m in limits]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                 use_tqdm=False, lora_request=self.lora)
+        results = []
+        for out, limit in zip(outs, limits, strict=True):
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            lps = [o.logprobs[t][i].logprob for t, i in enumerate(ids)]
+            results.append(self._finish(ids, lps, limit))
+        return results
+
+    def close(self):
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        if llm is None:
+            return
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except Exception:  # noqa: BLE001 - best-effort cleanup
+            pass

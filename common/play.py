@@ -1,0 +1,175 @@
+"""The multi-turn BFCL protocol, played by a policy engine for many trajectories at once.
+
+For each user turn the model answers; parsed calls are validated, executed and
+their results fed back as tool responses; the turn ends when the model answers
+without a call. A turn that reaches the step limit ends the trajectory, as
+bfcl-eval's force-quit does. All trajectories waiting for the model advance
+together: one batched engine call per step. rollout.py and evaluate.py are thin
+command lines around `play`.
+"""
+
+import time
+
+from tqdm import tqdm
+
+from common import bfcl
+from common import interface as omega_api
+from common.chat import Renderer, tool_messages
+
+
+class Trajectory:
+    def __init__(self, task, sample_index, omega, tokenizer, fmt):
+        self.task, self.sample_index, self.omega, self.fmt = task, sample_index, omega, fmt
+        self.env = bfcl.Environment(task)
+        self.start = time.perf_counter()
+        self.cue_tokens = 0
+        self.turns = []
+        self.stop = None
+        tools = bfcl.tools_at(task, 0)
+        shown, system = omega_api.tool_view(tools, omega), omega_api.system_cue(omega)
+        self.renderer = Renderer(tokenizer, shown, system)
+        self.history = []
+        self.ids, self.mask, self.logprobs = [], [], []
+        self.prompt_ids = self.renderer.prompt(self._enter_turn(0))
+        if shown is not tools or system:
+            # Schema-cue annotations and capability cues: what the prompt has beyond the plain one.
+            plain = Renderer(tokenizer, tools).prompt(self.history)
+            self.cue_tokens += max(0, len(self.prompt_ids) - len(plain))
+
+    def _enter_turn(self, turn):
+        """Start `turn` in the environment; returns its user messages (new tools announced)."""
+        revealed = self.env.start_turn(turn)
+        shown = omega_api.tool_view(revealed, self.omega) if revealed else None
+        msgs = bfcl.turn_messages(self.task, turn, new_tools=shown)
+        if revealed and shown is not revealed:
+            # Schema-cue annotations of revealed tools are cue tokens too.
+            plain = bfcl.turn_messages(self.task, turn)
+            self.cue_tokens += max(0, len(self.renderer.ids(msgs[0]["content"]))
+                                   - len(self.renderer.ids(plain[0]["content"])))
+        self.history += msgs
+        self.turns.append({"steps": [], "end": None})
+        return msgs
+
+    def context_len(self):
+        return len(self.prompt_ids) + len(self.ids)
+
+    def _append(self, ids, mask, logprobs=None):
+        self.ids += ids
+        self.mask += [mask] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [None] * len(ids)
+
+    def finish(self, stop, end=None):
+        self.stop = stop
+        if end and self.turns and self.turns[-1]["end"] is None:
+            self.turns[-1]["end"] = end
+        self.env.close()
+
+    def advance(self, gen, text, max_steps_per_turn, max_model_len):
+        """Take one model output: execute its calls and add what the model sees next."""
+        self._append(gen.ids, 1, gen.logprobs)
+        step = {"text": text, **self.env.step(text, self.fmt), "feedback": None}
+        turn = self.turns[-1]
+        turn["steps"].append(step)
+        eos = gen.finish == "stop"
+        history = list(self.history)
+        self.history.append({"role": "assistant", "content": text})
+
+        if step["calls"] or step["parse_error"]:
+            if len(turn["steps"]) >= max_steps_per_turn:
+                return self.finish("step_limit", "step_limit")
+            contents = list(step["results"])
+            if step["parse_error"]:
+                contents.append(f"Error: could not parse tool calls: {step['parse_error']}")
+            hints = []
+            errors = list(step["call_errors"]) + ([step["parse_error"]] if step["parse_error"] else [])
+            for i, err in enumerate(errors):
+                hint = omega_api.error_hint(err, self.env.tools, self.omega) if err else None
+                if hint:
+                    contents[i] = f"{contents[i]}\n{hint}"
+                    hints.append(hint)
+                    self.cue_tokens += len(self.renderer.ids(hint))
+            step["feedback"] = "\n".join(hints) or None
+            new = tool_messages(contents)
+        else:
+            turn["end"] = "answer"
+            if len(self.turns) == len(self.task["questions"]):
+                return self.finish("done")
+            new = self._enter_turn(len(self.turns))
+        more = self.renderer.continuation(history, text, eos, new)
+        if self.context_len() + len(more) >= max_model_len:
+            # What the model would see next does not fit (with room for one token).
+            return self.finish("context_limit", "context_limit")
+        self._append(more, 0)
+        self.history += new if step["calls"] or step["parse_error"] else []
+
+    def record(self, round_, policy):
+        return {
+            "task_id": self.task["id"], "category": self.task["category"], "sample_index": self.sample_index,
+            "round": round_, "policy": policy,
+            "interface_version": self.omega.get("version") if self.omega else None,
+            "turns": self.turns, "stop": self.stop,
+            "tokens": {"prompt_ids": self.prompt_ids, "ids": self.ids, "mask": self.mask, "logprobs": self.logprobs},
+            "stats": {"gen_tokens": sum(self.mask), "cue_tokens": self.cue_tokens,
+                      "seconds": round(time.perf_counter() - self.start, 3)},
+        }
+
+
+def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps_per_turn=20,
+         max_model_len=16384, max_new_tokens=512, round_=0, policy="", progress=True):
+    """Rollout records for `n` samples of every task, in (task, sample) order, and the wall
+    time of the loop with the part spent inside the engine."""
+    tok = engine.tokenizer
+    trajs = [Trajectory(task, k, omega, tok, fmt) for task in tasks for k in range(n)]
+    bar = tqdm(total=len(trajs), desc="trajectories", unit="traj", disable=not progress)
+    t0, generated, engine_seconds = time.perf_counter(), 0, 0.0
+    while True:
+        active = [t for t in trajs if t.stop is None]
+        waiting = []
+        for t in active:
+            room = max_model_len - t.context_len()
+            if room <= 0:
+                t.finish("context_limit", "context_limit")
+                bar.update(1)
+            else:
+                waiting.append((t, min(max_new_tokens, room)))
+        if not waiting:
+            break
+        t_gen = time.perf_counter()
+        gens = engine.generate([t.prompt_ids + t.ids for t, _ in waiting], [m for _, m in waiting], temperature)
+        engine_seconds += time.perf_counter() - t_gen
+        for (t, _), gen in zip(waiting, gens, strict=True):
+            generated += len(gen.ids)
+            text = decode(tok, gen)
+            t.advance(gen, text, max_steps_per_turn, max_model_len)
+            if t.stop is not None:
+                bar.update(1)
+        bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t0, 1e-9):.0f}")
+    bar.close()
+    timing = {"seconds": time.perf_counter() - t0, "engine_seconds": engine_seconds}
+    return [t.record(round_, policy) for t in trajs], timing
+
+
+def decode(tok, gen):
+    """The model's text: every token as written (tool-call tags included), minus a final eos."""
+    ids = gen.ids[:-1] if gen.finish == "stop" and gen.ids and gen.ids[-1] == tok.eos_token_id else gen.ids
+    return tok.decode(ids, skip_special_tokens=False)
+
+
+def summary(records):
+    """Counts people look at after a rollout: steps per turn, stop reasons, parse errors, tokens."""
+    steps = [len(turn["steps"]) for r in records for turn in r["turns"]]
+    all_steps = [s for r in records for turn in r["turns"] for s in turn["steps"]]
+    stops = {}
+    for r in records:
+        stops[r["stop"]] = stops.get(r["stop"], 0) + 1
+    return {
+        "trajectories": len(records),
+        "mean_steps_per_turn": round(sum(steps) / max(len(steps), 1), 3),
+        "stop_reasons": dict(sorted(stops.items())),
+        "parse_error_rate": round(sum(s["parse_error"] is not None for s in all_steps) / max(len(all_steps), 1), 4),
+        "call_error_rate": round(sum(e is not None for s in all_steps for e in s["call_errors"])
+                                 / max(sum(len(s["call_errors"]) for s in all_steps), 1), 4),
+        "gen_tokens": sum(r["stats"]["gen_tokens"] for r in records),
+        "cue_tokens": sum(r["stats"]["cue_tokens"] for r in records),
+        "context_tokens": sum(len(r["tokens"]["prompt_ids"]) + len(r["tokens"]["ids"]) for r in records),
+    }

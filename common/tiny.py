@@ -1,0 +1,571 @@
+"""A tiny Qwen2-style tool-calling model, built offline on CPU (the `tiny` preset, tests).
+
+    python -m common.tiny --out DIR [--steps N] [--tasks data/train.jsonl]
+
+Builds a normal Hugging Face model folder in three steps (about 2 minutes on 2 idle cores):
+
+1. Tokenizer: a ~4k byte-level BPE trained with the `tokenizers` library on text of
+   the task file (questions, tool documentation, rendered ground-truth turns). It uses
+   exactly the normalizer (NFC) and pre-tokenizer (Qwen2's split regex + ByteLevel)
+   that transformers 5.x imposes on any folder whose config says `qwen2` (DESIGN §8),
+   so AutoTokenizer gives the same ids as the trained tokenizer (kept as
+   `bpe_tokenizer.json` for that check). Special tokens `<|endoftext|>` (pad),
+   `<|im_start|>`, `<|im_end|>` (eos); added tokens `<tool_call>`, `</tool_call>`,
+   `<tool_response>`, `</tool_response>`. The chat template (CHAT_TEMPLATE) behaves
+   like Qwen2.5-Instruct's.
+2. Model: a randomly initialised Qwen2 (hidden 128, 2 layers, 4 heads, 2 KV heads,
+   tied embeddings, ~1M parameters, 32k positions) whose layers all use Qwen2's
+   sliding-window attention over the last `sliding_window` (256) tokens, with
+   rope_theta 1e4 (plenty of resolution for distances under 256).
+
+   Why a sliding window: BFCL prompts are ~5k tokens with this BPE (up to ~11k plus
+   the conversation), far beyond what a CPU warm start can train on. A full-attention
+   model trained on short windows breaks on long prompts (measured: a model that
+   answered 8/8 first steps correctly with the last 160 prompt tokens answered 2/8
+   with 512 and 0/8 with 2048: attention spreads over thousands of unseen tokens).
+   With the window, every position sees at most 256 tokens at any prompt length, so
+   the short training examples are exactly what the model meets at inference, all
+   32k positions work, and the KV cache stays small. transformers and vLLM both
+   implement Qwen2's window (vLLM's CPU attention too); their log-probabilities agree.
+3. Warm start: a short supervised fine-tune (AdamW, fp32) on ground-truth
+   conversations of the task file, rendered with the chat template and real tool
+   results from common.bfcl.Environment (see `conversation`). Loss only on assistant
+   tokens (their content and the closing `<|im_end|>`), averaged per message, then
+   over the batch (so the few 30-call turns do not teach "one more call" to all).
+
+   Window choice: one training example per assistant message: the `context` (256)
+   tokens before it (= the attention window) and the message itself (at most
+   MAX_TARGET tokens). For the first step of turn 0 that is the end of the tool list,
+   the user message and the generation prompt. The language-model head is applied
+   only at the loss positions (it is half the model's compute). Messages answering a
+   user message (tool calls, or "something is missing" on empty-ground-truth turns)
+   are sampled 4x as often as the closing answers after tool results.
+
+The build ends by measuring, on `eval_tasks` tasks with their full turn-0 prompt and
+greedy decoding, how often the first output parses as at least one tool call
+(common.calls.parse(text, "json")); the rate is printed and kept in build_info.json.
+
+`build_cached()` builds once into `<repo>/.cache/tiny-<hash>/` (hash of this file,
+the arguments and the task file) and reuses it.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TASKS = os.path.join(REPO, "data", "train.jsonl")
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+PAD, EOS = "<|endoftext|>", "<|im_end|>"
+# Qwen2's pre-tokenizer split (as imposed by transformers' Qwen2Tokenizer).
+QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                     r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+DEFAULT_SYSTEM = "You are a helpful assistant."  # the chat template's system message when none is given
+
+# Qwen2.5-Instruct-like chat template (our own text). Assistant messages are rendered
+# from their raw `content` (token-in/token-out: the model's own text, tool calls
+# included); consecutive `tool` messages form one user block of <tool_response>s.
+CHAT_TEMPLATE = r"""
+{%- if messages and messages[0].role == 'system' -%}
+  {%- set system = messages[0].content -%}
+  {%- set rest = messages[1:] -%}
+{%- else -%}
+  {%- set system = 'You are a helpful assistant.' -%}
+  {%- set rest = messages -%}
+{%- endif -%}
+{{- '<|im_start|>system\n' + system -}}
+{%- if tools -%}
+  {{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+  {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+  {%- for tool in tools -%}
+    {{- '\n' + (tool | tojson) -}}
+  {%- endfor -%}
+  {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments ' -}}
+  {{- 'within <tool_call></tool_call> XML tags:\n<tool_call>\n' -}}
+  {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' -}}
+{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- for message in rest -%}
+  {%- if message.role == 'tool' -%}
+    {%- if loop.first or rest[loop.index0 - 1].role != 'tool' -%}
+      {{- '<|im_start|>user' -}}
+    {%- endif -%}
+    {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' -}}
+    {%- if loop.last or rest[loop.index0 + 1].role != 'tool' -%}
+      {{- '<|im_end|>\n' -}}
+    {%- endif -%}
+  {%- elif message.role in ['user', 'assistant', 'system'] -%}
+    {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}
+  {%- else -%}
+    {{- raise_exception('unknown message role: ' + message.role) -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+
+DONE_ANSWER = "Done: the requested operations have been carried out."
+MISSING_ANSWER = {
+    "miss_func": "I cannot do this with the functions I have: the function it needs is missing.",
+    "miss_param": "I cannot do this yet: some required information is missing. Please provide it.",
+}
+DEFAULT_MISSING = "I cannot do this: something required is missing."
+
+# Build arguments (all part of the cache key).
+DEFAULTS = {
+    "vocab_size": 4096,
+    "hidden_size": 128,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 512,
+    "max_positions": 32768,
+    "rope_theta": 10_000.0,
+    "sliding_window": 256,
+    "steps": 300,
+    "batch_size": 16,
+    "context": 256,
+    "lr": 5e-3,
+    "answer_weight": 0.25,
+    "warmup": 6,
+    "seed": 0,
+    "eval_tasks": 32,
+    "eval_max_new_tokens": 128,
+}
+MAX_TARGET = 384  # tokens of one assistant message trained on (a few ground-truth turns are longer)
+
+
+# ----------------------------------------------------------------------------- tools and text
+
+
+_TYPE_MAP = {"dict": "object", "float": "number", "tuple": "array", "any": "string"}  # as bfcl-eval maps them
+
+
+def _json_schema(schema):
+    out = {}
+    for key, value in schema.items():
+        if key == "type" and isinstance(value, str):
+            out["type"] = _TYPE_MAP.get(value, value)
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {name: _json_schema(sub) if isinstance(sub, dict) else sub for name, sub in value.items()}
+        elif key == "items" and isinstance(value, dict):
+            out[key] = _json_schema(value)
+        else:
+            out[key] = value
+    return out
+
+
+def to_chat_tools(schemas):
+    """BFCL tool schemas -> the OpenAI/JSON-schema form chat templates take (`tools=`).
+
+    BFCL types dict/float/tuple/any become object/number/array/string (bfcl-eval's mapping).
+    The `response` description is left out, as in bfcl-eval's function-calling handlers.
+    """
+    return [{"type": "function",
+             "function": {"name": s["name"], "description": s.get("description", ""),
+                          "parameters": _json_schema(s.get("parameters", {"type": "dict", "properties": {}}))}}
+            for s in schemas]
+
+
+def conversation(task):
+    """The ground-truth conversation of `task` as chat messages, with real tool results.
+
+    Per turn: the user message(s); if the turn's ground truth is not empty, one
+    assistant message holding all its calls as Qwen <tool_call> blocks, the tool
+    messages with what the environment returned, and a short closing answer;
+    otherwise a short answer saying what is missing.
+    """
+    from common import bfcl
+    from common import calls as C
+
+    messages = []
+    with bfcl.Environment(task) as env:
+        for turn in range(len(task["questions"])):
+            env.start_turn(turn)
+            messages.extend({"role": m["role"], "content": m["content"]} for m in bfcl.turn_messages(task, turn))
+            gt = bfcl.ground_truth_calls(task, turn)
+            if not gt:
+                messages.append({"role": "assistant",
+                                 "content": MISSING_ANSWER.get(task["category"], DEFAULT_MISSING)})
+                continue
+            results, _ = env.run_calls(gt)
+            messages.append({"role": "assistant", "content": C.format_calls(gt, "json")})
+            messages.extend({"role": "tool", "content": r} for r in results)
+            messages.append({"role": "assistant", "content": DONE_ANSWER})
+    return messages
+
+
+def pick_eval_tasks(tasks, n):
+    """`n` tasks whose turn 0 has ground-truth calls, taken round-robin over categories in file order.
+
+    (Turn 0 of many miss_func/miss_param tasks has no ground truth: the right first
+    output there is a plain answer, not a call.)
+    """
+    by_cat = {}
+    for t in tasks:
+        if t["ground_truth"][0]:
+            by_cat.setdefault(t["category"], []).append(t)
+    picked, i = [], 0
+    while len(picked) < n and any(i < len(v) for v in by_cat.values()):
+        picked.extend(v[i] for v in by_cat.values() if i < len(v))
+        i += 1
+    return picked[:n]
+
+
+def first_prompt_messages(task):
+    """The messages of turn 0 before the first model step (the evaluation prompt)."""
+    from common import bfcl
+    return [{"role": m["role"], "content": m["content"]} for m in bfcl.turn_messages(task, 0)]
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def _pre_tokenizer():
+    from tokenizers import Regex, pre_tokenizers
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def train_bpe(texts, vocab_size):
+    """A byte-level BPE with Qwen2's normalizer and pre-tokenizer (a `tokenizers.Tokenizer`)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
+                               fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = _pre_tokenizer()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  special_tokens=SPECIAL_TOKENS + ADDED_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    return tok
+
+
+def hf_tokenizer(bpe):
+    """The transformers Qwen2Tokenizer holding the trained vocabulary, merges and chat template."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, eos_token=EOS, pad_token=PAD,
+                         bos_token=None, model_max_length=DEFAULTS["max_positions"])
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken("<|im_start|>", special=True,
+                                                                     normalized=False)]})
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    tok.chat_template = CHAT_TEMPLATE.strip()
+    return tok
+
+
+def tokenizer_texts(tasks, conversations):
+    """Training text for the BPE: tool docs, questions and rendered ground-truth turns, deduplicated."""
+    seen, texts = set(), []
+
+    def add(s):
+        if s and s not in seen:
+            seen.add(s)
+            texts.append(s)
+
+    for task in tasks:
+        for tool in to_chat_tools(task["tools"] + [s for v in task["missed_function"].values() for s in v]):
+            add(json.dumps(tool, ensure_ascii=False))
+        for msgs in task["questions"]:
+            for m in msgs:
+                add(m["content"])
+    for msgs in conversations:
+        for m in msgs:
+            add(m["content"][:20_000])
+    add(CHAT_TEMPLATE)
+    return texts
+
+
+# ----------------------------------------------------------------------------- warm-start data
+
+
+def assistant_spans(text):
+    """Character spans [start, end) of assistant contents plus their closing <|im_end|>."""
+    head = "<|im_start|>assistant\n"
+    spans, pos = [], 0
+    while True:
+        i = text.find(head, pos)
+        if i < 0:
+            return spans
+        start = i + len(head)
+        end = text.index(EOS, start) + len(EOS)
+        spans.append((start, end))
+        pos = end
+
+
+def token_spans(enc, char_spans):
+    """Token index spans matching character spans; tokens must not straddle a boundary."""
+    offsets = enc.offsets
+    starts = {s: i for i, (s, _) in enumerate(offsets)}
+    ends = {e: i + 1 for i, (_, e) in enumerate(offsets)}
+    out = []
+    for cs, ce in char_spans:
+        if cs not in starts or ce not in ends:
+            raise RuntimeError(f"assistant span {cs}:{ce} does not fall on token boundaries")
+        out.append((starts[cs], ends[ce]))
+    return out
+
+
+def warm_start_examples(tok, bpe, tasks, convs, context):
+    """Training examples (ids, loss positions, is_first_step) of all conversations.
+
+    A rendered conversation is the system block (the tool list, ~4-7k tokens) and
+    the messages after it, which start with the special token <|im_start|>, so the
+    two tokenise independently. Only the end of the system block is ever used: it is
+    tokenised once per distinct tool list.
+    """
+    import torch
+
+    sys_cache, sys_ids, conv_texts = {}, [], []
+    for task, msgs in zip(tasks, convs, strict=True):
+        text = tok.apply_chat_template(msgs, tools=to_chat_tools(task["tools"]), tokenize=False)
+        cut = text.index(EOS + "\n") + len(EOS) + 1
+        if text[cut:].find("<|im_start|>") != 0:
+            raise RuntimeError("the chat template's system block is not followed by <|im_start|>")
+        if text[:cut] not in sys_cache:
+            sys_cache[text[:cut]] = bpe.encode(text[:cut]).ids[-context:]
+        sys_ids.append(sys_cache[text[:cut]])
+        conv_texts.append(text[cut:])
+    examples = []
+    for head, text, enc, msgs in zip(sys_ids, conv_texts, bpe.encode_batch(conv_texts), convs, strict=True):
+        spans = [(s + len(head), e + len(head)) for s, e in token_spans(enc, assistant_spans(text))]
+        # an assistant message that answers a user message is the first step of its turn
+        first_flags = [prev["role"] == "user" for prev, m in zip(msgs, msgs[1:], strict=False)
+                       if m["role"] == "assistant"]
+        for x, pos, first in make_examples(head + enc.ids, spans, first_flags, context):
+            examples.append((torch.tensor(x), torch.tensor(pos), first))
+    return examples
+
+
+def make_examples(ids, spans, first_flags, context):
+    """One example per assistant message: `context` tokens before it, then the message.
+
+    Returns (ids, loss positions, is_first_step) triples; loss position p predicts token p + 1.
+    A message longer than MAX_TARGET tokens keeps only its first MAX_TARGET tokens.
+    """
+    out = []
+    for (s, e), first in zip(spans, first_flags, strict=True):
+        start = max(0, s - context)
+        e = min(e, s + MAX_TARGET)
+        out.append((ids[start:e], [p - start - 1 for p in range(max(s, start + 1), e)], first))
+    return out
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def _log(msg):
+    print(f"[tiny] {msg}", file=sys.stderr, flush=True)
+
+
+def build(out, *, tasks_path=DEFAULT_TASKS, **overrides):
+    """Build the tiny model folder at `out` (atomically). Returns build_info."""
+    from common.jsonl import atomic_dir
+    args = {**DEFAULTS, **overrides}
+    unknown = set(overrides) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown build argument(s): {', '.join(sorted(unknown))}")
+    with atomic_dir(out) as tmp:
+        info = _build_into(tmp, tasks_path, args)
+    return info
+
+
+def _build_into(folder, tasks_path, args):
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+    from common import bfcl
+    from common.jsonl import write_json
+
+    t_start = time.time()
+    seed = args["seed"]
+    random.seed(seed)
+    torch.manual_seed(seed)
+    timings = {}
+
+    # --- data: ground-truth conversations with real tool results
+    tasks = list(bfcl.load_tasks(tasks_path).values())
+    convs = [conversation(t) for t in tasks]
+    timings["conversations_s"] = round(time.time() - t_start, 2)
+
+    # --- tokenizer
+    t0 = time.time()
+    bpe = train_bpe(tokenizer_texts(tasks, convs), args["vocab_size"])
+    bpe.save(os.path.join(folder, "bpe_tokenizer.json"))
+    tok = hf_tokenizer(bpe)
+    tok.save_pretrained(folder)
+    timings["tokenizer_s"] = round(time.time() - t0, 2)
+
+    # --- tokenise the conversations and cut training examples
+    t0 = time.time()
+    examples = warm_start_examples(tok, bpe, tasks, convs, args["context"])
+    lens = [len(e[0]) for e in examples]
+    timings["examples_s"] = round(time.time() - t0, 2)
+    _log(f"{len(tasks)} tasks, {len(examples)} examples (mean {sum(lens) / len(lens):.0f} tokens)")
+
+    # --- model
+    eos_id, pad_id = tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(PAD)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=args["hidden_size"], num_hidden_layers=args["num_layers"],
+        num_attention_heads=args["num_heads"], num_key_value_heads=args["num_kv_heads"],
+        intermediate_size=args["intermediate_size"], max_position_embeddings=args["max_positions"],
+        rope_parameters={"rope_type": "default", "rope_theta": args["rope_theta"]},
+        use_sliding_window=args["sliding_window"] is not None, sliding_window=args["sliding_window"],
+        max_window_layers=0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos_id,
+        pad_token_id=pad_id, dtype="float32")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    # --- warm start
+    t0 = time.time()
+    losses = warm_start(model, examples, args)
+    timings["train_s"] = round(time.time() - t0, 2)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    model.save_pretrained(folder)
+
+    # --- measure: first-step greedy output on full turn-0 prompts
+    t0 = time.time()
+    rate, samples = first_step_parse_rate(folder, pick_eval_tasks(tasks, args["eval_tasks"]),
+                                          args["eval_max_new_tokens"])
+    timings["eval_s"] = round(time.time() - t0, 2)
+    timings["total_s"] = round(time.time() - t_start, 2)
+    info = {"args": args, "tasks": os.path.relpath(os.path.abspath(tasks_path), REPO),
+            "n_examples": len(examples), "params": sum(p.numel() for p in model.parameters()),
+            "loss_first": losses[0], "loss_last": losses[-1], "first_step_parse_rate": rate,
+            "eval_tasks": len(samples), "eval_samples": samples, "timings": timings}
+    write_json(os.path.join(folder, "build_info.json"), info)
+    _log(f"first-step parse rate {rate:.2f} on {len(samples)} tasks; timings {timings}")
+    return info
+
+
+def warm_start(model, examples, args):
+    """AdamW on the assistant tokens of the examples; the LM head runs only at loss positions."""
+    import torch
+    import torch.nn.functional as F
+
+    rng = random.Random(args["seed"])
+    # answers to tool results ("Done: ...") are easy: sample them less often
+    weights = [1.0 if first else args["answer_weight"] for _, _, first in examples]
+    opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], betas=(0.9, 0.98), weight_decay=0.0)
+    steps, warmup = args["steps"], args["warmup"]
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
+    model.train()
+    losses = []
+    for step in range(steps):
+        batch = rng.choices(range(len(examples)), weights=weights, k=args["batch_size"])
+        width = max(len(examples[i][0]) for i in batch)
+        ids = torch.full((len(batch), width), model.config.pad_token_id, dtype=torch.long)
+        rows, cols, targets, tok_w = [], [], [], []
+        for r, i in enumerate(batch):
+            x, pos, _ = examples[i]
+            ids[r, : len(x)] = x  # right padding: the padded tail is never a loss position
+            rows.append(torch.full_like(pos, r))
+            cols.append(pos)
+            targets.append(x[pos + 1])
+            tok_w.append(torch.full((len(pos),), 1.0 / len(pos)))
+        rows, cols, targets, tok_w = torch.cat(rows), torch.cat(cols), torch.cat(targets), torch.cat(tok_w)
+        hidden = model.model(input_ids=ids).last_hidden_state
+        logits = model.lm_head(hidden[rows, cols])
+        # mean over each example's tokens, then over examples: long multi-call turns do not dominate
+        loss = (F.cross_entropy(logits.float(), targets, reduction="none") * tok_w).sum() / len(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.item(), 4))
+        if step % 10 == 0 or step == steps - 1:
+            _log(f"step {step}/{steps} loss {loss.item():.3f}")
+    model.eval()
+    return losses
+
+
+def first_step_parse_rate(model_dir, tasks, max_new_tokens, engine=None):
+    """Fraction of tasks whose greedy first output (full turn-0 prompt) parses as >= 1 tool call."""
+    from common import calls as C
+    from common.engines import make_engine
+
+    own = engine is None
+    if own:
+        engine = make_engine("hf", model_dir, max_model_len=DEFAULTS["max_positions"], seed=0)
+    try:
+        tok = engine.tokenizer
+        prompts = [tok.apply_chat_template(first_prompt_messages(t), tools=to_chat_tools(t["tools"]),
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+                   for t in tasks]
+        gens = engine.generate(prompts, [max_new_tokens] * len(prompts), 0.0)
+    finally:
+        if own:
+            engine.close()
+    ok, samples = 0, []
+    for task, g in zip(tasks, gens, strict=True):
+        text = tok.decode(g.ids, skip_special_tokens=True)
+        calls, err = C.parse(text, "json")
+        good = bool(calls) and err is None
+        ok += good
+        samples.append({"task_id": task["id"], "text": text[:200], "parsed": good, "error": err})
+    return ok / max(1, len(tasks)), samples
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def build_key(tasks_path=DEFAULT_TASKS, **overrides):
+    """Hash of this file's source, the build arguments and the task file."""
+    h = hashlib.sha256()
+    with open(os.path.abspath(__file__), "rb") as f:
+        h.update(f.read())
+    h.update(json.dumps({**DEFAULTS, **overrides}, sort_keys=True).encode())
+    with open(tasks_path, "rb") as f:
+        h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()[:16]
+
+
+def build_cached(cache_root=None, *, tasks_path=DEFAULT_TASKS, **overrides):
+    """Path of the tiny model folder, built once into `<cache_root>/tiny-<hash>/` and reused."""
+    from filelock import FileLock
+    cache_root = cache_root or os.path.join(REPO, ".cache")
+    os.makedirs(cache_root, exist_ok=True)
+    path = os.path.join(cache_root, f"tiny-{build_key(tasks_path, **overrides)}")
+    done = os.path.join(path, "build_info.json")
+    if os.path.isfile(done):
+        return path
+    with FileLock(path + ".lock"):  # another process may be building the same model
+        if not os.path.isfile(done):
+            _log(f"building {path}")
+            build(path, tasks_path=tasks_path, **overrides)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Build the tiny offline tool-calling model (HF model folder).")
+    p.add_argument("--out", required=True, help="output model folder (replaced atomically)")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="warm-start optimiser steps")
+    p.add_argument("--tasks", default=DEFAULT_TASKS, help="task file (JSONL) to train on")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--eval-tasks", type=int, default=DEFAULTS["eval_tasks"],
+                   help="tasks on which to measure the first-step parse rate")
+    a = p.parse_args(argv)
+    info = build(a.out, tasks_path=a.tasks, steps=a.steps, seed=a.seed, eval_tasks=a.eval_tasks)
+    print(json.dumps({"out": a.out, "first_step_parse_rate": info["first_step_parse_rate"],
+                      "timings": info["timings"]}))
+
+
+if __name__ == "__main__":
+    main()

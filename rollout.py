@@ -1,0 +1,91 @@
+"""Roll out a policy on BFCL multi-turn tasks through the training-time interface Ω.
+
+    python rollout.py --model DIR --tasks data/train.jsonl --n 8 --out rollouts.jsonl \
+        [--interface interface.json] [--engine vllm|hf] [--limit K] [--temperature 1.0] \
+        [--seed S] [--max-steps-per-turn 20] [--max-model-len 16384]
+
+Each task is played `--n` times against the real bfcl-eval environment; every
+trajectory is one JSONL record (DESIGN §3) holding the transcript, the parsed
+calls and what the environment returned, and the exact token ids the engine
+consumed and produced with a mask that is 1 only on model-generated tokens.
+`--model` is a HF model folder or a LoRA adapter folder.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+
+from common import bfcl, play
+from common import interface as omega_api
+from common.engines import make_engine
+from common.jsonl import RecordError, write_json, write_jsonl
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--model", required=True, help="policy folder (HF model or LoRA adapter)")
+parser.add_argument("--tasks", required=True, help="task file, e.g. data/train.jsonl")
+parser.add_argument("--n", type=int, default=8, help="samples per task (the GRPO group)")
+parser.add_argument("--out", required=True, help="output JSONL")
+parser.add_argument("--interface", default=None, help="Ω (interface.json); absent: plain prompts")
+parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
+parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
+parser.add_argument("--task-ids", default=None, help="comma-separated task ids to play (after --limit)")
+parser.add_argument("--batch", type=int, default=None,
+                    help="play only K tasks: round R takes the R-th slice of a fixed shuffle (cycling)")
+parser.add_argument("--temperature", type=float, default=1.0)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--max-steps-per-turn", type=int, default=20)
+parser.add_argument("--max-model-len", type=int, default=16384)
+parser.add_argument("--max-new-tokens", type=int, default=512, help="per model call")
+parser.add_argument("--call-format", default="json", choices=["json", "python"],
+                    help="json: Qwen <tool_call> blocks; python: [f(a=1)] lists (ToolACE)")
+parser.add_argument("--round", type=int, default=0)
+parser.add_argument("--tensor-parallel-size", type=int, default=1)
+parser.add_argument("--summary", default=None, help="also write the summary as JSON here")
+
+
+def select_tasks(path, limit=None, ids=None, batch=None, round_=0):
+    tasks = list(bfcl.load_tasks(path).values())
+    if limit:
+        tasks = [t for cat in bfcl.CATEGORIES for t in [x for x in tasks if x["category"] == cat][:limit]]
+    if ids:
+        wanted = ids.split(",")
+        known = {t["id"] for t in tasks}
+        unknown = [i for i in wanted if i not in known]
+        if unknown:
+            raise RecordError(f"{path}: unknown task id {unknown[0]}")
+        tasks = [t for t in tasks if t["id"] in set(wanted)]
+    if batch:
+        # A fixed order (not --seed) so that every run and mode sees the same tasks per round.
+        order = list(tasks)
+        random.Random(0).shuffle(order)
+        start = (round_ * batch) % len(order)
+        tasks = (order + order)[start:start + min(batch, len(order))]
+    return tasks
+
+
+def main(args):
+    tasks = select_tasks(args.tasks, args.limit, args.task_ids, args.batch, args.round)
+    omega = omega_api.load(args.interface)
+    engine = make_engine(args.engine, args.model, max_model_len=args.max_model_len, seed=args.seed,
+                         tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        records, timing = play.play(tasks, args.n, engine, omega=omega, fmt=args.call_format,
+                            temperature=args.temperature, max_steps_per_turn=args.max_steps_per_turn,
+                            max_model_len=args.max_model_len, max_new_tokens=args.max_new_tokens,
+                            round_=args.round, policy=os.path.abspath(args.model))
+    finally:
+        engine.close()
+    write_jsonl(args.out, records)
+    stats = {**play.summary(records), **{k: round(v, 3) for k, v in timing.items()}}
+    print(json.dumps(stats, indent=1))
+    if args.summary:
+        write_json(args.summary, stats)
+
+
+if __name__ == "__main__":
+    try:
+        main(parser.parse_args())
+    except RecordError as e:
+        sys.exit(f"error: {e}")

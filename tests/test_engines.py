@@ -1,0 +1,219 @@
+"""Generation engines (common/engines.py) on the tiny model: HF generate and vLLM, base and LoRA."""
+
+import json
+
+import pytest
+
+from common import bfcl, tiny
+from common.engines import Generation, make_engine, resolve_model
+
+MAX_LEN = 16384
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model):
+    """A full BFCL turn-0 prompt (~5k tokens) and two short chat prompts, as token ids."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    task = tiny.pick_eval_tasks(list(bfcl.load_tasks(tiny.DEFAULT_TASKS).values()), 1)[0]
+    full = tok.apply_chat_template(tiny.first_prompt_messages(task), tools=tiny.to_chat_tools(task["tools"]),
+                                   add_generation_prompt=True, return_dict=False)
+    short = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
+             for q in ["List the files in the current directory.", "Post a tweet saying hello."]]
+    assert len(full) > 3000
+    return [full, *short]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    engine = make_engine("hf", tiny_model, max_model_len=MAX_LEN, seed=0)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf, prompts):
+    return hf.generate(prompts, [24, 24, 24], 0.0)
+
+
+def forward_logprobs(model, prompt, ids, temperature=1.0):
+    """log p(ids[t] | prompt + ids[:t]) from one transformers forward pass (logits / temperature)."""
+    import torch
+    x = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        logits = model(input_ids=x).logits[0, len(prompt) - 1:-1].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return lp.gather(1, torch.tensor(ids)[:, None]).squeeze(1).tolist()
+
+
+def check_contract(gens, limits, stop_ids):
+    for g, limit in zip(gens, limits, strict=True):
+        assert isinstance(g, Generation)
+        assert len(g.ids) == len(g.logprobs) > 0
+        assert all(lp <= 0.0 for lp in g.logprobs)
+        assert len(g.ids) <= limit
+        if g.finish == "stop":
+            assert g.ids[-1] in stop_ids and not set(g.ids[:-1]) & set(stop_ids)
+        else:
+            assert g.finish == "length" and len(g.ids) == limit and not set(g.ids) & set(stop_ids)
+
+
+# ----------------------------------------------------------------------------- HF
+
+
+def test_hf_contract(hf, prompts, hf_greedy):
+    assert hf.tokenizer.eos_token_id in hf.stop_ids
+    check_contract(hf_greedy, [24, 24, 24], hf.stop_ids)
+    gens = hf.generate(prompts, [3, 40, 1], 1.0)
+    check_contract(gens, [3, 40, 1], hf.stop_ids)
+    assert len(gens[0].ids) <= 3 and len(gens[2].ids) == 1
+
+
+def test_hf_first_step_is_a_tool_call(hf, hf_greedy):
+    text = hf.tokenizer.decode(hf_greedy[0].ids)
+    assert text.startswith("<tool_call>\n{"), text
+
+
+def test_hf_logprobs_match_forward(hf, model, prompts, hf_greedy):
+    for p, g in zip(prompts, hf_greedy, strict=True):
+        ref = forward_logprobs(model, p, g.ids)
+        assert max(abs(a - b) for a, b in zip(g.logprobs, ref, strict=True)) < 1e-4
+    # sampling: the log-probabilities are those of softmax(logits / temperature)
+    for temperature in (1.0, 0.7):
+        for p, g in zip(prompts, hf.generate(prompts, [16] * 3, temperature), strict=True):
+            ref = forward_logprobs(model, p, g.ids, temperature)
+            assert max(abs(a - b) for a, b in zip(g.logprobs, ref, strict=True)) < 1e-4
+
+
+def test_hf_batch_equals_single(hf, prompts, hf_greedy):
+    # left padding must not change greedy outputs; sub-batching by memory budget neither
+    for p, g in zip(prompts, hf_greedy, strict=True):
+        assert hf.generate([p], [24], 0.0)[0].ids == g.ids
+    small = make_engine("hf", hf.base, max_model_len=MAX_LEN, max_batch_tokens=1000)
+    assert [g.ids for g in small.generate(prompts, [24] * 3, 0.0)] == [g.ids for g in hf_greedy]
+
+
+def test_hf_sampling_is_deterministic_per_seed(tiny_model, prompts):
+    short = prompts[1:]
+    runs = []
+    for _ in range(2):
+        engine = make_engine("hf", tiny_model, max_model_len=MAX_LEN, seed=7)
+        runs.append([[g.ids for g in engine.generate(short, [20, 20], 1.0)] for _ in range(2)])
+        engine.close()
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1]  # the per-call seed moves on
+
+
+def test_hf_leaves_global_rng_alone(hf, prompts):
+    import torch
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    hf.generate(prompts[1:2], [5], 1.0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_limits_are_checked(hf, tiny_model, prompts):
+    assert hf.generate([], [], 0.0) == []
+    with pytest.raises(ValueError):
+        hf.generate(prompts[:1], [1, 2], 0.0)
+    with pytest.raises(ValueError):
+        make_engine("nope", tiny_model, max_model_len=MAX_LEN)
+    small = make_engine("hf", tiny_model, max_model_len=300)
+    with pytest.raises(ValueError):
+        small.generate([prompts[1][:1] * 300], [10], 0.0)  # no room left
+    # the limit is clamped to the room left in the context
+    gens = small.generate([prompts[1][:1] * 297, prompts[1]], [50, 5], 1.0)
+    assert len(gens[0].ids) <= 3 and len(gens[1].ids) <= 5
+    small.close()
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_model):
+    pytest.importorskip("vllm")
+    engine = make_engine("vllm", tiny_model, max_model_len=MAX_LEN, seed=0)
+    yield engine
+    engine.close()
+
+
+def test_vllm_agrees_with_hf(vllm_engine, model, prompts, hf_greedy):
+    gens = vllm_engine.generate(prompts, [24, 24, 24], 0.0)
+    check_contract(gens, [24, 24, 24], vllm_engine.stop_ids)
+    for p, g, h in zip(prompts, gens, hf_greedy, strict=True):
+        assert g.ids[:8] == h.ids[:8]
+        ref = forward_logprobs(model, p, g.ids)
+        assert max(abs(a - b) for a, b in zip(g.logprobs, ref, strict=True)) < 1e-4
+
+
+def test_vllm_sampling_logprobs(vllm_engine, model, prompts):
+    gens = vllm_engine.generate(prompts, [12, 30, 5], 0.7)
+    check_contract(gens, [12, 30, 5], vllm_engine.stop_ids)
+    for p, g in zip(prompts, gens, strict=True):
+        ref = forward_logprobs(model, p, g.ids, 0.7)
+        assert max(abs(a - b) for a, b in zip(g.logprobs, ref, strict=True)) < 1e-4
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model, tmp_path_factory):
+    """A random r=8 all-linear LoRA adapter (B nonzero, so it changes outputs)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=8, target_modules="all-linear",
+                                                 init_lora_weights=False))
+    out = str(tmp_path_factory.mktemp("lora"))
+    peft_model.save_pretrained(out)
+    with open(f"{out}/adapter_config.json") as f:
+        assert json.load(f)["base_model_name_or_path"] == tiny_model
+    return out
+
+
+@pytest.fixture(scope="module")
+def merged(adapter):
+    from peft import AutoPeftModelForCausalLM
+    return AutoPeftModelForCausalLM.from_pretrained(adapter).merge_and_unload().eval()
+
+
+def test_resolve_adapter(adapter, tiny_model):
+    base, ad, cfg = resolve_model(adapter)
+    assert (base, ad, cfg["r"]) == (tiny_model, adapter, 8)
+    assert resolve_model(tiny_model) == (tiny_model, None, None)
+
+
+def test_hf_lora_changes_output(adapter, merged, prompts, hf_greedy):
+    engine = make_engine("hf", adapter, max_model_len=MAX_LEN)
+    gens = engine.generate(prompts, [24] * 3, 0.0)
+    engine.close()
+    check_contract(gens, [24] * 3, engine.stop_ids)
+    assert [g.ids for g in gens] != [g.ids for g in hf_greedy]
+    for p, g in zip(prompts, gens, strict=True):
+        ref = forward_logprobs(merged, p, g.ids)
+        assert max(abs(a - b) for a, b in zip(g.logprobs, ref, strict=True)) < 1e-4
+
+
+def test_vllm_lora_changes_output(vllm_engine, adapter, merged, prompts, hf_greedy):
+    vllm_engine.close()  # one vLLM engine at a time
+    engine = make_engine("vllm", adapter, max_model_len=MAX_LEN, seed=0)
+    try:
+        gens = engine.generate(prompts, [24] * 3, 0.0)
+    finally:
+        engine.close()
+    check_contract(gens, [24] * 3, engine.stop_ids)
+    assert [g.ids for g in gens] != [g.ids for g in hf_greedy]
+    for p, g in zip(prompts, gens, strict=True):
+        ref = forward_logprobs(merged, p, g.ids)
+        assert max(abs(a - b) for a, b in zip(g.logprobs, ref, strict=True)) < 1e-3

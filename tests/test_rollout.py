@@ -1,0 +1,214 @@
+"""rollout.py and the multi-turn play loop (common/play.py), with the tiny model and real tasks.
+
+Protocol cases that need a policy to behave a certain way (answer every turn,
+never stop calling, write garbage) use `Scripted`: a policy whose outputs are
+fixed texts, tokenised by the real tokenizer, against the real environment.
+Engine cases use the tiny model through HF generate and vLLM.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from common import bfcl, play
+from common import interface as omega_api
+from common.chat import Renderer
+from common.engines import Generation, make_engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The two shortest prompts of their categories (TradingBot only): the CPU cost of a step is the prefill.
+TASK_IDS = ["multi_turn_base_105", "multi_turn_miss_func_146"]
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return bfcl.load_tasks(os.path.join(ROOT, "data", "train.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+class Scripted:
+    """A policy that writes `script(prompt_ids)`; real tokenizer, no model."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script = tokenizer, script
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        out = []
+        for p, limit in zip(prompts, max_new_tokens, strict=True):
+            ids = self.tokenizer(self.script(p), add_special_tokens=False)["input_ids"][: limit - 1]
+            ids.append(self.tokenizer.eos_token_id)
+            out.append(Generation(ids=ids, logprobs=[-0.5] * len(ids), finish="stop"))
+        return out
+
+
+def rollout_cli(tmp_path, model, engine, *extra, n=2, name="r.jsonl"):
+    out = tmp_path / name
+    cmd = [sys.executable, "rollout.py", "--model", model, "--tasks", "data/train.jsonl", "--task-ids",
+           ",".join(TASK_IDS), "--n", str(n), "--engine", engine, "--max-new-tokens", "24",
+           "--max-steps-per-turn", "2", "--seed", "3", "--out", str(out), *extra]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def conversation(task, record, omega=None):
+    """The messages the record's tokens should spell, rebuilt from its transcript."""
+    msgs = []
+    for t, turn in enumerate(record["turns"]):
+        revealed = bfcl.tools_at(task, t)[len(bfcl.tools_at(task, t - 1)):] if t else []
+        shown = omega_api.tool_view(revealed, omega) if revealed else None
+        msgs += bfcl.turn_messages(task, t, new_tools=shown)
+        for s, step in enumerate(turn["steps"]):
+            msgs.append({"role": "assistant", "content": step["text"]})
+            last = t == len(record["turns"]) - 1 and s == len(turn["steps"]) - 1
+            if (step["calls"] or step["parse_error"]) and not last:
+                contents = list(step["results"])
+                if step["parse_error"]:
+                    contents.append(f"Error: could not parse tool calls: {step['parse_error']}")
+                errors = step["call_errors"] + ([step["parse_error"]] if step["parse_error"] else [])
+                for i, err in enumerate(errors):
+                    hint = omega_api.error_hint(err, bfcl.tools_at(task, t), omega) if err else None
+                    contents[i] += f"\n{hint}" if hint else ""
+                msgs += [{"role": "tool", "content": c} for c in contents]
+    return msgs
+
+
+def check_record(task, rec, tokenizer, omega=None):
+    toks = rec["tokens"]
+    assert len(toks["ids"]) == len(toks["mask"]) == len(toks["logprobs"])
+    assert sum(toks["mask"]) == rec["stats"]["gen_tokens"]
+    assert all((lp is not None and lp <= 0) if m else lp is None for m, lp in zip(toks["mask"], toks["logprobs"],
+                                                                                  strict=True))
+    # The mask covers exactly the model's outputs: one run of 1s per step, decoding to its text.
+    runs, cur = [], []
+    for i, m in zip(toks["ids"], toks["mask"], strict=True):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    runs += [cur] if cur else []
+    steps = [s for turn in rec["turns"] for s in turn["steps"]]
+    assert len(runs) == len(steps)
+    for run, step in zip(runs, steps, strict=True):
+        assert play.decode(tokenizer, Generation(run, [], "stop")) == step["text"]
+    # No drift: the prompt is the chat template's own rendering, and the whole context
+    # decodes to what the template renders for the conversation rebuilt from the transcript.
+    r = Renderer(tokenizer, omega_api.tool_view(bfcl.tools_at(task, 0), omega), omega_api.system_cue(omega))
+    msgs = conversation(task, rec, omega)
+    first_turn = bfcl.turn_messages(task, 0)
+    assert toks["prompt_ids"] == tokenizer.apply_chat_template(
+        r.head + first_turn, tools=r.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    full = r.text(msgs, False)
+    decoded = tokenizer.decode(toks["prompt_ids"] + toks["ids"], skip_special_tokens=False)
+    assert full.startswith(decoded) and full[len(decoded):] in ("\n", tokenizer.eos_token + "\n")
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_both_engines_write_valid_records(tmp_path, tiny_model, tasks, tokenizer, engine):
+    recs = rollout_cli(tmp_path, tiny_model, engine)
+    assert [(r["task_id"], r["sample_index"]) for r in recs] == [(t, k) for t in TASK_IDS for k in range(2)]
+    for rec in recs:
+        assert rec["interface_version"] is None and rec["stop"] in ("done", "step_limit", "context_limit")
+        assert rec["stats"]["gen_tokens"] > 0 and rec["stats"]["cue_tokens"] == 0
+        check_record(tasks[rec["task_id"]], rec, tokenizer)
+
+
+def test_same_seed_same_records_on_hf(tiny_model, tasks):
+    def run():
+        engine = make_engine("hf", tiny_model, max_model_len=16384, seed=5)
+        recs, _ = play.play([tasks["multi_turn_base_105"]], 2, engine, temperature=1.0, max_new_tokens=24,
+                         max_steps_per_turn=2, progress=False)
+        for r in recs:
+            r["stats"].pop("seconds")
+        return recs
+
+    a, b = run(), run()
+    assert a == b
+    assert a[0]["tokens"]["ids"] != a[1]["tokens"]["ids"]  # samples of a group differ
+
+
+def test_context_limit_stops_the_trajectory_without_crashing_the_batch(tiny_model, tasks):
+    short, long_ = tasks["multi_turn_base_105"], tasks["multi_turn_base_0"]
+    engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
+    plen = len(play.Trajectory(short, 0, None, engine.tokenizer, "json").prompt_ids)
+    recs, _ = play.play([short, long_], 1, engine, max_model_len=plen + 12, max_new_tokens=64, temperature=1.0,
+                     progress=False)
+    assert recs[0]["stop"] == "context_limit" and recs[0]["turns"][-1]["end"] == "context_limit"
+    assert 0 < len(recs[0]["tokens"]["ids"]) and len(recs[0]["tokens"]["prompt_ids"]) + len(recs[0]["tokens"]["ids"]) <= plen + 12
+    # The longer task's prompt alone does not fit: it stops before any generation.
+    assert recs[1]["stop"] == "context_limit" and recs[1]["tokens"]["ids"] == []
+
+
+def test_miss_func_tools_appear_only_from_their_turn(tasks, tokenizer):
+    task = tasks["multi_turn_miss_func_0"]
+    reveal = int(next(iter(task["missed_function"])))
+    held = [t["name"] for t in task["missed_function"][str(reveal)]]
+    rec = play.play([task], 1, Scripted(tokenizer, lambda p: "I cannot do that."), progress=False)[0][0]
+    assert rec["stop"] == "done" and len(rec["turns"]) == len(task["questions"])
+    prompt = tokenizer.decode(rec["tokens"]["prompt_ids"])
+    for name in held:
+        assert f'"name": "{name}"' not in prompt
+    text = tokenizer.decode(rec["tokens"]["ids"])
+    announce = text.index(bfcl.NEW_TOOLS_TEMPLATE.split("\n")[-1])
+    for name in held:
+        assert f'"name": "{name}"' in text[:announce]
+    check_record(task, rec, tokenizer)
+
+
+def test_step_limit_ends_the_trajectory(tasks, tokenizer):
+    task = tasks["multi_turn_base_0"]
+    call = '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>'
+    rec = play.play([task], 1, Scripted(tokenizer, lambda p: call), max_steps_per_turn=3, progress=False)[0][0]
+    assert rec["stop"] == "step_limit" and len(rec["turns"]) == 1
+    assert rec["turns"][0]["end"] == "step_limit" and len(rec["turns"][0]["steps"]) == 3
+    check_record(task, rec, tokenizer)
+
+
+def test_garbage_gets_error_responses_and_the_run_completes(tasks, tokenizer):
+    garbage = ['<tool_call>{"name": "ls", "arguments": {', '<tool_call>{"name": "rm_all"}</tool_call>',
+               '<tool_call>{"name": "cd", "arguments": {"folder": 7}}</tool_call>', "]]}{<tool_call>"]
+    count = [0]
+
+    def script(prompt):
+        count[0] += 1
+        return garbage[count[0] % len(garbage)] if count[0] % 3 else "Done."
+
+    recs, _ = play.play([tasks["multi_turn_base_0"], tasks["multi_turn_miss_func_0"]], 2, Scripted(tokenizer, script),
+                     progress=False)
+    steps = [s for r in recs for turn in r["turns"] for s in turn["steps"]]
+    assert any(s["parse_error"] for s in steps)
+    assert any(e and e.startswith("unknown tool") for s in steps for e in s["call_errors"])
+    assert any(e and "must be a string" in e for s in steps for e in s["call_errors"])
+    for r in recs:
+        check_record(tasks[r["task_id"]], r, tokenizer)
+
+
+def test_cues_reach_the_prompt_masked_and_counted(tasks, tokenizer):
+    """Ω's schema cue, error feedback and capability cues are in the context, as observation tokens."""
+    task = tasks["multi_turn_base_0"]
+    omega = omega_api.initial()
+    omega["capability_cues"] = [{"label": "recovery_failure", "text": omega_api.CAPABILITY_TEXT["recovery_failure"]}]
+    bad = '<tool_call>\n{"name": "cd", "arguments": {}}\n</tool_call>'
+    rec = play.play([task], 1, Scripted(tokenizer, lambda p: bad), omega=omega, max_steps_per_turn=2,
+                    progress=False)[0][0]
+    step = rec["turns"][0]["steps"][0]
+    assert step["call_errors"] == ["cd: missing required parameter folder"] and step["feedback"]
+    prompt = tokenizer.decode(rec["tokens"]["prompt_ids"])
+    assert "[required]" in prompt and omega_api.CAPABILITY_TEXT["recovery_failure"] in prompt
+    obs = tokenizer.decode([i for i, m in zip(rec["tokens"]["ids"], rec["tokens"]["mask"], strict=True) if not m])
+    assert step["feedback"] in obs
+    assert rec["stats"]["cue_tokens"] >= len(tokenizer(step["feedback"], add_special_tokens=False)["input_ids"])
+    check_record(task, rec, tokenizer, omega)
+    # Evaluation: with Ω absent or switched off the prompt is the plain one, byte for byte.
+    plain = play.Trajectory(task, 0, None, tokenizer, "json").prompt_ids
+    assert play.Trajectory(task, 0, omega_api.off(), tokenizer, "json").prompt_ids == plain
+    assert plain != rec["tokens"]["prompt_ids"]

@@ -1,0 +1,209 @@
+"""The tiny offline model: tokenizer, chat template, model folder, warm start (common/tiny.py)."""
+
+import json
+import os
+
+import pytest
+
+from common import bfcl, tiny
+from common import calls as C
+
+SAMPLES = [
+    "Move 'final_report.pdf' within document directory to 'temp' directory.",
+    "héllo  wörld\n\n  tabs\t\tend   \n",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
+    '{"name": "cd", "arguments": {"folder": "doc"}}\n</tool_call><|im_end|><|endoftext|>',
+    "<tool_response>\n{\"result\": 42.5}\n</tool_response>Ünïcode → 日本語 🙂 don't I'll",
+]
+
+TOOLS = [
+    {"name": "cd", "description": "Change directory.",
+     "parameters": {"type": "dict", "properties": {"folder": {"type": "string", "description": "Folder."}},
+                    "required": ["folder"]}},
+    {"name": "add", "description": "Add numbers.",
+     "parameters": {"type": "dict", "properties": {
+         "a": {"type": "float", "description": "x"},
+         "pair": {"type": "tuple", "items": {"type": "any"}},
+         "opts": {"type": "dict", "properties": {"k": {"type": "integer"}}},
+         "v": {"type": "any"}}, "required": ["a"]},
+     "response": {"type": "dict", "properties": {"sum": {"type": "float"}}}},
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def train_tasks():
+    return list(bfcl.load_tasks(tiny.DEFAULT_TASKS).values())
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_autotokenizer_matches_trained_bpe(tiny_model, tok):
+    from tokenizers import Tokenizer
+    bpe = Tokenizer.from_file(os.path.join(tiny_model, "bpe_tokenizer.json"))
+    assert type(tok).__name__ == "Qwen2Tokenizer"
+    for text in SAMPLES:
+        assert tok(text)["input_ids"] == bpe.encode(text).ids, text
+    # a whole rendered BFCL prompt too
+    ids = tok.apply_chat_template([{"role": "user", "content": SAMPLES[0]}], tools=tiny.to_chat_tools(TOOLS),
+                                  tokenize=False)
+    assert tok(ids)["input_ids"] == bpe.encode(ids).ids
+
+
+def test_special_and_added_tokens(tok):
+    for t in tiny.SPECIAL_TOKENS + tiny.ADDED_TOKENS:
+        assert len(tok(t)["input_ids"]) == 1, t
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert tok.eos_token_id != tok.pad_token_id
+    assert tok.bos_token is None
+    assert len(tok) == 4096
+    # tool-call markers survive skip_special_tokens (the parser needs them); chat markers do not
+    ids = tok("<tool_call>\n{}\n</tool_call><|im_end|>")["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=True) == "<tool_call>\n{}\n</tool_call>"
+
+
+def test_round_trip(tok):
+    for text in SAMPLES:  # NFC-normalised already, so decoding gives the text back
+        assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_bpe_training_is_deterministic():
+    texts = [f"call number {i}: " + json.dumps({"name": f"f{i % 7}", "arguments": {"x": i}}) for i in range(300)]
+    a, b = tiny.train_bpe(texts, 400), tiny.train_bpe(texts, 400)
+    assert a.to_str() == b.to_str()
+
+
+# ----------------------------------------------------------------------------- chat template
+
+
+def test_to_chat_tools_maps_bfcl_types():
+    out = tiny.to_chat_tools(TOOLS)
+    assert [t["type"] for t in out] == ["function", "function"]
+    f = out[1]["function"]
+    assert set(f) == {"name", "description", "parameters"}  # no "response"
+    p = f["parameters"]
+    assert p["type"] == "object" and p["required"] == ["a"]
+    assert p["properties"]["a"]["type"] == "number"
+    assert p["properties"]["pair"]["type"] == "array" and p["properties"]["pair"]["items"]["type"] == "string"
+    assert p["properties"]["opts"]["type"] == "object"
+    assert p["properties"]["opts"]["properties"]["k"]["type"] == "integer"
+    assert p["properties"]["v"]["type"] == "string"
+    assert TOOLS[1]["parameters"]["type"] == "dict"  # input untouched
+
+
+def _conversation():
+    return [
+        {"role": "user", "content": "Go to doc and add 1."},
+        {"role": "assistant", "content": C.format_calls([{"name": "cd", "arguments": {"folder": "doc"}},
+                                                         {"name": "add", "arguments": {"a": 1}}], "json")},
+        {"role": "tool", "content": '{"current_working_directory": "doc"}'},
+        {"role": "tool", "content": '{"sum": 1}'},
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "Thanks."},
+    ]
+
+
+def test_chat_template_renders_like_qwen(tok):
+    tools = tiny.to_chat_tools(TOOLS)
+    text = tok.apply_chat_template(_conversation(), tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(tools[0], ensure_ascii=False) + "\n" + json.dumps(tools[1], ensure_ascii=False) \
+        + "\n</tools>" in text
+    assert ('<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+            "<|im_start|>user\nGo to doc and add 1.<|im_end|>\n") in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "cd", "arguments": {"folder": "doc"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>\n') in text
+    # consecutive tool messages: one user block
+    assert ('<|im_start|>user\n<tool_response>\n{"current_working_directory": "doc"}\n</tool_response>\n'
+            '<tool_response>\n{"sum": 1}\n</tool_response><|im_end|>\n<|im_start|>assistant\nDone.<|im_end|>\n') in text
+    assert text.count("<|im_start|>user") == 3
+    assert text.endswith("<|im_start|>user\nThanks.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_template_system_and_no_tools(tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(msgs, tokenize=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
+    text = tok.apply_chat_template(msgs, tools=tiny.to_chat_tools(TOOLS[:1]), tokenize=False)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    # a single tool message at the end still closes its block
+    text = tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}], tokenize=False)
+    assert text.endswith("<|im_start|>user\n<tool_response>\nr\n</tool_response><|im_end|>\n")
+
+
+def test_chat_template_tokenize_equals_tokenizer_of_text(tok):
+    tools = tiny.to_chat_tools(TOOLS)
+    text = tok.apply_chat_template(_conversation(), tools=tools, tokenize=False, add_generation_prompt=True)
+    ids = tok.apply_chat_template(_conversation(), tools=tools, tokenize=True, add_generation_prompt=True,
+                                  return_dict=False)
+    assert ids == tok(text)["input_ids"]
+
+
+# ----------------------------------------------------------------------------- model folder and data
+
+
+def test_model_folder_loads(tiny_model, tok):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(tiny_model)
+    assert cfg.model_type == "qwen2" and cfg.tie_word_embeddings
+    assert cfg.max_position_embeddings >= 16384 and cfg.vocab_size == len(tok)
+    assert cfg.eos_token_id == tok.eos_token_id and cfg.pad_token_id == tok.pad_token_id
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert model.dtype == torch.float32
+    # positions far beyond the warm-start windows work (a ~16.4k-token prompt)
+    ids = torch.randint(10, len(tok), (1, 16_400))
+    with torch.no_grad():
+        logits = model(input_ids=ids, logits_to_keep=1).logits
+    assert torch.isfinite(logits).all()
+    info = json.load(open(os.path.join(tiny_model, "build_info.json")))
+    assert info["args"]["max_positions"] >= 16384
+
+
+def test_conversation_uses_real_tool_results(train_tasks):
+    task = train_tasks[0]
+    msgs = tiny.conversation(task)
+    assert msgs[0] == task["questions"][0][0]
+    calls, err = C.parse(msgs[1]["content"], "json")
+    assert err is None and calls == bfcl.ground_truth_calls(task, 0)
+    tool_msgs = [m for m in msgs[2:2 + len(calls)]]
+    assert [m["role"] for m in tool_msgs] == ["tool"] * len(calls)
+    assert "current_working_directory" in tool_msgs[0]["content"]  # cd's real result
+    assert msgs[2 + len(calls)] == {"role": "assistant", "content": tiny.DONE_ANSWER}
+    # a turn with empty ground truth gets a plain answer and no calls
+    empty = next(t for t in train_tasks if not t["ground_truth"][0])
+    m = tiny.conversation(empty)
+    assert m[1]["role"] == "assistant" and "<tool_call>" not in m[1]["content"]
+
+
+def test_examples_cover_assistant_tokens_only():
+    ids = list(range(100))
+    spans = [(40, 50), (70, 75)]
+    ex = tiny.make_examples(ids, spans, [True, False], context=16)
+    (x0, p0, f0), (x1, p1, f1) = ex
+    assert x0 == ids[24:50] and f0 and not f1
+    assert [x0[p + 1] for p in p0] == list(range(40, 50))
+    assert [x1[p + 1] for p in p1] == list(range(70, 75))
+
+
+def test_build_cached_reuses(tiny_model):
+    assert tiny.build_cached() == tiny_model
+    assert os.path.basename(tiny_model) == "tiny-" + tiny.build_key()
+
+
+# ----------------------------------------------------------------------------- warm start
+
+
+def test_warm_start_first_step_parses(tiny_model, train_tasks):
+    tasks = tiny.pick_eval_tasks(train_tasks, 8)
+    assert len({t["category"] for t in tasks}) == 4
+    rate, samples = tiny.first_step_parse_rate(tiny_model, tasks, 128)
+    assert rate >= 0.5, samples
+    info = json.load(open(os.path.join(tiny_model, "build_info.json")))
+    assert info["first_step_parse_rate"] >= 0.5 and info["eval_tasks"] >= 32
