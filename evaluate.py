@@ -2,31 +2,36 @@
 
     python evaluate.py --policy DIR --split heldin --out runs/NAME/eval/TAG [--engine vllm|hf]
     python evaluate.py --policy oracle --split heldin --out runs/oracle/eval
+    python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...
 
 A policy folder (HF model or LoRA adapter) plays every task once, greedily, with
 plain prompts (no interface). `--policy oracle` plays every task's ground-truth calls through the environment
 exactly as a model's output would go (parsed, validated, rendered, executed, turn
 by turn) and scores them with bfcl-eval's multi_turn_checker: a check of the
-whole pipeline. Writes DIR/results.jsonl (one verdict per task) and DIR/scores.json
+whole pipeline. `--compare` prints the held-in scores of finished runs side by
+side (base model once, then every evaluated round), like the paper's Tables 1
+and 3. Writes DIR/results.jsonl (one verdict per task) and DIR/scores.json
 (percent per category and their average).
 """
 
 import argparse
+import glob
 import os
 import sys
 
 from tqdm import tqdm
 
 from common import bfcl, play
-from common.jsonl import RecordError, write_json, write_jsonl
+from common.jsonl import RecordError, read_json, write_json, write_jsonl
 from common.replay import read_turns
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--policy", required=True, help="'oracle' (ground truth)")
+parser.add_argument("--policy", help="policy folder, or 'oracle' (ground truth)")
+parser.add_argument("--compare", nargs="+", metavar="RUN", help="print the scores of these run folders")
 parser.add_argument("--split", default="heldin", choices=["heldin", "train"])
 parser.add_argument("--tasks", default=None, help="task file (default: data/<split>.jsonl)")
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
-parser.add_argument("--out", required=True, help="output folder")
+parser.add_argument("--out", help="output folder")
 parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
 parser.add_argument("--max-model-len", type=int, default=16384)
 parser.add_argument("--max-new-tokens", type=int, default=512)
@@ -63,7 +68,32 @@ def print_table(scores, title):
     print("  ".join(f"{scores[c]:>12.2f}" for c in cols))
 
 
+def compare(runs):
+    """Rows of (name, scores): each run's base model once, then its evaluated rounds."""
+    rows, bases = [], set()
+    for run in runs:
+        if not os.path.isdir(run):
+            raise RecordError(f"{run}: no such run folder")
+        settings = read_json(os.path.join(run, "config.json"))["settings"]
+        base = os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{settings['preset']}", "eval", "scores.json")
+        if os.path.isfile(base) and base not in bases:
+            bases.add(base)
+            rows.append((f"{settings['preset']} base", read_json(base)))
+        for path in sorted(glob.glob(os.path.join(run, "eval", "round_*", "scores.json"))):
+            tag = os.path.basename(os.path.dirname(path)).replace("round_", "r")
+            rows.append((f"{os.path.basename(os.path.normpath(run))} {tag}", read_json(path)))
+    width = max(len(name) for name, _ in rows) if rows else 10
+    print(f"{'':{width}}" + "".join(f"{c:>14}" for c in bfcl.CATEGORIES + ["average"]))
+    for name, sc in rows:
+        print(f"{name:{width}}" + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in bfcl.CATEGORIES + ["average"]))
+    return rows
+
+
 def main(args):
+    if args.compare:
+        return compare(args.compare)
+    if not args.policy or not args.out:
+        parser.error("--policy and --out are required (or --compare RUN ...)")
     path = args.tasks or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"{args.split}.jsonl")
     tasks = list(bfcl.load_tasks(path).values())
     if args.limit:

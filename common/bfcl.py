@@ -12,8 +12,8 @@ Wraps bfcl-eval's executor and `multi_turn_checker` with the isolation they lack
 - the executor `eval()`s call strings: only strings rendered by common.calls from
   validated literals reach it;
 - a schema-valid call can still run for ever (MathAPI.logarithm with precision
-  987654321): every execution runs under a deadline, and the call that overruns
-  fails with an error result like any other.
+  987654321): every execution, ours and the checker's, runs under a deadline, and
+  the call that overruns fails with an error result like any other.
 """
 
 import contextlib
@@ -44,7 +44,7 @@ CATEGORIES = ["base", "miss_func", "miss_param", "long_context"]
 TASK_FIELDS = ["id", "category", "questions", "initial_config", "involved_classes", "tools",
                "missed_function", "long_context", "ground_truth"]
 EXEC_ERROR_PREFIX = "Error during execution:"
-EXEC_DEADLINE_S = 5.0  # for one batch of calls; real tool calls take milliseconds
+EXEC_DEADLINE_S = 2.0  # for one batch of calls; real tool calls take milliseconds
 
 _PRISTINE_LONG = {k: copy.deepcopy(v) for k, v in vars(_long).items()
                   if k.isupper() and isinstance(v, (dict, list))}
@@ -86,6 +86,19 @@ def deadline(seconds=EXEC_DEADLINE_S):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+_bare_execute = _utils.execute_multi_turn_func_call
+
+
+def execute(*args, **kwargs):
+    """bfcl-eval's execute_multi_turn_func_call, under a deadline."""
+    with deadline():
+        return _bare_execute(*args, **kwargs)
+
+
+# The checker calls the executor it imported: bound each of its executions too.
+_checker.execute_multi_turn_func_call = execute
 
 
 def unique_name(prefix="seal"):
@@ -219,10 +232,9 @@ class Environment:
         return results, errors
 
     def _execute(self, call_strings):
-        with deadline():
-            return _utils.execute_multi_turn_func_call(
-                call_strings, self.task["initial_config"], self.task["involved_classes"],
-                self.name, self.task["id"], long_context=self.task["long_context"])
+        return execute(
+            call_strings, self.task["initial_config"], self.task["involved_classes"],
+            self.name, self.task["id"], long_context=self.task["long_context"])
 
 
 def official_verdict(task, decoded):
@@ -239,12 +251,12 @@ def official_verdict(task, decoded):
     entry = {"id": task["id"], "initial_config": task["initial_config"],
              "involved_classes": task["involved_classes"]}
     try:
-        with deadline(EXEC_DEADLINE_S * (1 + len(gt))):
-            res = _checker.multi_turn_checker(decoded, gt, entry, "multi_turn", name)
+        res = _checker.multi_turn_checker(decoded, gt, entry, "multi_turn", name)
     finally:
         _forget(name + "_eval")
         _forget(name + "_ground_truth_eval")
-        restore_shared_data()
+        if task["long_context"]:  # only long-context scenarios touch the shared data
+            restore_shared_data()
     if res["valid"]:
         return {"valid": True, "error_type": None, "turn": None}
     return {"valid": False, "error_type": res["error_type"], "turn": _failing_turn(res)}

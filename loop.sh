@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# The SEAL closed loop: rollout (under Ω_t) -> diagnose -> evolve (Ω_t+1) -> train, for N rounds.
+#
+#   bash loop.sh PRESET [--rounds N] [--mode seal|vanilla|no-env|no-reweight|no-closed-loop]
+#                       [--name NAME] [--eval-every K] [--runs DIR] [--set VAR=VALUE ...]
+#
+# PRESET is tiny (CPU, minutes), qwen3b, qwen7b or toolace8b (GPU nodes; see README).
+# --set overrides one preset variable (e.g. --set N=4 --set TASKS_PER_ROUND=8).
+# Every artifact lands in runs/NAME/ (DESIGN §3). Rerunning the same command resumes
+# from the first missing artifact: stages write atomically, so a file that exists is
+# complete, and complete artifacts are never recomputed.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || usage
+PRESET=$1; shift
+ROUNDS=""; MODE=seal; NAME=""; EVAL_EVERY=""; SETS=(); RUNS=runs
+while [ $# -gt 0 ]; do
+  case $1 in
+    --rounds) ROUNDS=$2; shift 2 ;;
+    --mode) MODE=$2; shift 2 ;;
+    --name) NAME=$2; shift 2 ;;
+    --eval-every) EVAL_EVERY=$2; shift 2 ;;
+    --set) SETS+=("$2"); shift 2 ;;
+    --runs) RUNS=$2; shift 2 ;;
+    -h|--help) usage ;;
+    *) echo "loop: unknown argument $1" >&2; usage ;;
+  esac
+done
+
+bash setup.sh
+PY=.venv/bin/python
+
+# ---------------------------------------------------------------------------- presets
+# Shared defaults are the paper's (DESIGN §1): GRPO groups of 8, 32 tasks per round,
+# mini-batches of 8 tasks (4 optimiser steps a round; 18 rounds ~ 72 update steps),
+# lr 1e-6, KL 0.001, clip 0.2, temperature 1.0, 20 model calls per turn, 16k context.
+ENGINE=vllm; TP=1; NPROC=1; ACCEL_CONFIG=""; LORA=""; CALL_FORMAT=json
+TASKS_PER_ROUND=32; N=8; MINI_BATCH=8; LR=1e-6; KL=0.001; TEMP=1.0
+MAX_STEPS=20; MAX_LEN=16384; MAX_NEW=1024; DEFAULT_ROUNDS=18; DEFAULT_EVAL_EVERY=6
+TRAIN_LIMIT=""; EVAL_LIMIT=""; MICRO_TOKENS=32768; EXTRA_TRAIN=""
+case $PRESET in
+  tiny)  # the offline tiny model on CPU: a few tasks, short generations, minutes per round
+    MODEL=offline-tiny  # built (once, cached) below, unless --set MODEL=... names another
+    TRAIN_LIMIT=2; EVAL_LIMIT=2; TASKS_PER_ROUND=4; N=4; MINI_BATCH=2
+    LR=1e-4; MAX_STEPS=3; MAX_NEW=48; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2
+    EXTRA_TRAIN="--cpu" ;;
+  qwen3b)  # 4 GPUs (e.g. 4x A100/H100 80GB): vLLM rollouts (TP 4), FSDP full fine-tuning
+    MODEL=Qwen/Qwen2.5-3B-Instruct; NPROC=4; TP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml ;;
+  qwen7b)  # 4 GPUs (80GB): vLLM rollouts (TP 4), FSDP full fine-tuning with gradient checkpointing
+    MODEL=Qwen/Qwen2.5-7B-Instruct; NPROC=4; TP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
+    EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
+  toolace8b)  # 4 GPUs (80GB); ToolACE writes calls as a Python list [f(a=1)]
+    MODEL=Team-ACE/ToolACE-2-Llama-3.1-8B; NPROC=4; TP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
+    CALL_FORMAT=python; EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
+  *) echo "loop: unknown preset $PRESET (tiny, qwen3b, qwen7b, toolace8b)" >&2; exit 2 ;;
+esac
+OVERRIDABLE=" MODEL ENGINE TP NPROC ACCEL_CONFIG LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH LR KL TEMP "
+OVERRIDABLE+="MAX_STEPS MAX_LEN MAX_NEW TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS EXTRA_TRAIN "
+for kv in "${SETS[@]+"${SETS[@]}"}"; do
+  var=${kv%%=*}
+  case $OVERRIDABLE in *" $var "*) printf -v "$var" '%s' "${kv#*=}" ;;
+    *) echo "loop: --set $var: not a preset variable ($OVERRIDABLE)" >&2; exit 2 ;; esac
+done
+if [ "$MODEL" = offline-tiny ]; then
+  MODEL=$($PY -c "from common.tiny import build_cached; print(build_cached())")
+fi
+ROUNDS=${ROUNDS:-$DEFAULT_ROUNDS}
+EVAL_EVERY=${EVAL_EVERY:-$DEFAULT_EVAL_EVERY}
+NAME=${NAME:-$PRESET-$MODE}
+
+# ---------------------------------------------------------------------------- modes
+case $MODE in
+  seal)           OMEGA=seal;   REWEIGHT="" ;;
+  vanilla)        OMEGA=off;    REWEIGHT="--no-reweight" ;;
+  no-env)         OMEGA=off;    REWEIGHT="" ;;
+  no-reweight)    OMEGA=seal;   REWEIGHT="--no-reweight" ;;
+  no-closed-loop) OMEGA=static; REWEIGHT="" ;;
+  *) echo "loop: unknown mode $MODE" >&2; usage ;;
+esac
+
+RUN=$RUNS/$NAME
+mkdir -p "$RUN/logs"
+$PY -m common.runinfo "$RUN/config.json" preset="$PRESET" mode="$MODE" rounds="$ROUNDS" name="$NAME" \
+  eval_every="$EVAL_EVERY" model="$MODEL" engine="$ENGINE" nproc="$NPROC" accelerate_config="$ACCEL_CONFIG" \
+  lora="$LORA" call_format="$CALL_FORMAT" tasks_per_round="$TASKS_PER_ROUND" n="$N" mini_batch="$MINI_BATCH" \
+  lr="$LR" kl="$KL" temperature="$TEMP" max_steps="$MAX_STEPS" max_model_len="$MAX_LEN" \
+  max_new_tokens="$MAX_NEW" train_limit="$TRAIN_LIMIT" eval_limit="$EVAL_LIMIT" omega="$OMEGA" \
+  reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN"
+
+# run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists, else run with a log and a timing line.
+run() {
+  local stage=$1 round=$2 output=$3; shift 3
+  if [ -e "$output" ]; then echo "loop: round $round $stage: done ($output)"; return; fi
+  local log="$RUN/logs/round_$(printf %03d "$round")_$stage.log"
+  echo "loop: round $round $stage -> $output (log: $log)"
+  local t0; t0=$(date +%s%N)
+  if ! "$@" 2>&1 | tee "$log"; then
+    echo "loop: stage '$stage' failed in round $round; see $log" >&2
+    exit 1
+  fi
+  local ms=$((($(date +%s%N) - t0) / 1000000))
+  echo "{\"round\": $round, \"stage\": \"$stage\", \"seconds\": $((ms / 1000)).$(printf %03d $((ms % 1000)))}" \
+    >> "$RUN/timing.jsonl"
+}
+
+limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
+
+evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
+  run eval "$2" "$3/scores.json" $PY evaluate.py --policy "$1" --split heldin \
+    $(limit_args "$EVAL_LIMIT") --engine "$ENGINE" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
+    --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT" --tensor-parallel-size "$TP" \
+    --out "$3"
+}
+
+train() {  # train ROUND_DIR POLICY
+  local launch=($PY)
+  if [ "$NPROC" -gt 1 ]; then
+    launch=(.venv/bin/accelerate launch --num_processes "$NPROC")
+    [ -n "$ACCEL_CONFIG" ] && launch+=(--config_file "$ACCEL_CONFIG")
+  fi
+  "${launch[@]}" train_grpo.py --model "$2" --rollouts "$1/rollouts.jsonl" --diagnoses "$1/diagnoses.jsonl" \
+    --interface "$1/interface.json" $REWEIGHT --lr "$LR" --kl-coef "$KL" --mini-batch-tasks "$MINI_BATCH" \
+    --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA $EXTRA_TRAIN --seed 0 --out "$1/policy"
+}
+
+# The base model is scored once per preset and shared by every run (and mode) of it.
+evaluate "$MODEL" 0 "$RUNS/base-$PRESET/eval"
+policy=$MODEL
+for ((t = 0; t < ROUNDS; t++)); do
+  R=$RUN/round_$(printf %03d "$t")
+  NEXT=$RUN/round_$(printf %03d $((t + 1)))
+  mkdir -p "$R" "$NEXT"
+  run interface "$t" "$R/interface.json" $PY evolve.py --mode "$OMEGA" --out "$R/interface.json"
+  run rollout "$t" "$R/rollouts.jsonl" $PY rollout.py --model "$policy" --tasks data/train.jsonl \
+    $(limit_args "$TRAIN_LIMIT") --batch "$TASKS_PER_ROUND" --round "$t" --n "$N" --interface "$R/interface.json" \
+    --engine "$ENGINE" --temperature "$TEMP" --seed "$t" --max-steps-per-turn "$MAX_STEPS" \
+    --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" --call-format "$CALL_FORMAT" \
+    --tensor-parallel-size "$TP" --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
+  run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks data/train.jsonl \
+    --rollouts "$R/rollouts.jsonl" --out "$R/diagnoses.jsonl"
+  run evolve "$t" "$NEXT/interface.json" $PY evolve.py --mode "$OMEGA" --diagnoses "$R/diagnoses.jsonl" \
+    --previous "$R/interface.json" --round $((t + 1)) --out "$NEXT/interface.json"
+  run train "$t" "$R/policy" train "$R" "$policy"
+  policy=$R/policy
+  if [ $(((t + 1) % EVAL_EVERY)) -eq 0 ] || [ $((t + 1)) -eq "$ROUNDS" ]; then
+    evaluate "$policy" "$t" "$RUN/eval/round_$(printf %03d "$t")"
+  fi
+  $PY -m common.report "$RUN" > /dev/null
+done
+$PY -m common.report "$RUN"

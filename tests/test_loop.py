@@ -1,0 +1,134 @@
+"""loop.sh end to end on the tiny preset: artifacts, modes, resume after an interruption."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Two rounds of 2 tasks x 2 samples, 1 held-in task per category. One model call per turn
+# (a call ends the trajectory at the step limit) and the HF engine, which starts in a
+# third of vLLM's time: at this size process start-up is most of the cost.
+SMALL = ["--rounds", "2", "--eval-every", "2", "--set", "TASKS_PER_ROUND=2", "--set", "N=2", "--set", "MAX_NEW=32",
+         "--set", "EVAL_LIMIT=1", "--set", "MAX_STEPS=1", "--set", "ENGINE=hf"]
+ARTIFACTS = ["config.json", "timing.jsonl", "report.md", "curves.png", "eval/round_001/scores.json",
+             "round_002/interface.json"] + [f"round_00{t}/{f}" for t in (0, 1) for f in (
+                 "interface.json", "rollouts.jsonl", "rollout_summary.json", "diagnoses.jsonl", "train_metrics.jsonl",
+                 "policy/config.json", "policy/model.safetensors", "policy/tokenizer.json")]
+
+
+def loop(runs, name, mode, **kw):
+    cmd = ["bash", "loop.sh", "tiny", "--mode", mode, "--name", name, "--runs", str(runs), *SMALL]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, **kw)
+
+
+def finish(proc):
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def jsonl(path):
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model):
+    runs = tmp_path_factory.mktemp("runs")
+    for mode in ("seal", "vanilla"):
+        finish(loop(runs, mode, mode))
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["seal", "vanilla"])
+def test_two_round_loop_leaves_every_artifact(runs, mode):
+    run = runs / mode
+    for rel in ARTIFACTS:
+        assert (run / rel).is_file(), rel
+    assert (runs / "base-tiny" / "eval" / "scores.json").is_file()
+    config = json.loads((run / "config.json").read_text())
+    assert config["settings"]["mode"] == mode and config["versions"]["bfcl-eval"] == "2026.3.23"
+    assert config["git_commit"]
+    stages = [(x["round"], x["stage"]) for x in jsonl(run / "timing.jsonl")]
+    for t in (0, 1):
+        for stage in ("rollout", "diagnose", "evolve", "train"):
+            assert stages.count((t, stage)) == 1
+    report = (run / "report.md").read_text()
+    assert "| 0 |" in report and "| 1 |" in report and "round_001" in report
+
+
+def test_modes_differ_where_they_should(runs):
+    seal, vanilla = runs / "seal", runs / "vanilla"
+    s_omega = json.loads((seal / "round_000" / "interface.json").read_text())
+    v_omega = json.loads((vanilla / "round_000" / "interface.json").read_text())
+    assert s_omega["schema_cue"]["enabled"] and s_omega["error_feedback"]
+    assert not v_omega["schema_cue"]["enabled"] and not v_omega["error_feedback"]
+    assert not v_omega["capability_cues"]
+    for t in (0, 1):
+        s_roll = jsonl(seal / f"round_00{t}" / "rollouts.jsonl")
+        v_roll = jsonl(vanilla / f"round_00{t}" / "rollouts.jsonl")
+        assert all(r["stats"]["cue_tokens"] > 0 for r in s_roll)
+        assert all(r["stats"]["cue_tokens"] == 0 for r in v_roll)
+        # Same tasks in both modes (a fixed order per round), different prompts.
+        assert [r["task_id"] for r in s_roll] == [r["task_id"] for r in v_roll]
+        assert s_roll[0]["tokens"]["prompt_ids"] != v_roll[0]["tokens"]["prompt_ids"]
+        # Diagnosis weights: ρ in SEAL, 1 everywhere in vanilla.
+        s_w = [m["w_mean"] for m in jsonl(seal / f"round_00{t}" / "train_metrics.jsonl")]
+        v_w = [m for m in jsonl(vanilla / f"round_00{t}" / "train_metrics.jsonl")]
+        assert all(m["w_mean"] == 1.0 and m["w_std"] == 0.0 for m in v_w)
+        assert any(w != 1.0 for w in s_w)
+    # Evaluation never sees Ω: the same base policy gives the same held-in prompts in both runs.
+    assert (runs / "base-tiny" / "eval" / "rollouts.jsonl").is_file()
+
+
+def test_interrupted_loop_resumes_to_the_same_artifacts(runs):
+    name = "resumed"
+    run = runs / name
+    proc = loop(runs, name, "seal", start_new_session=True)
+    deadline = time.time() + 600
+    while not (run / "round_000" / "diagnoses.jsonl").exists():
+        assert proc.poll() is None and time.time() < deadline, "loop ended before the interruption"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, inside evolve or train
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert not (run / "round_000" / "policy").exists() or not (run / "round_001" / "rollouts.jsonl").exists()
+    rollouts_mtime = (run / "round_000" / "rollouts.jsonl").stat().st_mtime_ns
+
+    out = finish(loop(runs, name, "seal"))
+    assert "round 0 rollout: done" in out and "round 0 diagnose: done" in out
+    assert (run / "round_000" / "rollouts.jsonl").stat().st_mtime_ns == rollouts_mtime
+    stages = [(x["round"], x["stage"]) for x in jsonl(run / "timing.jsonl")]
+    assert len(stages) == len(set(stages)), "a finished stage ran twice"
+    assert not list(run.rglob(".tmp-*")), "a half-written artifact was left behind"
+
+    ref = runs / "seal"
+    for t in (0, 1):
+        for f in ("rollouts.jsonl", "diagnoses.jsonl"):
+            a, b = jsonl(ref / f"round_00{t}" / f), jsonl(run / f"round_00{t}" / f)
+            for r in a + b:
+                r.pop("policy", None)
+                r.get("stats", {}).pop("seconds", None)
+            assert a == b, f
+        assert (ref / f"round_00{t}" / "interface.json").read_text() == (run / f"round_00{t}" / "interface.json").read_text()
+        wa = load_file(ref / f"round_00{t}" / "policy" / "model.safetensors")
+        wb = load_file(run / f"round_00{t}" / "policy" / "model.safetensors")
+        assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    assert json.loads((ref / "eval/round_001/scores.json").read_text()) == \
+        json.loads((run / "eval/round_001/scores.json").read_text())
+
+
+def test_compare_prints_runs_side_by_side(runs):
+    res = subprocess.run([sys.executable, "evaluate.py", "--compare", str(runs / "seal"), str(runs / "vanilla")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert "average" in lines[0]
+    assert [ln.split()[0:2] for ln in lines[1:]] == [["tiny", "base"], ["seal", "r001"], ["vanilla", "r001"]]
