@@ -116,6 +116,9 @@ def plots(run, rounds, evals, base):
     ws = [(r["round"], r["w_mean"]) for r in rounds if r["w_mean"] is not None]
     ax.plot([x for x, _ in ws], [y for _, y in ws], "o-")
     ax.set(title="mean diagnosis weight w", xlabel="round")
+    ticks = [r["round"] for r in rounds]
+    for ax in axes.flat:
+        ax.set_xticks(ticks)
     fig.tight_layout()
     fig.savefig(os.path.join(run, "curves.png"), dpi=90)
     plt.close(fig)
