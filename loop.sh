@@ -65,6 +65,9 @@ for kv in "${SETS[@]+"${SETS[@]}"}"; do
 done
 if [ "$MODEL" = offline-tiny ]; then
   MODEL=$($PY -c "from common.tiny import build_cached; print(build_cached())")
+elif [ ! -d "$MODEL" ]; then
+  # A hub id: fetch it once into the HF cache; every stage then works on a local folder.
+  MODEL=$($PY -c "import sys; from huggingface_hub import snapshot_download; print(snapshot_download(sys.argv[1]))" "$MODEL")
 fi
 ROUNDS=${ROUNDS:-$DEFAULT_ROUNDS}
 EVAL_EVERY=${EVAL_EVERY:-$DEFAULT_EVAL_EVERY}

@@ -138,6 +138,8 @@ def train(args):
     lines = {(r["task_id"], r["sample_index"]): r["_line"] for r in rollouts}
     del rollouts, diagnoses
     adapter_in = os.path.isfile(os.path.join(args.model, "adapter_config.json"))
+    if not adapter_in and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise RecordError(f"{args.model}: not a model or adapter folder (no config.json)")
     base_path = (
         read_json(os.path.join(args.model, "adapter_config.json"))["base_model_name_or_path"]
         if adapter_in

@@ -37,6 +37,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from common.jsonl import RecordError
+
 # vLLM's max_lora_rank must be one of these.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM on CPU: KV cache size unless VLLM_CPU_KVCACHE_SPACE or kwargs say
@@ -51,6 +53,10 @@ class Generation:
 
 def resolve_model(model_dir):
     """(base folder, adapter folder or None, adapter config or None) for a model or adapter folder."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")) and \
+            not os.path.isfile(os.path.join(model_dir, "adapter_config.json")):
+        # Hub ids are resolved to a local snapshot by loop.sh; stages take folders only.
+        raise RecordError(f"{model_dir}: not a model or adapter folder (no config.json)")
     model_dir = os.path.abspath(model_dir)
     cfg_path = os.path.join(model_dir, "adapter_config.json")
     if not os.path.isfile(cfg_path):

@@ -212,3 +212,11 @@ def test_cues_reach_the_prompt_masked_and_counted(tasks, tokenizer):
     plain = play.Trajectory(task, 0, None, tokenizer, "json").prompt_ids
     assert play.Trajectory(task, 0, omega_api.off(), tokenizer, "json").prompt_ids == plain
     assert plain != rec["tokens"]["prompt_ids"]
+
+
+def test_missing_model_folder_is_a_clear_error(tmp_path):
+    res = subprocess.run([sys.executable, "rollout.py", "--model", str(tmp_path / "none"), "--tasks",
+                          "data/train.jsonl", "--engine", "hf", "--out", str(tmp_path / "r.jsonl")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode != 0 and "not a model or adapter folder" in res.stderr
+    assert not (tmp_path / "r.jsonl").exists()
