@@ -97,7 +97,7 @@ def main(args):
     path = args.tasks or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"{args.split}.jsonl")
     tasks = list(bfcl.load_tasks(path).values())
     if args.limit:
-        tasks = [t for cat in bfcl.CATEGORIES for t in [x for x in tasks if x["category"] == cat][: args.limit]]
+        tasks = bfcl.first_per_category(tasks, args.limit)
 
     if args.policy == "oracle":
         decoded = [oracle_trajectory(t) for t in tqdm(tasks, desc="oracle", unit="task")]

@@ -48,7 +48,7 @@ parser.add_argument("--summary", default=None, help="also write the summary as J
 def select_tasks(path, limit=None, ids=None, batch=None, round_=0):
     tasks = list(bfcl.load_tasks(path).values())
     if limit:
-        tasks = [t for cat in bfcl.CATEGORIES for t in [x for x in tasks if x["category"] == cat][:limit]]
+        tasks = bfcl.first_per_category(tasks, limit)
     if ids:
         wanted = ids.split(",")
         known = {t["id"] for t in tasks}

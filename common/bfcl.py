@@ -101,6 +101,11 @@ def execute(*args, **kwargs):
 _checker.execute_multi_turn_func_call = execute
 
 
+def first_per_category(tasks, k):
+    """The first `k` tasks of each category, categories in the usual order (a small, balanced subset)."""
+    return [t for cat in CATEGORIES for t in [x for x in tasks if x["category"] == cat][:k]]
+
+
 def unique_name(prefix="seal"):
     """A per-process unique instance-name prefix; bfcl-eval keys its cache by it."""
     return f"{prefix}_{os.getpid()}_{next(_counter)}"

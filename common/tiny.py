@@ -58,6 +58,8 @@ import random
 import sys
 import time
 
+from common.chat import to_chat_tools
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TASKS = os.path.join(REPO, "data", "train.jsonl")
 
@@ -144,35 +146,6 @@ MAX_TARGET = 384  # tokens of one assistant message trained on (a few ground-tru
 
 
 # ----------------------------------------------------------------------------- tools and text
-
-
-_TYPE_MAP = {"dict": "object", "float": "number", "tuple": "array", "any": "string"}  # as bfcl-eval maps them
-
-
-def _json_schema(schema):
-    out = {}
-    for key, value in schema.items():
-        if key == "type" and isinstance(value, str):
-            out["type"] = _TYPE_MAP.get(value, value)
-        elif key == "properties" and isinstance(value, dict):
-            out[key] = {name: _json_schema(sub) if isinstance(sub, dict) else sub for name, sub in value.items()}
-        elif key == "items" and isinstance(value, dict):
-            out[key] = _json_schema(value)
-        else:
-            out[key] = value
-    return out
-
-
-def to_chat_tools(schemas):
-    """BFCL tool schemas -> the OpenAI/JSON-schema form chat templates take (`tools=`).
-
-    BFCL types dict/float/tuple/any become object/number/array/string (bfcl-eval's mapping).
-    The `response` description is left out, as in bfcl-eval's function-calling handlers.
-    """
-    return [{"type": "function",
-             "function": {"name": s["name"], "description": s.get("description", ""),
-                          "parameters": _json_schema(s.get("parameters", {"type": "dict", "properties": {}}))}}
-            for s in schemas]
 
 
 def conversation(task):

@@ -7,6 +7,7 @@ import pytest
 
 from common import bfcl, tiny
 from common import calls as C
+from common.chat import to_chat_tools
 
 SAMPLES = [
     "Move 'final_report.pdf' within document directory to 'temp' directory.",
@@ -51,7 +52,7 @@ def test_autotokenizer_matches_trained_bpe(tiny_model, tok):
     for text in SAMPLES:
         assert tok(text)["input_ids"] == bpe.encode(text).ids, text
     # a whole rendered BFCL prompt too
-    ids = tok.apply_chat_template([{"role": "user", "content": SAMPLES[0]}], tools=tiny.to_chat_tools(TOOLS),
+    ids = tok.apply_chat_template([{"role": "user", "content": SAMPLES[0]}], tools=to_chat_tools(TOOLS),
                                   tokenize=False)
     assert tok(ids)["input_ids"] == bpe.encode(ids).ids
 
@@ -83,7 +84,7 @@ def test_bpe_training_is_deterministic():
 
 
 def test_to_chat_tools_maps_bfcl_types():
-    out = tiny.to_chat_tools(TOOLS)
+    out = to_chat_tools(TOOLS)
     assert [t["type"] for t in out] == ["function", "function"]
     f = out[1]["function"]
     assert set(f) == {"name", "description", "parameters"}  # no "response"
@@ -110,7 +111,7 @@ def _conversation():
 
 
 def test_chat_template_renders_like_qwen(tok):
-    tools = tiny.to_chat_tools(TOOLS)
+    tools = to_chat_tools(TOOLS)
     text = tok.apply_chat_template(_conversation(), tools=tools, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n")
     assert "<tools>\n" + json.dumps(tools[0], ensure_ascii=False) + "\n" + json.dumps(tools[1], ensure_ascii=False) \
@@ -130,7 +131,7 @@ def test_chat_template_system_and_no_tools(tok):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert tok.apply_chat_template(msgs, tokenize=False) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
-    text = tok.apply_chat_template(msgs, tools=tiny.to_chat_tools(TOOLS[:1]), tokenize=False)
+    text = tok.apply_chat_template(msgs, tools=to_chat_tools(TOOLS[:1]), tokenize=False)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     # a single tool message at the end still closes its block
     text = tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}], tokenize=False)
@@ -138,7 +139,7 @@ def test_chat_template_system_and_no_tools(tok):
 
 
 def test_chat_template_tokenize_equals_tokenizer_of_text(tok):
-    tools = tiny.to_chat_tools(TOOLS)
+    tools = to_chat_tools(TOOLS)
     text = tok.apply_chat_template(_conversation(), tools=tools, tokenize=False, add_generation_prompt=True)
     ids = tok.apply_chat_template(_conversation(), tools=tools, tokenize=True, add_generation_prompt=True,
                                   return_dict=False)
