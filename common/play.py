@@ -8,6 +8,7 @@ together: one batched engine call per step. rollout.py and evaluate.py are thin
 command lines around `play`.
 """
 
+import collections
 import time
 
 from tqdm import tqdm
@@ -90,6 +91,7 @@ class Trajectory:
                     self.cue_tokens += len(self.renderer.ids(hint))
             step["feedback"] = "\n".join(hints) or None
             new = tool_messages(contents)
+            self.history += new
         else:
             turn["end"] = "answer"
             if len(self.turns) == len(self.task["questions"]):
@@ -100,7 +102,6 @@ class Trajectory:
             # What the model would see next does not fit (with room for one token).
             return self.finish("context_limit", "context_limit")
         self._append(more, 0)
-        self.history += new if step["calls"] or step["parse_error"] else []
 
     def record(self, round_, policy):
         return {
@@ -159,9 +160,7 @@ def summary(records):
     """Counts people look at after a rollout: steps per turn, stop reasons, parse errors, tokens."""
     steps = [len(turn["steps"]) for r in records for turn in r["turns"]]
     all_steps = [s for r in records for turn in r["turns"] for s in turn["steps"]]
-    stops = {}
-    for r in records:
-        stops[r["stop"]] = stops.get(r["stop"], 0) + 1
+    stops = collections.Counter(r["stop"] for r in records)
     return {
         "trajectories": len(records),
         "mean_steps_per_turn": round(sum(steps) / max(len(steps), 1), 3),
