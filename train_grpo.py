@@ -15,7 +15,8 @@ plus a k3 KL penalty to the initial policy. Writes the next policy to --out.
 
 Multi-node: the same command on every node with `--num_machines N --machine_rank R
 --main_process_ip HOST --main_process_port PORT --num_processes <total GPUs>` added after
-`accelerate launch` (or in the config file); every node needs the input files and --model.
+`accelerate launch` (or in the config file); every node needs the input files and --model,
+and --out on a filesystem all nodes share (each process writes its part of the optimiser state).
 
 Semantics:
 - Group = all samples of one task_id in the rollouts file. A = (r - mean)/(std + 1e-6) with
