@@ -145,7 +145,7 @@ def main(argv=None):
 
 def train(args):
     run = read_inputs(args)
-    accelerator = make_accelerator(args, run)
+    accelerator = make_accelerator(args)
     set_seed(args.seed)
     mini_batches = plan_mini_batches(args, run, accelerator)
     reference_logprobs(args, run, mini_batches, accelerator)
@@ -209,7 +209,7 @@ def read_inputs(args):
     )  # fmt: skip
 
 
-def make_accelerator(args, run):
+def make_accelerator(args):
     accelerator = Accelerator(
         cpu=args.cpu, mixed_precision="bf16" if torch.cuda.is_available() and not args.cpu else "no"
     )
@@ -358,9 +358,11 @@ def optimise(args, run, mini_batches, model, optimizer, params, global_step, acc
             seconds = time.perf_counter() - t0
             step += 1
             global_step += 1
-            metrics.append(step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator) | {
-                "step": step, "global_step": global_step, "epoch": epoch, "lr": optimizer.param_groups[0]["lr"],
-            })  # fmt: skip
+            metrics.append(
+                {"step": step, "global_step": global_step, "epoch": epoch}
+                | step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator)
+                | {"lr": optimizer.param_groups[0]["lr"]}
+            )
             bar.update(1)
             bar.set_postfix(loss=f"{metrics[-1]['loss']:.4f}", reward=f"{metrics[-1]['reward_mean']:.2f}")
     bar.close()
