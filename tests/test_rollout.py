@@ -2,9 +2,9 @@
 
 The turn protocol (bfcl-eval's loop, and Ω's decode-failure rule) is checked on
 the tiny model's own outputs through the recorded fields, and its decision rule
-(`play.turn_action`) on real environment steps. Two prompt-rendering cases that
-need fixed outputs (held-out tools announced, a cue after a bad call) use
-`Scripted`: fixed texts tokenised by the real tokenizer, against the real environment.
+(`play.turn_action`) on real environment steps. One prompt-rendering case needs
+a fixed bad call (a cue rendered after it) and uses `Scripted`: fixed texts
+tokenised by the real tokenizer, against the real environment.
 """
 
 import json
@@ -149,12 +149,16 @@ def test_context_limit_stops_the_trajectory_without_crashing_the_batch(tiny_mode
     assert recs[1]["stop"] == "context_limit" and recs[1]["tokens"]["ids"] == []
 
 
-def test_miss_func_tools_appear_only_from_their_turn(tasks, tokenizer):
+def test_miss_func_tools_appear_only_from_their_turn(tiny_model, tasks, tokenizer):
+    """One generated token can hold no complete call, so under bfcl-eval's rule (Ω absent) every
+    output ends its turn, whatever the model samples: the trajectory reaches every turn."""
     task = tasks["multi_turn_miss_func_0"]
     reveal = int(next(iter(task["missed_function"])))
     held = [t["name"] for t in task["missed_function"][str(reveal)]]
-    rec = play.play([task], 1, Scripted(tokenizer, lambda p: "I cannot do that."), progress=False)[0][0]
+    engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
+    rec = play.play([task], 1, engine, max_new_tokens=1, temperature=1.0, progress=False)[0][0]
     assert rec["stop"] == "done" and len(rec["turns"]) == len(task["questions"])
+    assert all(len(turn["steps"]) == 1 and turn["end"] in ("answer", "decode_error") for turn in rec["turns"])
     prompt = tokenizer.decode(rec["tokens"]["prompt_ids"])
     for name in held:
         assert f'"name": "{name}"' not in prompt
