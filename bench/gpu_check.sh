@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU check: one short script for a bare single-GPU machine (H100/H200 class, with torch,
+# transformers, accelerate and peft preinstalled, no vLLM, no internet).
+#
+#   bash bench/gpu_check.sh --fetch-wheels   # here, first: wheels the GPU machine lacks -> .wheels/
+#   bash bench/gpu_check.sh OUTDIR           # there (.wheels/ carried along): the check, <= 8 min
+#   bash bench/gpu_check.sh OUTDIR --cpu     # dry run on CPU, small sizes, same steps
+#
+# Steps, each timed and allowed to fail on its own (the table says which did):
+#   1. install bfcl-eval (and any missing pure-Python package) from .wheels/ into .gpu-site/
+#   2. prepare the task files and build the CPU preset's tiny model (common/tiny.py)
+#   3. rollout.py --engine hf on CUDA: the tiny preset's tasks, 4 samples each, through Ω_0
+#   4. diagnose.py, then train_grpo.py on CUDA (bf16 autocast): once plain, once through
+#      `accelerate launch` with a one-process FSDP config (dry run: two DDP CPU processes)
+#   5. bench/update_throughput.py: Qwen2.5-3B-sized random model, gradient checkpointing,
+#      8 sequences of 8k tokens: tokens/s, peak GPU memory, MFU (989 TFLOP/s dense bf16)
+# Writes OUTDIR/gpu_check.md (the table), OUTDIR/*.log and the stage outputs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+WHEELS=(bfcl-eval==2026.3.23 filelock mpmath tqdm)
+
+if [ "${1:-}" = --fetch-wheels ]; then
+  rm -rf .wheels && mkdir -p .wheels
+  $PY -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: -d .wheels "${WHEELS[@]}"
+  ls -l .wheels
+  exit
+fi
+[ $# -ge 1 ] || { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+OUT=$(realpath -m "$1"); DRY=${2:-}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$DRY" = --cpu ]; then
+  export CUDA_VISIBLE_DEVICES=""
+  N=2; TPUT=(--cpu --config small --seqs 2 --seq-len 512); FSDP=(--config_file configs/accelerate/ddp_cpu2.yaml)
+  CPU=(--cpu); TASK_ARGS=(--limit 1); MAX_NEW=32
+else
+  N=4; TPUT=(); FSDP=(--config_file configs/accelerate/fsdp_1gpu.yaml); CPU=(); TASK_ARGS=(); MAX_NEW=96
+fi
+TABLE=$OUT/gpu_check.md
+printf '| step | status | seconds | figures |\n|---|---|---|---|\n' > "$TABLE"
+
+# step NAME FIGURES_CMD -- CMD...: run CMD (log in OUTDIR/NAME.log), then add a row with FIGURES_CMD's output.
+step() {
+  local name=$1 figures=$2; shift 3
+  local t0=$SECONDS status=ok
+  echo "gpu_check: $name" >&2
+  timeout 420 "$@" > "$OUT/$name.log" 2>&1 || status="FAILED ($?; see $name.log)"
+  local fig=""; [ "$status" = ok ] && fig=$(eval "$figures" 2>/dev/null | tr '\n' ' ')
+  printf '| %s | %s | %s | %s |\n' "$name" "$status" $((SECONDS - t0)) "$fig" >> "$TABLE"
+}
+
+install_wheels() {
+  mkdir -p .gpu-site
+  if [ -d .wheels ]; then
+    $PY -m pip install --disable-pip-version-check -q --no-deps --no-index --target .gpu-site .wheels/bfcl_eval-*.whl
+    for pkg in filelock mpmath tqdm; do  # only where the machine lacks them
+      $PY -c "import $pkg" 2>/dev/null || $PY -m pip install -q --no-deps --no-index --target .gpu-site .wheels/$pkg-*.whl
+    done
+  fi
+  $PY -c "import torch, transformers, accelerate, peft, bfcl_eval; print(torch.__version__, torch.cuda.is_available())"
+}
+versions="$PY -c \"import torch, transformers, accelerate, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')\""
+export -f install_wheels; export PY
+step install "$versions" -- bash -c install_wheels
+
+step prepare "echo tasks ready" -- $PY data/prepare.py
+[ -f data/tiny.jsonl ] && TASKS=data/tiny.jsonl || TASKS=data/train.jsonl
+step build_model "cat $OUT/model_path; $PY -c \"import json,sys; i=json.load(open(sys.argv[1])); print('parse rate', i['first_step_parse_rate'], 'build s', i['timings']['total_s'])\" \$(cat $OUT/model_path)/build_info.json" \
+  -- bash -c "$PY -c 'from common.tiny import build_cached; print(build_cached())' > $OUT/model_path"
+M=$(cat "$OUT/model_path" 2>/dev/null)
+
+$PY evolve.py --out "$OUT/interface.json" > /dev/null 2>&1
+step rollout_hf "$PY -c \"import json,sys; s=json.load(open(sys.argv[1])); print(s['trajectories'], 'trajectories,', s['gen_tokens'], 'generated tokens')\" $OUT/rollout_summary.json" \
+  -- $PY rollout.py --model "$M" --tasks "$TASKS" "${TASK_ARGS[@]}" --n "$N" --engine hf --interface "$OUT/interface.json" \
+     --max-new-tokens "$MAX_NEW" --max-steps-per-turn 3 --summary "$OUT/rollout_summary.json" --out "$OUT/rollouts.jsonl"
+step diagnose "$PY -c \"import json,sys; r=[json.loads(l)['reward'] for l in open(sys.argv[1])]; print('mean reward', round(sum(r)/len(r),3))\" $OUT/diagnoses.jsonl" \
+  -- $PY diagnose.py --tasks "$TASKS" --rollouts "$OUT/rollouts.jsonl" --out "$OUT/diagnoses.jsonl"
+
+metrics() {  # the last metrics row of a train run, in brief
+  echo "$PY -c \"import json,sys; m=[json.loads(l) for l in open(sys.argv[1])][-1]; print('steps', m['step'], 'tokens/s', m.get('tokens_per_s'), 'grad_norm', m.get('grad_norm'))\" $1"
+}
+TRAIN=(train_grpo.py --model "$M" --rollouts "$OUT/rollouts.jsonl" --diagnoses "$OUT/diagnoses.jsonl"
+       --interface "$OUT/interface.json" --lr 1e-4 --mini-batch-tasks 2 --ref-model "$M" --save-optimizer "${CPU[@]}")
+step train_plain "$(metrics "$OUT/train_plain/metrics.jsonl")" \
+  -- $PY "${TRAIN[@]}" --metrics "$OUT/train_plain/metrics.jsonl" --out "$OUT/train_plain/policy"
+step train_accelerate "$(metrics "$OUT/train_accelerate/metrics.jsonl")" \
+  -- $PY -m accelerate.commands.launch "${FSDP[@]}" "${TRAIN[@]}" --metrics "$OUT/train_accelerate/metrics.jsonl" \
+     --out "$OUT/train_accelerate/policy"
+
+step update_throughput "tail -1 $OUT/update_throughput.log" -- $PY bench/update_throughput.py "${TPUT[@]}"
+
+cat "$TABLE"
