@@ -102,13 +102,11 @@ def parse_json_calls(text):
                        "(a newline after <tool_call> and before </tool_call>) were ignored")
     calls = []
     for obj in items:
-        if not isinstance(obj, dict):
-            raise CallError('a tool call must be a JSON object with a "name" and an "arguments" object')
-        if "name" not in obj or "arguments" not in obj:
+        if not isinstance(obj, dict) or "name" not in obj or "arguments" not in obj:  # bfcl-eval fails
             raise CallError('a tool call must be a JSON object with a "name" and an "arguments" object')
         name, args = obj["name"], obj["arguments"]
         if isinstance(name, (list, dict)):
-            raise CallError('"name" of a tool call must be a string')
+            raise CallError('a tool call must be a JSON object with a "name" string')
         name = name if isinstance(name, str) else f"{name}"  # bfcl-eval formats the key into the call string
         if isinstance(args, str):  # some models emit the arguments as a JSON string; bfcl-eval loads it
             try:
