@@ -48,7 +48,7 @@ def oracle_trajectory(task):
         for turn, gt in enumerate(task["ground_truth"]):
             env.start_turn(turn)
             if gt:
-                env.step("[" + ", ".join(gt) + "]", fmt="python")
+                env.step(bfcl.ground_truth_text(task, turn), fmt="python")
         return env.decoded
 
 

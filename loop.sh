@@ -36,7 +36,8 @@ PY=.venv/bin/python
 # ---------------------------------------------------------------------------- presets
 # Shared defaults are the paper's (DESIGN §1): GRPO groups of 8, 32 tasks per round,
 # mini-batches of 8 tasks (4 optimiser steps a round; 18 rounds ~ 72 update steps),
-# lr 1e-6, KL 0.001, clip 0.2, temperature 1.0, 20 model calls per turn, 16k context.
+# lr 1e-6, KL 0.001, clip 0.2, temperature 1.0, 16k context; MAX_STEPS=20 is bfcl-eval's
+# step limit: a turn's 21st step with calls force-quits the task.
 ENGINE=vllm; TP=1; NPROC=1; ACCEL_CONFIG=""; LORA=""; CALL_FORMAT=json
 TASKS_PER_ROUND=32; N=8; MINI_BATCH=8; LR=1e-6; KL=0.001; TEMP=1.0
 MAX_STEPS=20; MAX_LEN=16384; MAX_NEW=1024; DEFAULT_ROUNDS=18; DEFAULT_EVAL_EVERY=6

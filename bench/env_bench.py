@@ -36,7 +36,7 @@ def ours():
             for turn, gt in enumerate(task["ground_truth"]):
                 env.start_turn(turn)
                 if gt:
-                    env.step("[" + ", ".join(gt) + "]", fmt="python")
+                    env.step(bfcl.ground_truth_text(task, turn), fmt="python")
         solved += bfcl.official_verdict(task, env.decoded)["valid"]
     return solved
 

@@ -11,8 +11,9 @@ Counts with the tiny model's tokenizer (common.tiny.build_cached(), or --tokeniz
 - capability cues: tokens of system_cue() with the 3 longest lines (an upper bound);
 - error feedback: mean tokens per hint over the leakage audit's error cases
   (interface.audit, without the synthetic env_template fills), times the number of
-  errors per trajectory: measured from --rollouts (rejected or failed calls plus
-  parse errors), else assumed (--errors-per-trajectory).
+  errors per trajectory: measured from --rollouts (the errors common.play.hint_errors
+  gives hints for: calls that broke the schema, ran or not, or failed, plus parse
+  errors), else assumed (--errors-per-trajectory).
 
 Share of context = cue tokens / (plain trajectory + all cue tokens), the plain
 trajectory being the tool list, every user message, and the ground-truth calls
@@ -34,6 +35,7 @@ from common import calls as C  # noqa: E402
 from common import interface as I  # noqa: E402
 from common.chat import to_chat_tools  # noqa: E402
 from common.jsonl import read_jsonl  # noqa: E402
+from common.play import hint_errors  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--tasks", default=os.path.join(ROOT, "data", "train.jsonl"))
@@ -101,7 +103,7 @@ if args.rollouts:
     for k, r in enumerate(rollouts):
         for turn in r["turns"]:
             for step in turn["steps"]:
-                counts[k] += sum(e is not None for e in step["call_errors"]) + (step["parse_error"] is not None)
+                counts[k] += sum(e is not None for e in hint_errors(step))
     errors, source = sum(counts.values()) / len(rollouts), f"measured on {len(rollouts)} rollouts"
 else:
     errors, source = args.errors_per_trajectory, "assumed"

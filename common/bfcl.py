@@ -265,7 +265,7 @@ class Environment:
     def step(self, text, fmt):
         """Parse one model output, run its calls as bfcl-eval would, and return the step record's
         fields; `schema_errors` says per call whether it broke the schema of the tools listed now."""
-        calls, parse_error = C.parse(text, fmt, self.methods)
+        calls, parse_error = C.parse(text, fmt)
         results, call_errors = self.run_calls(calls)
         return {"calls": calls, "parse_error": parse_error, "results": results, "call_errors": call_errors,
                 "schema_errors": [C.validate(call, self.tools) for call in calls]}
@@ -325,8 +325,14 @@ def ground_truth_calls(task, turn):
     """The ground-truth calls of `turn` parsed like model output (positional args bound as Python binds them)."""
     calls = []
     for s in task["ground_truth"][turn]:
-        parsed, err = C.parse(s, "python", methods(task["involved_classes"]))
+        parsed, err = C.parse_ground_truth(s, methods(task["involved_classes"]))
         if err:
             raise RecordError(f"task {task['id']}: ground truth {s!r} does not parse: {err}")
         calls.extend(parsed)
     return calls
+
+
+def ground_truth_text(task, turn):
+    """The ground truth of `turn` as a model writes it in the Python format: keyword arguments
+    only (bfcl-eval's prompting decoder drops positional ones, which some ground truth uses)."""
+    return C.format_calls(ground_truth_calls(task, turn), "python")

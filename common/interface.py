@@ -203,8 +203,8 @@ READ_ONLY = ("get_", "list_", "search_", "view_", "display", "check_", "find")
 
 
 def _hint_json_format(m, tools):
-    return ('Expected format: <tool_call>{"name": "<tool name>", "arguments": {"<parameter>": <value>}}'
-            "</tool_call>, valid JSON, one block per call, nothing else inside the tags.")
+    return ('Expected format: <tool_call>\n{"name": "<tool name>", "arguments": {"<parameter>": <value>}}'
+            "\n</tool_call>, valid JSON, one block per call, a newline after <tool_call> and before </tool_call>.")
 
 
 def _hint_python_format(m, tools):
@@ -521,7 +521,7 @@ def audit(task, omega):
                     check(turn, "capability_cue", None, text)
 
             for call in bfcl.ground_truth_calls(task, turn):
-                for case, error in _call_errors(call, tools, env.methods):
+                for case, error in _call_errors(call, tools):
                     check(turn, case, error, error_hint(error, tools, omega))
                 wrong = {k: _missing_value(v) for k, v in call["arguments"].items()}
                 if wrong != call["arguments"]:
@@ -540,7 +540,7 @@ def audit(task, omega):
     return out
 
 
-def _call_errors(call, tools, params):
+def _call_errors(call, tools):
     """(case, reason) for the schema-breaking and unparsable variants of one valid call."""
     name, args = call["name"], call["arguments"]
     props = next(t for t in tools if t["name"] == name)["parameters"].get("properties", {})
@@ -566,8 +566,8 @@ def _call_errors(call, tools, params):
     for case, output, fmt in [("parse_json", f"<tool_call>\n{text[:-1]}\n</tool_call>", "json"),
                               ("parse_json", f"<tool_call>\n{text}", "json"),
                               ("parse_python", f"[{C.render(call)[:-1]}]", "python"),
-                              ("parse_python", f"[{name}({next(iter(props), 'x')}=some_variable)]", "python")]:
-        out.append((case, C.parse(output, fmt, params)[1]))
+                              ("parse_python", f"[{name}({next(iter(props), 'x')}=some_variable + 1)]", "python")]:
+        out.append((case, C.parse(output, fmt)[1]))
     return [(case, reason) for case, reason in out if reason]
 
 

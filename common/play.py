@@ -92,10 +92,12 @@ class Trajectory:
             return self.finish("step_limit", "step_limit")
         if action == "continue":
             contents = list(step["results"])
-            if step["parse_error"]:
+            # bfcl-eval shows only the results of the calls it decoded (a skipped <tool_call>
+            # block goes unmentioned); telling the model about it is Ω's error feedback.
+            if step["parse_error"] and self.decode_failure == "feedback":
                 contents.append(f"Error: could not parse tool calls: {step['parse_error']}")
             hints = []
-            for i, err in enumerate(hint_errors(step)):
+            for i, err in enumerate(hint_errors(step)[:len(contents)]):
                 hint = omega_api.error_hint(err, self.env.tools, self.omega) if err else None
                 if hint:
                     contents[i] = f"{contents[i]}\n{hint}"

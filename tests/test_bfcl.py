@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from common import bfcl
+from common import calls as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Held-in tasks whose ground truth breaks the schema: ticket_id is declared integer but
@@ -39,7 +40,7 @@ def play(task, turns, fmt="python"):
 
 
 def gt_turns(task):
-    return [["[" + ", ".join(gt) + "]"] if gt else [] for gt in task["ground_truth"]]
+    return [[bfcl.ground_truth_text(task, t)] if gt else [] for t, gt in enumerate(task["ground_truth"])]
 
 
 def test_split_is_100_per_category_and_disjoint(train, heldin):
@@ -64,7 +65,7 @@ def test_oracle_solves_every_task(train, heldin):
 
 def test_perturbed_ground_truth_fails_with_the_official_error_type(train):
     task = train["multi_turn_base_0"]
-    gt = [list(g) for g in task["ground_truth"]]
+    gt = [[C.render(c) for c in bfcl.ground_truth_calls(task, t)] for t in range(len(task["ground_truth"]))]
 
     def verdict(turns):
         return bfcl.official_verdict(task, play(task, [["[" + ", ".join(g) + "]"] if g else [] for g in turns])[0])
@@ -147,7 +148,7 @@ def test_miss_func_tools_appear_only_from_their_turn(train):
     assert name in {t["name"] for t in bfcl.tools_at(task, turn)}
     with bfcl.Environment(task) as env:
         assert env.start_turn(0) == []
-        step = env.step(f"<tool_call>{{\"name\": \"{name}\", \"arguments\": {{}}}}</tool_call>", "json")
+        step = env.step(f"<tool_call>\n{{\"name\": \"{name}\", \"arguments\": {{}}}}\n</tool_call>", "json")
         # Not listed yet, but a method of the task's classes: it runs, as in bfcl-eval, and is a schema break.
         assert step["schema_errors"] == [f"unknown tool {name}"]
         assert env.decoded[-1] == [[f"{name}()"]] and not step["results"][0].startswith("Error during execution: name")
@@ -173,11 +174,11 @@ def test_execution_errors_are_reported_per_call(train):
 @pytest.mark.parametrize("text,refusal", [
     ("[book_flight(travel_class='economy')]", "name 'book_flight' is not defined"),  # another class's method
     ("[print(x='hi')]", "name 'print' is not defined"),  # a builtin: eval would run it
-    ("[_load_scenario(scenario={})]", "name '_load_scenario' is not defined"),  # private
+    ("[_load_scenario(scenario=[])]", "name '_load_scenario' is not defined"),  # private
     ("[__import__(name='os')]", "name '__import__' is not defined"),
     ("[os.system(command='ls')]", "name 'os.system' is not defined"),
     ("[exit()]", "Function call exit is not allowed."),  # bfcl-eval's deny-list
-    ('<tool_call>{"name": "cd", "arguments": {"a b": 1}}</tool_call>', "invalid parameter name 'a b'"),
+    ('<tool_call>\n{"name": "cd", "arguments": {"a b": 1}}\n</tool_call>', "invalid parameter name 'a b'"),
 ])
 def test_calls_the_executor_would_not_dispatch_are_refused_unrun(train, text, refusal):
     task = train["multi_turn_base_0"]  # GorillaFileSystem, TwitterAPI

@@ -103,7 +103,8 @@ def test_system_cue():
 
 
 @pytest.mark.parametrize("error, cls, expect", [
-    ("tool call is not valid JSON (Expecting value)", "format_json", "<tool_call>{"),
+    ("tool call is not valid JSON (Expecting value)", "format_json", "<tool_call>\n{"),
+    ("1 <tool_call> block(s) not written as <tool_call>\\n{...}", "format_json", "a newline after <tool_call>"),
     ("unclosed <tool_call> block", "format_json", "one block per call"),
     ("not a Python list of calls (invalid syntax)", "format_python", "[tool_name(parameter=value)"),
     ("argument mode: only literal values are allowed, not Name", "literal_value", "no variables"),

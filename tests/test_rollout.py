@@ -73,9 +73,9 @@ def conversation(task, record, omega=None):
             fed_back = step["calls"] or (step["parse_error"] and record["decode_failure"] == "feedback")
             if fed_back and not last:
                 contents = list(step["results"])
-                if step["parse_error"]:
+                if step["parse_error"] and record["decode_failure"] == "feedback":  # skipped blocks: Ω's
                     contents.append(f"Error: could not parse tool calls: {step['parse_error']}")
-                for i, err in enumerate(play.hint_errors(step)):
+                for i, err in enumerate(play.hint_errors(step)[:len(contents)]):
                     hint = omega_api.error_hint(err, bfcl.tools_at(task, t), omega) if err else None
                     contents[i] += f"\n{hint}" if hint else ""
                 msgs += [{"role": "tool", "content": c} for c in contents]
@@ -189,6 +189,10 @@ def test_turn_action_is_bfcl_eval_loop(tasks):
     assert play.turn_action(garbage, 1, "end_turn", 20) == "end_turn"
     assert play.turn_action(garbage, 1, "feedback", 20) == "continue"
     assert play.turn_action(garbage, 21, "feedback", 20) == "force_quit"
+    # A <tool_call> block bfcl-eval skips does not stop the others: the step runs them and goes on.
+    partial, = env_steps(task, ['<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": ls}\n</tool_call>'])
+    assert len(partial["calls"]) == 1 and partial["parse_error"]
+    assert play.turn_action(partial, 1, "end_turn", 20) == "continue"
     # A schema break or a refused name is still a step with calls: bfcl-eval ran (or tried) it.
     broken, refused = env_steps(task, ['<tool_call>\n{"name": "cd", "arguments": {"folder": 7}}\n</tool_call>',
                                        '<tool_call>\n{"name": "rm_all", "arguments": {}}\n</tool_call>'])

@@ -4,18 +4,23 @@ Shared by tests/test_taxonomy.py, tests/test_diagnose.py and bench/diagnose_benc
 calls, parse errors, results, call_errors and schema_errors in these records are
 what the environment produced, not made up. `perturbations()` derives the
 systematic perturbed set from a task's ground truth; `bfcl_eval_decoded()` gives
-what bfcl-eval's own pipeline would hand its checker for the same model texts.
+what bfcl-eval's own pipeline would hand its checker for the same model texts, by
+its own decoder code (`bfcl_eval_decode`).
 """
 
+import ast
+import importlib.util
 import json
 import re
+import types
 import zlib
+from typing import Any
 
 from common import bfcl
 from common import calls as C
 
 ANSWER = "Done."  # the plain answer that ends a turn (json format: no call, no parse error)
-GARBAGE = '<tool_call>{"name": "cd", "arguments": {"folder": </tool_call>'  # does not parse
+GARBAGE = '<tool_call>\n{"name": "cd", "arguments": {"folder": \n</tool_call>'  # does not parse
 
 
 def text(calls):
@@ -57,30 +62,60 @@ def play(task, calls_per_turn, sample_index=0):
     )
 
 
-# bfcl-eval's Qwen decoding (QwenFCHandler._extract_tool_calls + utils.convert_to_function_call,
-# copied: importing bfcl_eval.model_handler needs tree_sitter, which is not installed).
-QWEN_TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+def _installed(module, names, cls=None):
+    """bfcl-eval's own functions, compiled from its installed source file (importing their modules
+    needs tree_sitter and tenacity, which are not installed; these functions use neither)."""
+    from bfcl_eval.constants.enums import ReturnFormat  # after common.bfcl, which sets BFCL_PROJECT_ROOT
+
+    path = importlib.util.find_spec(module).origin
+    with open(path) as f:
+        body = ast.parse(f.read()).body
+    if cls:
+        body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    defs = [n for n in body if isinstance(n, ast.FunctionDef) and n.name in names]
+    assert sorted(d.name for d in defs) == sorted(names), f"{module} changed: {names}"
+    for d in defs:
+        d.decorator_list = []  # @override, @staticmethod: called as plain functions below
+    namespace = {"ast": ast, "json": json, "re": re, "ReturnFormat": ReturnFormat, "Any": Any}
+    exec(compile(ast.Module(defs, type_ignores=[]), path, "exec"), namespace)  # noqa: S102 (bfcl-eval's code)
+    return namespace
 
 
-def bfcl_eval_decode(text):
-    """The raw call strings bfcl-eval's inference and checker run for one Qwen-format output."""
-    out = []
-    for match in QWEN_TOOL_CALL_RE.findall(text):
-        try:
-            item = json.loads(match)
-        except Exception:  # noqa: BLE001 (as bfcl-eval: a bad block is skipped)
-            continue
-        out.append(f"{item['name']}({','.join(f'{k}={v!r}' for k, v in item['arguments'].items())})")
-    return out
+_QWEN = _installed("bfcl_eval.model_handler.local_inference.qwen_fc",
+                   ["_parse_query_response_prompting", "decode_execute", "_extract_tool_calls"], cls="QwenFCHandler")
+_QWEN.update(_installed("bfcl_eval.model_handler.utils", ["convert_to_function_call"]))
+_PROMPTING = _installed("bfcl_eval.model_handler.utils", [
+    "default_decode_execute_prompting", "ast_parse", "resolve_ast_call", "resolve_ast_by_type",
+    "parse_nested_value", "decoded_output_to_execution_list"])
+
+
+def bfcl_eval_decode(text, fmt="json"):
+    """The raw call strings bfcl-eval's decoder hands its executor for one model output, by its own
+    code: QwenFCHandler (response parsing, then decode_execute) for "json", OSSHandler's
+    default_decode_execute_prompting for "python". Raises where that code raises (a decode failure)."""
+    if fmt == "python":
+        return _PROMPTING["default_decode_execute_prompting"](text)
+    handler = types.SimpleNamespace(_extract_tool_calls=_QWEN["_extract_tool_calls"])
+    response = types.SimpleNamespace(choices=[types.SimpleNamespace(text=text)],
+                                     usage=types.SimpleNamespace(prompt_tokens=0, completion_tokens=0))
+    parsed = _QWEN["_parse_query_response_prompting"](handler, response)
+    return _QWEN["decode_execute"](handler, parsed["model_responses"], False)
 
 
 def bfcl_eval_decoded(record):
     """Per turn, per step with calls: the raw strings bfcl-eval would check for this record's texts."""
     turns = []
     for turn in record["turns"]:
-        steps = [bfcl_eval_decode(step["text"]) for step in turn["steps"]]
+        steps = [_decoded_or_nothing(step["text"]) for step in turn["steps"]]
         turns.append([s for s in steps if s])
     return turns
+
+
+def _decoded_or_nothing(text):
+    try:
+        return bfcl_eval_decode(text)
+    except Exception:  # noqa: BLE001 (a decode failure: bfcl-eval runs nothing for this output)
+        return []
 
 
 def gt_calls(task):
