@@ -30,6 +30,17 @@ Common contract of both engines:
 - Deterministic for a given seed and sequence of calls: the HF engine reseeds
   torch before every call from (seed, call counter); vLLM uses its engine seed
   (per-request seeds fail on CPU).
+
+The vLLM engine also runs request by request, for per-trajectory scheduling
+(common/play.py): `submit(key, prompt, max_new_tokens, temperature)` queues one
+generation, `poll()` runs one engine step and returns the `(key, Generation)`
+pairs that finished in it, `abort()` drops whatever is still queued. Requests
+join the running batch at the next step (continuous batching), so nothing waits
+for the longest generation of a step. The engine is the plain `LLM`'s, stepped
+synchronously from the caller's thread: no event loop, and with the in-process
+engine core (CPU) the same seed and the same calls give the same samples.
+`engine.prompt_tokens` / `engine.cached_tokens` count prompt tokens sent and
+those served from the prefix cache (vLLM's `num_cached_tokens`), both schedules.
 """
 
 import gc
@@ -359,30 +370,67 @@ class VLLMEngine(Engine):
             self.lora = LoRARequest("policy", 1, self.adapter)
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
+        self.pending = {}  # request id -> (caller's key, limit), for submit/poll
+        self.request_counter = 0
+        self.prompt_tokens = self.cached_tokens = 0
+
+    def _params(self, limit, temperature):
+        from vllm import SamplingParams
+        return SamplingParams(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
+                              repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                              max_tokens=limit, logprobs=0, stop_token_ids=list(self.stop_ids),
+                              detokenize=False)
+
+    def _result(self, out, limit):
+        self.prompt_tokens += len(out.prompt_token_ids or [])
+        self.cached_tokens += out.num_cached_tokens or 0
+        o = out.outputs[0]
+        ids = list(o.token_ids)
+        lps = [o.logprobs[t][i].logprob for t, i in enumerate(ids)]
+        return self._finish(ids, lps, limit)
 
     def generate(self, prompts, max_new_tokens, temperature):
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         limits = self._limits(prompts, max_new_tokens)
         if not prompts:
             return []
-        params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
-                                 repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                                 max_tokens=m, logprobs=0, stop_token_ids=list(self.stop_ids),
-                                 detokenize=False)
-                  for m in limits]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+        if self.pending:
+            raise RuntimeError("generate() while submitted requests are pending")
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                 [self._params(m, temperature) for m in limits],
                                  use_tqdm=False, lora_request=self.lora)
-        results = []
-        for out, limit in zip(outs, limits, strict=True):
-            o = out.outputs[0]
-            ids = list(o.token_ids)
-            lps = [o.logprobs[t][i].logprob for t, i in enumerate(ids)]
-            results.append(self._finish(ids, lps, limit))
-        return results
+        return [self._result(out, limit) for out, limit in zip(outs, limits, strict=True)]
+
+    def submit(self, key, prompt, max_new_tokens, temperature):
+        """Queue one generation; its result comes back from poll() under `key`."""
+        from vllm.inputs import TokensPrompt
+
+        (limit,) = self._limits([prompt], [max_new_tokens])
+        self.request_counter += 1
+        rid = f"r{self.request_counter}"
+        self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)),
+                                        self._params(limit, temperature), lora_request=self.lora)
+        self.pending[rid] = (key, limit)
+
+    def poll(self):
+        """One engine step; the (key, Generation) pairs of the requests that finished in it."""
+        done = []
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                key, limit = self.pending.pop(out.request_id)
+                done.append((key, self._result(out, limit)))
+        return done
+
+    def abort(self):
+        """Drop every submitted request that has not finished."""
+        if self.pending and self.llm is not None:
+            self.llm.llm_engine.abort_request(list(self.pending))
+        self.pending.clear()
 
     def close(self):
+        if getattr(self, "llm", None) is not None:
+            self.abort()
         llm = getattr(self, "llm", None)
         self.llm = None
         if llm is None:
