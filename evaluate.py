@@ -41,6 +41,8 @@ parser.add_argument("--max-new-tokens", type=int, default=512)
 parser.add_argument("--max-steps-per-turn", type=int, default=20)
 parser.add_argument("--call-format", default="json", choices=["json", "python"])
 parser.add_argument("--tensor-parallel-size", type=int, default=1)
+parser.add_argument("--data-parallel-size", type=int, default=1,
+                    help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
 parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
                     help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
 
@@ -109,9 +111,9 @@ def main(args):
     else:
         from common.engines import make_engine  # imports torch: only for model policies
 
-        schedule = play.schedule_for(args.engine, args.schedule, parser.error)
+        schedule = play.schedule_for(args.engine, args.schedule, parser.error, args.data_parallel_size)
         engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
-                             tensor_parallel_size=args.tensor_parallel_size)
+                             tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
         try:
             records, _ = play.play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=0.0,
                                 max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,

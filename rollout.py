@@ -49,6 +49,8 @@ parser.add_argument("--call-format", default="json", choices=["json", "python"],
                     help="json: Qwen <tool_call> blocks; python: [f(a=1)] lists (ToolACE)")
 parser.add_argument("--round", type=int, default=0)
 parser.add_argument("--tensor-parallel-size", type=int, default=1)
+parser.add_argument("--data-parallel-size", type=int, default=1,
+                    help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
 parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
                     help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
 parser.add_argument("--summary", default=None, help="also write the summary as JSON here")
@@ -75,11 +77,11 @@ def select_tasks(path, limit=None, ids=None, batch=None, round_=0):
 
 
 def main(args):
-    schedule = play.schedule_for(args.engine, args.schedule, parser.error)
+    schedule = play.schedule_for(args.engine, args.schedule, parser.error, args.data_parallel_size)
     tasks = select_tasks(args.tasks, args.limit, args.task_ids, args.batch, args.round)
     omega = omega_api.load(args.interface)
     engine = make_engine(args.engine, args.model, max_model_len=args.max_model_len, seed=args.seed,
-                         tensor_parallel_size=args.tensor_parallel_size)
+                         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
     try:
         records, timing = play.play(tasks, args.n, engine, omega=omega, fmt=args.call_format,
                             temperature=args.temperature, max_steps_per_turn=args.max_steps_per_turn,

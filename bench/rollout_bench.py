@@ -1,6 +1,6 @@
 """Speed of the multi-turn rollout loop, measured side by side in one run.
 
-    .venv/bin/python bench/rollout_bench.py [--per-category 2] [--n 4] [--max-new-tokens 48] [--repeats 3] [--no-hf]
+    .venv/bin/python bench/rollout_bench.py [--per-category 2] [--n 4] [--max-new-tokens 48] [--repeats 3] [--hf]
 
 The CPU preset's model (the tiny one) on real training tasks (the shortest prompts of
 each category), its settings (up to 48 new tokens a call, 3 calls a turn), temperature
@@ -10,7 +10,8 @@ each category), its settings (up to 48 new tokens a call, 3 calls a turn), tempe
    with the share of prompt tokens served from vLLM's prefix cache for each;
 2. loop vs bare engine on the async schedule: the time inside the engine's steps over
    the loop's wall time (parse, execute, render, tokenise between steps); target >= 0.8;
-3. vLLM (async) vs HF generate (lock-step, its only schedule), each running the whole loop.
+3. with --hf (minutes more on CPU): vLLM (async) vs HF generate (lock-step, its only
+   schedule), each running the whole loop.
 """
 
 import argparse
@@ -31,7 +32,7 @@ parser.add_argument("--n", type=int, default=4)
 parser.add_argument("--max-new-tokens", type=int, default=48)
 parser.add_argument("--max-steps-per-turn", type=int, default=3)
 parser.add_argument("--repeats", type=int, default=3, help="runs of each schedule, interleaved")
-parser.add_argument("--no-hf", action="store_true", help="skip the HF row")
+parser.add_argument("--hf", action="store_true", help="also the HF generate row (slow on CPU)")
 args = parser.parse_args()
 
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,13 +72,18 @@ print(f"vLLM engine load {time.perf_counter() - t0:.1f} s")
 run(engine, "lockstep")  # warm-up: first calls allocate
 run(engine, "async")
 rows = {"lockstep": {}, "async": {}}
+pairs = []
 for _ in range(args.repeats):
+    pair = {}
     for schedule in rows:
-        rows[schedule] = add(rows[schedule], run(engine, schedule))
+        pair[schedule] = run(engine, schedule)
+        rows[schedule] = add(rows[schedule], pair[schedule])
+    pairs.append(" ".join(f"{s} {r['trajectories'] / r['seconds']:.2f}" for s, r in pair.items()))
 engine.close()
+print("traj/s per run: " + " | ".join(pairs))
 for schedule, row in rows.items():
     show(f"vllm {schedule}", row)
-if not args.no_hf:
+if args.hf:
     engine = make_engine("hf", model, max_model_len=16384, seed=0)
     run(engine, "lockstep")
     rows["hf"] = run(engine, "lockstep")

@@ -167,16 +167,21 @@ class Engine:
         return Generation(ids, logprobs, "length")
 
 
-def make_engine(kind, model_dir, *, max_model_len, seed=0, tensor_parallel_size=1, dtype=None, **kwargs):
-    """An engine of `kind` ("vllm" or "hf") for a model or LoRA adapter folder.
+def make_engine(kind, model_dir, *, max_model_len, seed=0, tensor_parallel_size=1, data_parallel_size=1,
+                dtype=None, **kwargs):
+    """An engine of `kind` ("vllm" or "hf") for a model or LoRA adapter folder; with
+    `data_parallel_size` K > 1, K vLLM replicas of `tensor_parallel_size` GPUs each.
 
     dtype None means float32 without a GPU and the model's own dtype ("auto") with one.
     Extra keyword arguments go to the engine class (HF: max_batch_tokens; vLLM: LLM kwargs).
     """
     if kind == "hf":
-        if tensor_parallel_size != 1:
-            raise ValueError("the HF engine runs on one device (tensor_parallel_size must be 1)")
+        if tensor_parallel_size != 1 or data_parallel_size != 1:
+            raise ValueError("the HF engine runs on one device (tensor and data parallel sizes must be 1)")
         return HFEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **kwargs)
+    if kind == "vllm" and data_parallel_size > 1:
+        return Replicas(model_dir, data_parallel_size, max_model_len=max_model_len, seed=seed,
+                        tensor_parallel_size=tensor_parallel_size, dtype=dtype, **kwargs)
     if kind == "vllm":
         return VLLMEngine(model_dir, max_model_len=max_model_len, seed=seed,
                           tensor_parallel_size=tensor_parallel_size, dtype=dtype, **kwargs)
@@ -449,3 +454,90 @@ class VLLMEngine(Engine):
             destroy_distributed_environment()
         except Exception:  # noqa: BLE001 - best-effort cleanup
             pass
+
+
+class Replicas(Engine):
+    """K VLLMEngine replicas behind one submit/poll: each caller key (a trajectory) is pinned
+    to one replica from its first request until `release(key)`, so its growing prompt keeps
+    hitting that replica's prefix cache; a new key goes to the replica with the fewest keys
+    pinned. On GPUs replica r gets the r-th group of `tensor_parallel_size` visible devices
+    (its engine core process is started with CUDA_VISIBLE_DEVICES set to that group).
+    Per-trajectory scheduling only: `generate` (lock-step) is refused.
+    """
+
+    def __init__(self, model_dir, k, *, max_model_len, seed=0, tensor_parallel_size=1, **kwargs):
+        self.replicas = []
+        visible = None
+        if _cuda():
+            import torch
+            env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            visible = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
+            if len(visible) < k * tensor_parallel_size:
+                raise ValueError(f"{k} replicas x {tensor_parallel_size} GPUs need {k * tensor_parallel_size} "
+                                 f"GPUs, {len(visible)} visible")
+        try:
+            for r in range(k):
+                group = visible[r * tensor_parallel_size:(r + 1) * tensor_parallel_size] if visible else None
+                self.replicas.append(self._start(group, model_dir, max_model_len=max_model_len, seed=seed + r,
+                                                 tensor_parallel_size=tensor_parallel_size, **kwargs))
+        except BaseException:
+            self.close()
+            raise
+        first = self.replicas[0]
+        self.tokenizer, self.stop_ids, self.max_model_len = first.tokenizer, first.stop_ids, first.max_model_len
+        self.pins = {}  # key -> replica index
+
+    @staticmethod
+    def _start(group, model_dir, **kwargs):
+        if group is None:
+            return VLLMEngine(model_dir, **kwargs)
+        before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(group)
+        try:
+            return VLLMEngine(model_dir, **kwargs)
+        finally:
+            if before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+    @property
+    def pending(self):
+        return {rid: entry for e in self.replicas for rid, entry in e.pending.items()}
+
+    @property
+    def prompt_tokens(self):
+        return sum(e.prompt_tokens for e in self.replicas)
+
+    @property
+    def cached_tokens(self):
+        return sum(e.cached_tokens for e in self.replicas)
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        raise ValueError("data-parallel replicas run per-trajectory scheduling only (schedule 'async')")
+
+    def submit(self, key, prompt, max_new_tokens, temperature):
+        if key not in self.pins:
+            load = [0] * len(self.replicas)
+            for r in self.pins.values():
+                load[r] += 1
+            self.pins[key] = load.index(min(load))
+        self.replicas[self.pins[key]].submit(key, prompt, max_new_tokens, temperature)
+
+    def release(self, key):
+        """The trajectory of `key` is over: its replica may take a new one."""
+        self.pins.pop(key, None)
+
+    def poll(self):
+        # One step of every replica that has work; on GPUs their engine cores run concurrently.
+        return [done for e in self.replicas if e.pending for done in e.poll()]
+
+    def abort(self):
+        for e in self.replicas:
+            e.abort()
+        self.pins.clear()
+
+    def close(self):
+        for e in self.replicas:
+            e.close()
+        self.replicas = []

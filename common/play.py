@@ -157,10 +157,13 @@ def hint_errors(step):
     return errors + ([step["parse_error"]] if step["parse_error"] else [])
 
 
-def schedule_for(engine_kind, schedule, error):
-    """The schedule a stage runs: async by default on vLLM; HF generate runs lock-step only."""
+def schedule_for(engine_kind, schedule, error, data_parallel_size=1):
+    """The schedule a stage runs: async by default on vLLM; HF generate runs lock-step only,
+    data-parallel replicas async only (a trajectory stays on its replica)."""
     if engine_kind == "hf" and schedule == "async":
         error("--schedule async needs --engine vllm (the HF engine advances trajectories in lock-step)")
+    if data_parallel_size > 1 and (engine_kind == "hf" or schedule == "lockstep"):
+        error("--data-parallel-size > 1 needs --engine vllm and --schedule async")
     return schedule or ("async" if engine_kind == "vllm" else "lockstep")
 
 
@@ -185,6 +188,11 @@ def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps
     step = _lockstep if schedule == "lockstep" else _async
     try:
         step(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_model_len, max_new_tokens)
+    except BaseException:
+        for t in trajs:
+            if t.stop is None:
+                t.env.close()  # free their environments' instances; the stage fails
+        raise
     finally:
         bar.close()
     timing = {"seconds": time.perf_counter() - counts["seconds"], "engine_seconds": counts["engine_seconds"]}
@@ -253,6 +261,8 @@ def _async(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_mode
                 _handle(trajs[i], gen, engine.tokenizer, counts, bar, max_steps_per_turn, max_model_len)
                 if trajs[i].stop is None:
                     submit(i)  # straight back into the running batch
+                if trajs[i].stop is not None and hasattr(engine, "release"):
+                    engine.release(i)  # data-parallel replicas: unpin it
             if done:
                 bar.set_postfix(tok_s=f"{counts['generated'] / max(time.perf_counter() - t0, 1e-9):.0f}")
     except BaseException:

@@ -87,3 +87,32 @@ def test_async_is_refused_on_the_hf_engine(tiny_model, tasks, tmp_path):
                          cwd=ROOT, capture_output=True, text=True)
     assert res.returncode != 0 and "--schedule async needs --engine vllm" in res.stderr
     assert not out.exists()
+
+
+def test_data_parallel_replicas_pin_trajectories_and_give_the_same_records(vllm_engine, tiny_model, tasks):
+    """Two replicas on CPU (in one process here; GPU placement is not exercised)."""
+    settings = dict(temperature=0.0, max_new_tokens=24, max_steps_per_turn=2, progress=False)
+    single, _ = play.play(tasks, 1, vllm_engine, schedule="async", **settings)
+    engine = make_engine("vllm", tiny_model, max_model_len=16384, seed=0, data_parallel_size=2)
+    served = {}
+    submit = engine.submit
+
+    def watch(key, *a):  # which replica each request of a trajectory went to
+        submit(key, *a)
+        served.setdefault(key, set()).add(engine.pins[key])
+
+    engine.submit = watch
+    try:
+        with pytest.raises(ValueError, match="async"):
+            engine.generate([[1, 2, 3]], [2], 0.0)
+        recs, timing = play.play(tasks, 1, engine, schedule="async", **settings)
+        assert all(len(r) == 1 for r in served.values())  # pinned for life
+        assert sorted(min(r) for r in served.values()) == [0, 0, 1, 1]  # balanced
+        assert not engine.pins and not engine.pending
+        assert all(e.prompt_tokens > 0 for e in engine.replicas)
+        assert timing["cached_tokens"] > 0
+    finally:
+        engine.close()
+    for a, b in zip(recs, single, strict=True):
+        assert _without_wall_time(a) == _without_wall_time(b)
+        assert a["tokens"]["ids"] == b["tokens"]["ids"] and a["tokens"]["mask"] == b["tokens"]["mask"]
