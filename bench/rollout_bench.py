@@ -1,10 +1,13 @@
 """Speed of the multi-turn rollout loop, measured side by side in one run.
 
-    .venv/bin/python bench/rollout_bench.py [--per-category 2] [--n 4] [--max-new-tokens 48] [--repeats 3] [--hf]
+    .venv/bin/python bench/rollout_bench.py [--per-category 2] [--n 4] [--max-new-tokens 48] [--repeats 3] [--temperature 1] [--hf]
 
 The CPU preset's model (the tiny one) on real training tasks (the shortest prompts of
-each category), its settings (up to 48 new tokens a call, 3 calls a turn), temperature
-1: generation lengths differ between trajectories (eos vs the limit, 1 to 3 calls a turn).
+each category), its settings (up to 48 new tokens a call, 3 calls a turn), the training
+temperature 1: generation lengths and call counts differ between trajectories. Every run
+draws other samples, so per-run figures vary with them too; at --temperature 0 both
+schedules produce the same records (tests/test_async.py) and do exactly the same work.
+The prefix cache is emptied before every run.
 1. per-trajectory (async) vs lock-step scheduling on one vLLM engine: trajectories/s,
    runs interleaved (lockstep, async, lockstep, ...) and summed; target >= 1.3;
    with the share of prompt tokens served from vLLM's prefix cache for each;
@@ -16,6 +19,7 @@ each category), its settings (up to 48 new tokens a call, 3 calls a turn), tempe
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -31,6 +35,7 @@ parser.add_argument("--per-category", type=int, default=2)
 parser.add_argument("--n", type=int, default=4)
 parser.add_argument("--max-new-tokens", type=int, default=48)
 parser.add_argument("--max-steps-per-turn", type=int, default=3)
+parser.add_argument("--temperature", type=float, default=1.0)
 parser.add_argument("--repeats", type=int, default=3, help="runs of each schedule, interleaved")
 parser.add_argument("--hf", action="store_true", help="also the HF generate row (slow on CPU)")
 args = parser.parse_args()
@@ -41,12 +46,15 @@ tasks = [t for c in bfcl.CATEGORIES
          for t in sorted((x for x in all_tasks if x["category"] == c), key=lambda x: len(str(x["tools"])))
          [: args.per_category]]
 model = build_cached()
-settings = dict(temperature=1.0, max_new_tokens=args.max_new_tokens, max_steps_per_turn=args.max_steps_per_turn,
+settings = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, max_steps_per_turn=args.max_steps_per_turn,
                 progress=False)
 
 
 def run(engine, schedule):
+    engine.llm.reset_prefix_cache()  # each run starts cold: no prompt cached by the previous one
+    cpu = time.process_time()
     recs, timing = play.play(tasks, args.n, engine, schedule=schedule, **settings)
+    timing["cpu_seconds"] = time.process_time() - cpu
     calls = [len(s["text"]) for r in recs for turn in r["turns"] for s in turn["steps"]]
     return {"trajectories": len(recs), "tokens": sum(r["stats"]["gen_tokens"] for r in recs),
             "calls": len(calls), **timing}
@@ -61,10 +69,10 @@ def show(name, row):
         if "prompt_tokens" in row else ""
     print(f"{name:14s} {row['trajectories']:4d} traj {row['calls']:5d} calls {row['tokens']:6d} tokens "
           f"in {row['seconds']:7.2f} s = {row['trajectories'] / row['seconds']:6.2f} traj/s "
-          f"{row['tokens'] / row['seconds']:7.1f} tok/s | inside the engine {row['engine_seconds']:6.2f} s{share}")
+          f"{row['tokens'] / row['seconds']:7.1f} tok/s, CPU {row['cpu_seconds']:6.1f} s | inside the engine {row['engine_seconds']:6.2f} s{share}")
 
 
-print(f"{len(tasks)} tasks x {args.n} samples, temperature 1, up to {args.max_new_tokens} new tokens per call, "
+print(f"{len(tasks)} tasks x {args.n} samples, temperature {args.temperature:g}, up to {args.max_new_tokens} new tokens per call, "
       f"{args.max_steps_per_turn} calls per turn, tiny model, {args.repeats} interleaved runs per schedule")
 t0 = time.perf_counter()
 engine = make_engine("vllm", model, max_model_len=16384, seed=0)
@@ -78,9 +86,10 @@ for _ in range(args.repeats):
     for schedule in rows:
         pair[schedule] = run(engine, schedule)
         rows[schedule] = add(rows[schedule], pair[schedule])
-    pairs.append(" ".join(f"{s} {r['trajectories'] / r['seconds']:.2f}" for s, r in pair.items()))
+    pairs.append(pair["lockstep"]["seconds"] / pair["async"]["seconds"])
+    print("traj/s " + "  ".join(f"{s} {r['trajectories'] / r['seconds']:.2f} ({r['calls']} calls)"
+                                for s, r in pair.items()) + f"  ratio {pairs[-1]:.2f}")
 engine.close()
-print("traj/s per run: " + " | ".join(pairs))
 for schedule, row in rows.items():
     show(f"vllm {schedule}", row)
 if args.hf:
@@ -94,6 +103,9 @@ a, s = rows["async"], rows["lockstep"]
 print("\nratios")
 print(f"  async / lockstep trajectories/s: {(a['trajectories'] / a['seconds']) / (s['trajectories'] / s['seconds']):.2f}"
       f"  (target >= 1.3)")
+print(f"  async / lockstep trajectories per CPU second: {s['cpu_seconds'] / a['cpu_seconds']:.2f}"
+      "  (this process's CPU time, all threads: less sensitive to other jobs on a shared machine)")
+print(f"  median of the per-pair ratios:   {statistics.median(pairs):.2f}  (pairs run back to back)")
 print(f"  loop / bare engine (vLLM async): {a['engine_seconds'] / a['seconds']:.2f}  (target >= 0.8)")
 print(f"  loop / bare engine (vLLM lockstep): {s['engine_seconds'] / s['seconds']:.2f}")
 if "hf" in rows:
