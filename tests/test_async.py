@@ -28,7 +28,11 @@ def tasks():
 
 def test_engine_error_in_one_trajectory_fails_the_stage_and_aborts_the_rest(tiny_model, tasks):
     tok = make_engine("hf", tiny_model, max_model_len=16384).tokenizer
-    longest = max(len(play.Trajectory(t, 0, None, tok, "json").prompt_ids) for t in tasks)
+    longest = 0
+    for task in tasks:
+        t = play.Trajectory(task, 0, None, tok, "json")
+        longest = max(longest, len(t.prompt_ids))
+        t.env.close()
     # The engine's context holds every first prompt plus 4 tokens, the loop believes in 16k:
     # each trajectory's second request overflows the engine, a real per-request error.
     engine = make_engine("vllm", tiny_model, max_model_len=longest + 4, seed=0)
