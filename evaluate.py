@@ -1,6 +1,7 @@
 """Evaluate a policy on BFCL multi-turn with the official checker, Ω removed.
 
-    python evaluate.py --policy DIR --split heldin --out runs/NAME/eval/TAG [--engine vllm|hf]
+    python evaluate.py --policy DIR --split heldin --out runs/NAME/eval/TAG [--engine vllm|hf] \
+        [--schedule async|lockstep]
     python evaluate.py --policy oracle --split heldin --out runs/oracle/eval
     python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...
 
@@ -40,6 +41,10 @@ parser.add_argument("--max-new-tokens", type=int, default=512)
 parser.add_argument("--max-steps-per-turn", type=int, default=20)
 parser.add_argument("--call-format", default="json", choices=["json", "python"])
 parser.add_argument("--tensor-parallel-size", type=int, default=1)
+parser.add_argument("--data-parallel-size", type=int, default=1,
+                    help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
+parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
+                    help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
 
 
 def oracle_trajectory(task):
@@ -106,12 +111,14 @@ def main(args):
     else:
         from common.engines import make_engine  # imports torch: only for model policies
 
+        schedule = play.schedule_for(args.engine, args.schedule, parser.error, args.data_parallel_size)
         engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
-                             tensor_parallel_size=args.tensor_parallel_size)
+                             tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
         try:
             records, _ = play.play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=0.0,
                                 max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,
-                                max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy))
+                                max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy),
+                                schedule=schedule)
         finally:
             engine.close()
         write_jsonl(os.path.join(args.out, "rollouts.jsonl"), records)
@@ -134,5 +141,5 @@ def main(args):
 if __name__ == "__main__":
     try:
         main(parser.parse_args())
-    except RecordError as e:
+    except (RecordError, play.TrajectoryFailed) as e:
         sys.exit(f"error: {e}")

@@ -2,7 +2,7 @@
 
     python rollout.py --model DIR --tasks data/train.jsonl --n 8 --out rollouts.jsonl \
         [--interface interface.json] [--engine vllm|hf] [--limit K] [--temperature 1.0] \
-        [--seed S] [--max-steps-per-turn 20] [--max-model-len 16384]
+        [--seed S] [--max-steps-per-turn 20] [--max-model-len 16384] [--schedule async|lockstep]
 
 Each task is played `--n` times against the real bfcl-eval environment; every
 trajectory is one JSONL record (DESIGN §3) holding the transcript, the parsed
@@ -11,7 +11,11 @@ consumed and produced with a mask that is 1 only on model-generated tokens.
 Turns follow bfcl-eval's inference loop (common/play.py): an output that does
 not decode into calls ends the turn, unless Ω's error feedback is on, which
 answers it with the parse error and a hint; the record's `decode_failure` says
-which. `--model` is a HF model folder or a LoRA adapter folder.
+which. `--model` is a HF model folder or a LoRA adapter folder. On vLLM each
+trajectory's next generation is submitted as soon as its previous one is handled
+(`--schedule async`, the default); `lockstep` waits for the whole step, and is the
+only schedule of the HF engine. The summary reports the share of prompt tokens
+served from vLLM's prefix cache.
 """
 
 import argparse
@@ -45,6 +49,10 @@ parser.add_argument("--call-format", default="json", choices=["json", "python"],
                     help="json: Qwen <tool_call> blocks; python: [f(a=1)] lists (ToolACE)")
 parser.add_argument("--round", type=int, default=0)
 parser.add_argument("--tensor-parallel-size", type=int, default=1)
+parser.add_argument("--data-parallel-size", type=int, default=1,
+                    help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
+parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
+                    help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
 parser.add_argument("--summary", default=None, help="also write the summary as JSON here")
 
 
@@ -69,19 +77,21 @@ def select_tasks(path, limit=None, ids=None, batch=None, round_=0):
 
 
 def main(args):
+    schedule = play.schedule_for(args.engine, args.schedule, parser.error, args.data_parallel_size)
     tasks = select_tasks(args.tasks, args.limit, args.task_ids, args.batch, args.round)
     omega = omega_api.load(args.interface)
     engine = make_engine(args.engine, args.model, max_model_len=args.max_model_len, seed=args.seed,
-                         tensor_parallel_size=args.tensor_parallel_size)
+                         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
     try:
         records, timing = play.play(tasks, args.n, engine, omega=omega, fmt=args.call_format,
                             temperature=args.temperature, max_steps_per_turn=args.max_steps_per_turn,
                             max_model_len=args.max_model_len, max_new_tokens=args.max_new_tokens,
-                            round_=args.round, policy=os.path.abspath(args.model))
+                            round_=args.round, policy=os.path.abspath(args.model), schedule=schedule)
     finally:
         engine.close()
     write_jsonl(args.out, records)
-    stats = {**play.summary(records), **{k: round(v, 3) for k, v in timing.items()}}
+    stats = {**play.summary(records), "schedule": schedule, **play.cache_summary(timing),
+             "seconds": round(timing["seconds"], 3), "engine_seconds": round(timing["engine_seconds"], 3)}
     print(json.dumps(stats, indent=1))
     if args.summary:
         write_json(args.summary, stats)
@@ -90,5 +100,5 @@ def main(args):
 if __name__ == "__main__":
     try:
         main(parser.parse_args())
-    except RecordError as e:
+    except (RecordError, play.TrajectoryFailed) as e:
         sys.exit(f"error: {e}")

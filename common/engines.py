@@ -30,6 +30,17 @@ Common contract of both engines:
 - Deterministic for a given seed and sequence of calls: the HF engine reseeds
   torch before every call from (seed, call counter); vLLM uses its engine seed
   (per-request seeds fail on CPU).
+
+The vLLM engine also runs request by request, for per-trajectory scheduling
+(common/play.py): `submit(key, prompt, max_new_tokens, temperature)` queues one
+generation, `poll()` runs one engine step and returns the `(key, Generation)`
+pairs that finished in it, `abort()` drops whatever is still queued. Requests
+join the running batch at the next step (continuous batching), so nothing waits
+for the longest generation of a step. The engine is the plain `LLM`'s, stepped
+synchronously from the caller's thread: no event loop, and with the in-process
+engine core (CPU) the same seed and the same calls give the same samples.
+`engine.prompt_tokens` / `engine.cached_tokens` count prompt tokens sent and
+those served from the prefix cache (vLLM's `num_cached_tokens`), both schedules.
 """
 
 import gc
@@ -156,16 +167,21 @@ class Engine:
         return Generation(ids, logprobs, "length")
 
 
-def make_engine(kind, model_dir, *, max_model_len, seed=0, tensor_parallel_size=1, dtype=None, **kwargs):
-    """An engine of `kind` ("vllm" or "hf") for a model or LoRA adapter folder.
+def make_engine(kind, model_dir, *, max_model_len, seed=0, tensor_parallel_size=1, data_parallel_size=1,
+                dtype=None, **kwargs):
+    """An engine of `kind` ("vllm" or "hf") for a model or LoRA adapter folder; with
+    `data_parallel_size` K > 1, K vLLM replicas of `tensor_parallel_size` GPUs each.
 
     dtype None means float32 without a GPU and the model's own dtype ("auto") with one.
     Extra keyword arguments go to the engine class (HF: max_batch_tokens; vLLM: LLM kwargs).
     """
     if kind == "hf":
-        if tensor_parallel_size != 1:
-            raise ValueError("the HF engine runs on one device (tensor_parallel_size must be 1)")
+        if tensor_parallel_size != 1 or data_parallel_size != 1:
+            raise ValueError("the HF engine runs on one device (tensor and data parallel sizes must be 1)")
         return HFEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **kwargs)
+    if kind == "vllm" and data_parallel_size > 1:
+        return Replicas(model_dir, data_parallel_size, max_model_len=max_model_len, seed=seed,
+                        tensor_parallel_size=tensor_parallel_size, dtype=dtype, **kwargs)
     if kind == "vllm":
         return VLLMEngine(model_dir, max_model_len=max_model_len, seed=seed,
                           tensor_parallel_size=tensor_parallel_size, dtype=dtype, **kwargs)
@@ -359,30 +375,67 @@ class VLLMEngine(Engine):
             self.lora = LoRARequest("policy", 1, self.adapter)
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
+        self.pending = {}  # request id -> (caller's key, limit), for submit/poll
+        self.request_counter = 0
+        self.prompt_tokens = self.cached_tokens = 0
+
+    def _params(self, limit, temperature):
+        from vllm import SamplingParams
+        return SamplingParams(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
+                              repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                              max_tokens=limit, logprobs=0, stop_token_ids=list(self.stop_ids),
+                              detokenize=False)
+
+    def _result(self, out, limit):
+        self.prompt_tokens += len(out.prompt_token_ids or [])
+        self.cached_tokens += out.num_cached_tokens or 0
+        o = out.outputs[0]
+        ids = list(o.token_ids)
+        lps = [o.logprobs[t][i].logprob for t, i in enumerate(ids)]
+        return self._finish(ids, lps, limit)
 
     def generate(self, prompts, max_new_tokens, temperature):
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         limits = self._limits(prompts, max_new_tokens)
         if not prompts:
             return []
-        params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
-                                 repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                                 max_tokens=m, logprobs=0, stop_token_ids=list(self.stop_ids),
-                                 detokenize=False)
-                  for m in limits]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+        if self.pending:
+            raise RuntimeError("generate() while submitted requests are pending")
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                 [self._params(m, temperature) for m in limits],
                                  use_tqdm=False, lora_request=self.lora)
-        results = []
-        for out, limit in zip(outs, limits, strict=True):
-            o = out.outputs[0]
-            ids = list(o.token_ids)
-            lps = [o.logprobs[t][i].logprob for t, i in enumerate(ids)]
-            results.append(self._finish(ids, lps, limit))
-        return results
+        return [self._result(out, limit) for out, limit in zip(outs, limits, strict=True)]
+
+    def submit(self, key, prompt, max_new_tokens, temperature):
+        """Queue one generation; its result comes back from poll() under `key`."""
+        from vllm.inputs import TokensPrompt
+
+        (limit,) = self._limits([prompt], [max_new_tokens])
+        self.request_counter += 1
+        rid = f"r{self.request_counter}"
+        self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)),
+                                        self._params(limit, temperature), lora_request=self.lora)
+        self.pending[rid] = (key, limit)
+
+    def poll(self):
+        """One engine step; the (key, Generation) pairs of the requests that finished in it."""
+        done = []
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                key, limit = self.pending.pop(out.request_id)
+                done.append((key, self._result(out, limit)))
+        return done
+
+    def abort(self):
+        """Drop every submitted request that has not finished."""
+        if self.pending and self.llm is not None:
+            self.llm.llm_engine.abort_request(list(self.pending))
+        self.pending.clear()
 
     def close(self):
+        if getattr(self, "llm", None) is not None:
+            self.abort()
         llm = getattr(self, "llm", None)
         self.llm = None
         if llm is None:
@@ -401,3 +454,90 @@ class VLLMEngine(Engine):
             destroy_distributed_environment()
         except Exception:  # noqa: BLE001 - best-effort cleanup
             pass
+
+
+class Replicas(Engine):
+    """K VLLMEngine replicas behind one submit/poll: each caller key (a trajectory) is pinned
+    to one replica from its first request until `release(key)`, so its growing prompt keeps
+    hitting that replica's prefix cache; a new key goes to the replica with the fewest keys
+    pinned. On GPUs replica r gets the r-th group of `tensor_parallel_size` visible devices
+    (its engine core process is started with CUDA_VISIBLE_DEVICES set to that group).
+    Per-trajectory scheduling only: `generate` (lock-step) is refused.
+    """
+
+    def __init__(self, model_dir, k, *, max_model_len, seed=0, tensor_parallel_size=1, **kwargs):
+        self.replicas = []
+        visible = None
+        if _cuda():
+            import torch
+            env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            visible = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
+            if len(visible) < k * tensor_parallel_size:
+                raise ValueError(f"{k} replicas x {tensor_parallel_size} GPUs need {k * tensor_parallel_size} "
+                                 f"GPUs, {len(visible)} visible")
+        try:
+            for r in range(k):
+                group = visible[r * tensor_parallel_size:(r + 1) * tensor_parallel_size] if visible else None
+                self.replicas.append(self._start(group, model_dir, max_model_len=max_model_len, seed=seed + r,
+                                                 tensor_parallel_size=tensor_parallel_size, **kwargs))
+        except BaseException:
+            self.close()
+            raise
+        first = self.replicas[0]
+        self.tokenizer, self.stop_ids, self.max_model_len = first.tokenizer, first.stop_ids, first.max_model_len
+        self.pins = {}  # key -> replica index
+
+    @staticmethod
+    def _start(group, model_dir, **kwargs):
+        if group is None:
+            return VLLMEngine(model_dir, **kwargs)
+        before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(group)
+        try:
+            return VLLMEngine(model_dir, **kwargs)
+        finally:
+            if before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+    @property
+    def pending(self):
+        return {rid: entry for e in self.replicas for rid, entry in e.pending.items()}
+
+    @property
+    def prompt_tokens(self):
+        return sum(e.prompt_tokens for e in self.replicas)
+
+    @property
+    def cached_tokens(self):
+        return sum(e.cached_tokens for e in self.replicas)
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        raise ValueError("data-parallel replicas run per-trajectory scheduling only (schedule 'async')")
+
+    def submit(self, key, prompt, max_new_tokens, temperature):
+        if key not in self.pins:
+            load = [0] * len(self.replicas)
+            for r in self.pins.values():
+                load[r] += 1
+            self.pins[key] = load.index(min(load))
+        self.replicas[self.pins[key]].submit(key, prompt, max_new_tokens, temperature)
+
+    def release(self, key):
+        """The trajectory of `key` is over: its replica may take a new one."""
+        self.pins.pop(key, None)
+
+    def poll(self):
+        # One step of every replica that has work; on GPUs their engine cores run concurrently.
+        return [done for e in self.replicas if e.pending for done in e.poll()]
+
+    def abort(self):
+        for e in self.replicas:
+            e.abort()
+        self.pins.clear()
+
+    def close(self):
+        for e in self.replicas:
+            e.close()
+        self.replicas = []

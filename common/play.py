@@ -15,8 +15,15 @@ undecodable output is answered with the parse error and its hint and the turn go
 on (it counts as a step). The record's `decode_failure` says which rule applied:
 "end_turn" (evaluation, Ω absent or error feedback off) or "feedback".
 
-All trajectories waiting for the model advance together: one batched engine call
-per step. rollout.py and evaluate.py are thin command lines around `play`.
+Two schedules give the same records at temperature 0 (same ids, masks, calls,
+results): "lockstep" advances all trajectories waiting for the model together,
+one batched engine call per step, so each step waits for its longest generation;
+"async" (vLLM only: the engine's submit/poll) submits a trajectory's next
+generation as soon as its previous one is parsed, executed and its continuation
+appended, and the engine's continuous batching keeps the batch full. A failure
+while handling one trajectory aborts the engine's queued requests and raises
+TrajectoryFailed naming the task and sample. rollout.py and evaluate.py are thin
+command lines around `play`.
 """
 
 import collections
@@ -152,39 +159,117 @@ def hint_errors(step):
     return errors + ([step["parse_error"]] if step["parse_error"] else [])
 
 
+def schedule_for(engine_kind, schedule, error, data_parallel_size=1):
+    """The schedule a stage runs: async by default on vLLM; HF generate runs lock-step only,
+    data-parallel replicas async only (a trajectory stays on its replica)."""
+    if engine_kind == "hf" and schedule == "async":
+        error("--schedule async needs --engine vllm (the HF engine advances trajectories in lock-step)")
+    if data_parallel_size > 1 and (engine_kind == "hf" or schedule == "lockstep"):
+        error("--data-parallel-size > 1 needs --engine vllm and --schedule async")
+    return schedule or ("async" if engine_kind == "vllm" else "lockstep")
+
+
+class TrajectoryFailed(RuntimeError):
+    """Handling one trajectory failed (engine request or environment); the stage must fail."""
+
+
 def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps_per_turn=20,
-         max_model_len=16384, max_new_tokens=512, round_=0, policy="", progress=True):
+         max_model_len=16384, max_new_tokens=512, round_=0, policy="", progress=True, schedule="lockstep"):
     """Rollout records for `n` samples of every task, in (task, sample) order, and the wall
-    time of the loop with the part spent inside the engine."""
+    time of the loop with the part spent inside the engine (and, when the engine counts
+    them, the prompt tokens sent and those served from its prefix cache)."""
+    if schedule not in ("lockstep", "async"):
+        raise ValueError(f"unknown schedule {schedule!r} (lockstep or async)")
+    if schedule == "async" and not hasattr(engine, "submit"):
+        raise ValueError(f"{type(engine).__name__} runs lock-step only (schedule 'async' needs the vLLM engine)")
     tok = engine.tokenizer
     trajs = [Trajectory(task, k, omega, tok, fmt) for task in tasks for k in range(n)]
     bar = tqdm(total=len(trajs), desc="trajectories", unit="traj", disable=not progress)
-    t0, generated, engine_seconds = time.perf_counter(), 0, 0.0
+    counts = {"seconds": time.perf_counter(), "engine_seconds": 0.0, "generated": 0}
+    before = {k: getattr(engine, k) for k in ("prompt_tokens", "cached_tokens") if hasattr(engine, k)}
+    step = _lockstep if schedule == "lockstep" else _async
+    try:
+        step(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_model_len, max_new_tokens)
+    except BaseException:
+        for t in trajs:
+            if t.stop is None:
+                t.env.close()  # free their environments' instances; the stage fails
+        raise
+    finally:
+        bar.close()
+    timing = {"seconds": time.perf_counter() - counts["seconds"], "engine_seconds": counts["engine_seconds"]}
+    timing.update({k: getattr(engine, k) - v for k, v in before.items()})
+    return [t.record(round_, policy) for t in trajs], timing
+
+
+def _room(t, max_model_len, max_new_tokens, bar):
+    """The generation limit of a trajectory's next call, or None once its context is full."""
+    room = max_model_len - t.context_len()
+    if room > 0:
+        return min(max_new_tokens, room)
+    t.finish("context_limit", "context_limit")
+    bar.update(1)
+    return None
+
+
+def _handle(t, gen, tok, counts, bar, max_steps_per_turn, max_model_len):
+    counts["generated"] += len(gen.ids)
+    try:
+        t.advance(gen, decode(tok, gen), max_steps_per_turn, max_model_len)
+    except Exception as e:
+        raise TrajectoryFailed(f"task {t.task['id']} sample {t.sample_index}: {type(e).__name__}: {e}") from e
+    if t.stop is not None:
+        bar.update(1)
+
+
+def _lockstep(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_model_len, max_new_tokens):
+    t0 = counts["seconds"]
     while True:
-        active = [t for t in trajs if t.stop is None]
         waiting = []
-        for t in active:
-            room = max_model_len - t.context_len()
-            if room <= 0:
-                t.finish("context_limit", "context_limit")
-                bar.update(1)
-            else:
-                waiting.append((t, min(max_new_tokens, room)))
+        for t in trajs:
+            if t.stop is None and (limit := _room(t, max_model_len, max_new_tokens, bar)) is not None:
+                waiting.append((t, limit))
         if not waiting:
-            break
+            return
         t_gen = time.perf_counter()
         gens = engine.generate([t.prompt_ids + t.ids for t, _ in waiting], [m for _, m in waiting], temperature)
-        engine_seconds += time.perf_counter() - t_gen
+        counts["engine_seconds"] += time.perf_counter() - t_gen
         for (t, _), gen in zip(waiting, gens, strict=True):
-            generated += len(gen.ids)
-            text = decode(tok, gen)
-            t.advance(gen, text, max_steps_per_turn, max_model_len)
-            if t.stop is not None:
-                bar.update(1)
-        bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t0, 1e-9):.0f}")
-    bar.close()
-    timing = {"seconds": time.perf_counter() - t0, "engine_seconds": engine_seconds}
-    return [t.record(round_, policy) for t in trajs], timing
+            _handle(t, gen, engine.tokenizer, counts, bar, max_steps_per_turn, max_model_len)
+        bar.set_postfix(tok_s=f"{counts['generated'] / max(time.perf_counter() - t0, 1e-9):.0f}")
+
+
+def _async(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_model_len, max_new_tokens):
+    t0 = counts["seconds"]
+
+    def submit(i):
+        t = trajs[i]
+        if (limit := _room(t, max_model_len, max_new_tokens, bar)) is None:
+            return
+        try:
+            engine.submit(i, t.prompt_ids + t.ids, limit, temperature)
+        except Exception as e:
+            raise TrajectoryFailed(f"task {t.task['id']} sample {t.sample_index}: "
+                                   f"engine request failed: {type(e).__name__}: {e}") from e
+
+    try:
+        for i in range(len(trajs)):
+            submit(i)
+        while engine.pending:
+            t_gen = time.perf_counter()
+            done = engine.poll()
+            counts["engine_seconds"] += time.perf_counter() - t_gen
+            for i, gen in done:
+                _handle(trajs[i], gen, engine.tokenizer, counts, bar, max_steps_per_turn, max_model_len)
+                if trajs[i].stop is None:
+                    submit(i)  # straight back into the running batch
+                if trajs[i].stop is not None and hasattr(engine, "release"):
+                    engine.release(i)  # data-parallel replicas: unpin it
+            if done:
+                bar.set_postfix(tok_s=f"{counts['generated'] / max(time.perf_counter() - t0, 1e-9):.0f}")
+    except BaseException:
+        engine.abort()  # no request of a failed stage keeps running in the engine
+        raise
 
 
 def decode(tok, gen):
@@ -210,3 +295,11 @@ def summary(records):
         "cue_tokens": sum(r["stats"]["cue_tokens"] for r in records),
         "context_tokens": sum(len(r["tokens"]["prompt_ids"]) + len(r["tokens"]["ids"]) for r in records),
     }
+
+
+def cache_summary(timing):
+    """The prefix cache's share of the prompt tokens the engine was sent (None: not counted)."""
+    if "prompt_tokens" not in timing:
+        return {}
+    return {"prompt_tokens": timing["prompt_tokens"], "cached_tokens": timing["cached_tokens"],
+            "cached_share": round(timing["cached_tokens"] / max(timing["prompt_tokens"], 1), 4)}
