@@ -39,12 +39,12 @@ PY=.venv/bin/python
 ENGINE=vllm; TP=1; NPROC=1; ACCEL_CONFIG=""; LORA=""; CALL_FORMAT=json
 TASKS_PER_ROUND=32; N=8; MINI_BATCH=8; LR=1e-6; KL=0.001; TEMP=1.0
 MAX_STEPS=20; MAX_LEN=16384; MAX_NEW=1024; DEFAULT_ROUNDS=18; DEFAULT_EVAL_EVERY=6
-TRAIN_LIMIT=""; EVAL_LIMIT=""; MICRO_TOKENS=32768; EXTRA_TRAIN=""
+TRAIN_LIMIT=""; EVAL_LIMIT=""; MICRO_TOKENS=32768; EXTRA_TRAIN=""; TASKS=data/train.jsonl; SEED=0
 case $PRESET in
-  tiny)  # the offline tiny model on CPU: a few tasks, short generations, minutes per round
+  tiny)  # the offline tiny model on CPU: 8 first-turn training tasks (data/tiny.jsonl), minutes per round
     MODEL=offline-tiny  # built (once, cached) below, unless --set MODEL=... names another
-    TRAIN_LIMIT=2; EVAL_LIMIT=2; TASKS_PER_ROUND=4; N=4; MINI_BATCH=2
-    LR=1e-4; MAX_STEPS=3; MAX_NEW=48; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2
+    TASKS=data/tiny.jsonl; EVAL_LIMIT=1; TASKS_PER_ROUND=8; N=4; MINI_BATCH=2
+    LR=1e-3; MAX_STEPS=3; MAX_NEW=96; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2
     EXTRA_TRAIN="--cpu" ;;
   qwen3b)  # 4 GPUs (e.g. 4x A100/H100 80GB): vLLM rollouts (TP 4), FSDP full fine-tuning
     MODEL=Qwen/Qwen2.5-3B-Instruct; NPROC=4; TP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml ;;
@@ -57,7 +57,7 @@ case $PRESET in
   *) echo "loop: unknown preset $PRESET (tiny, qwen3b, qwen7b, toolace8b)" >&2; exit 2 ;;
 esac
 OVERRIDABLE=" MODEL ENGINE TP NPROC ACCEL_CONFIG LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH LR KL TEMP "
-OVERRIDABLE+="MAX_STEPS MAX_LEN MAX_NEW TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS EXTRA_TRAIN "
+OVERRIDABLE+="MAX_STEPS MAX_LEN MAX_NEW TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS EXTRA_TRAIN TASKS SEED "
 for kv in "${SETS[@]+"${SETS[@]}"}"; do
   var=${kv%%=*}
   case $OVERRIDABLE in *" $var "*) printf -v "$var" '%s' "${kv#*=}" ;;
@@ -90,7 +90,7 @@ $PY -m common.runinfo "$RUN/config.json" preset="$PRESET" mode="$MODE" rounds="$
   lora="$LORA" call_format="$CALL_FORMAT" tasks_per_round="$TASKS_PER_ROUND" n="$N" mini_batch="$MINI_BATCH" \
   lr="$LR" kl="$KL" temperature="$TEMP" max_steps="$MAX_STEPS" max_model_len="$MAX_LEN" \
   max_new_tokens="$MAX_NEW" train_limit="$TRAIN_LIMIT" eval_limit="$EVAL_LIMIT" omega="$OMEGA" \
-  reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN"
+  reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN" tasks="$TASKS" seed="$SEED"
 
 # run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists, else run with a log and a timing line.
 run() {
@@ -125,7 +125,7 @@ train() {  # train ROUND_DIR POLICY
   fi
   "${launch[@]}" train_grpo.py --model "$2" --rollouts "$1/rollouts.jsonl" --diagnoses "$1/diagnoses.jsonl" \
     --interface "$1/interface.json" $REWEIGHT --lr "$LR" --kl-coef "$KL" --mini-batch-tasks "$MINI_BATCH" \
-    --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA $EXTRA_TRAIN --seed 0 --out "$1/policy"
+    --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA $EXTRA_TRAIN --seed "$SEED" --out "$1/policy"
 }
 
 # The base model is scored once per preset and shared by every run (and mode) of it.
@@ -136,12 +136,12 @@ for ((t = 0; t < ROUNDS; t++)); do
   NEXT=$RUN/round_$(printf %03d $((t + 1)))
   mkdir -p "$R" "$NEXT"
   run interface "$t" "$R/interface.json" $PY evolve.py --mode "$OMEGA" --out "$R/interface.json"
-  run rollout "$t" "$R/rollouts.jsonl" $PY rollout.py --model "$policy" --tasks data/train.jsonl \
+  run rollout "$t" "$R/rollouts.jsonl" $PY rollout.py --model "$policy" --tasks "$TASKS" \
     $(limit_args "$TRAIN_LIMIT") --batch "$TASKS_PER_ROUND" --round "$t" --n "$N" --interface "$R/interface.json" \
-    --engine "$ENGINE" --temperature "$TEMP" --seed "$t" --max-steps-per-turn "$MAX_STEPS" \
+    --engine "$ENGINE" --temperature "$TEMP" --seed $((SEED * 1000 + t)) --max-steps-per-turn "$MAX_STEPS" \
     --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" --call-format "$CALL_FORMAT" \
     --tensor-parallel-size "$TP" --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
-  run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks data/train.jsonl \
+  run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks "$TASKS" \
     --rollouts "$R/rollouts.jsonl" --out "$R/diagnoses.jsonl"
   run evolve "$t" "$NEXT/interface.json" $PY evolve.py --mode "$OMEGA" --diagnoses "$R/diagnoses.jsonl" \
     --previous "$R/interface.json" --round $((t + 1)) --out "$NEXT/interface.json"
