@@ -5,10 +5,12 @@
     python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...
 
 A policy folder (HF model or LoRA adapter) plays every task once, greedily, with
-plain prompts (no interface). `--policy oracle` plays every task's ground-truth calls through the environment
-exactly as a model's output would go (parsed, validated, rendered, executed, turn
-by turn) and scores them with bfcl-eval's multi_turn_checker: a check of the
-whole pipeline. `--compare` prints the held-in scores of finished runs side by
+plain prompts (no interface) and bfcl-eval's own turn protocol: an output that
+does not decode into calls ends the turn, and a turn's 21st step with calls
+(of 20) force-quits the task. `--policy oracle` plays every task's ground-truth
+calls through the environment exactly as a model's output would go (parsed,
+rendered, executed, turn by turn) and scores them with bfcl-eval's
+multi_turn_checker: a check of the whole pipeline. `--compare` prints the held-in scores of finished runs side by
 side (base model once, then every evaluated round), like the paper's Tables 1
 and 3. Writes DIR/results.jsonl (one verdict per task) and DIR/scores.json
 (percent per category and their average).

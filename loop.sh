@@ -8,7 +8,8 @@
 # --set overrides one preset variable (e.g. --set N=4 --set TASKS_PER_ROUND=8).
 # Every artifact lands in runs/NAME/ (DESIGN §3). Rerunning the same command resumes
 # from the first missing artifact: stages write atomically, so a file that exists is
-# complete, and complete artifacts are never recomputed.
+# complete, and complete artifacts are never recomputed. KEEP (a preset variable) says
+# which round policies stay on disk: evaluated (default), latest or all (see README, Disk).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -40,6 +41,9 @@ ENGINE=vllm; TP=1; NPROC=1; ACCEL_CONFIG=""; LORA=""; CALL_FORMAT=json
 TASKS_PER_ROUND=32; N=8; MINI_BATCH=8; LR=1e-6; KL=0.001; TEMP=1.0
 MAX_STEPS=20; MAX_LEN=16384; MAX_NEW=1024; DEFAULT_ROUNDS=18; DEFAULT_EVAL_EVERY=6
 TRAIN_LIMIT=""; EVAL_LIMIT=""; MICRO_TOKENS=32768; EXTRA_TRAIN=""; TASKS=data/train.jsonl; SEED=0
+# Disk: once round t's policy exists, earlier rounds lose their optimiser state and, unless
+# evaluated, their policy. KEEP=latest drops evaluated policies too; KEEP=all deletes nothing.
+KEEP=evaluated
 case $PRESET in
   tiny)  # the offline tiny model on CPU: 8 first-turn training tasks (data/tiny.jsonl), minutes per round
     MODEL=offline-tiny  # built (once, cached) below, unless --set MODEL=... names another
@@ -57,7 +61,7 @@ case $PRESET in
   *) echo "loop: unknown preset $PRESET (tiny, qwen3b, qwen7b, toolace8b)" >&2; exit 2 ;;
 esac
 OVERRIDABLE=" MODEL ENGINE TP NPROC ACCEL_CONFIG LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH LR KL TEMP "
-OVERRIDABLE+="MAX_STEPS MAX_LEN MAX_NEW TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS EXTRA_TRAIN TASKS SEED "
+OVERRIDABLE+="MAX_STEPS MAX_LEN MAX_NEW TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS EXTRA_TRAIN KEEP TASKS SEED "
 for kv in "${SETS[@]+"${SETS[@]}"}"; do
   var=${kv%%=*}
   case $OVERRIDABLE in *" $var "*) printf -v "$var" '%s' "${kv#*=}" ;;
@@ -69,6 +73,7 @@ elif [ ! -d "$MODEL" ]; then
   # A hub id: fetch it once into the HF cache; every stage then works on a local folder.
   MODEL=$($PY -c "import sys; from huggingface_hub import snapshot_download; print(snapshot_download(sys.argv[1]))" "$MODEL")
 fi
+case $KEEP in evaluated|latest|all) ;; *) echo "loop: KEEP=$KEEP: use evaluated, latest or all" >&2; exit 2 ;; esac
 ROUNDS=${ROUNDS:-$DEFAULT_ROUNDS}
 EVAL_EVERY=${EVAL_EVERY:-$DEFAULT_EVAL_EVERY}
 NAME=${NAME:-$PRESET-$MODE}
@@ -90,12 +95,13 @@ $PY -m common.runinfo "$RUN/config.json" preset="$PRESET" mode="$MODE" rounds="$
   lora="$LORA" call_format="$CALL_FORMAT" tasks_per_round="$TASKS_PER_ROUND" n="$N" mini_batch="$MINI_BATCH" \
   lr="$LR" kl="$KL" temperature="$TEMP" max_steps="$MAX_STEPS" max_model_len="$MAX_LEN" \
   max_new_tokens="$MAX_NEW" train_limit="$TRAIN_LIMIT" eval_limit="$EVAL_LIMIT" omega="$OMEGA" \
-  reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN" tasks="$TASKS" seed="$SEED"
+  reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN" keep="$KEEP" tasks="$TASKS" seed="$SEED"
 
-# run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists, else run with a log and a timing line.
+# run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists (or was deleted by KEEP after a
+# later round used it), else run with a log and a timing line.
 run() {
   local stage=$1 round=$2 output=$3; shift 3
-  if [ -e "$output" ]; then echo "loop: round $round $stage: done ($output)"; return; fi
+  if [ -e "$output" ] || [ -e "$output.deleted" ]; then echo "loop: round $round $stage: done ($output)"; return; fi
   local log="$RUN/logs/round_$(printf %03d "$round")_$stage.log"
   echo "loop: round $round $stage -> $output (log: $log)"
   local t0; t0=$(date +%s%N)
@@ -117,15 +123,31 @@ evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
     --out "$3"
 }
 
-train() {  # train ROUND_DIR POLICY
-  local launch=($PY)
+train() {  # train ROUND_DIR POLICY: KL to the round-0 model, one optimiser carried from round to round
+  local launch=($PY) state=()
+  if [ "$2" != "$MODEL" ]; then state=(--optimizer-state "$2/optimizer"); fi
   if [ "$NPROC" -gt 1 ]; then
     launch=(.venv/bin/accelerate launch --num_processes "$NPROC")
     [ -n "$ACCEL_CONFIG" ] && launch+=(--config_file "$ACCEL_CONFIG")
   fi
   "${launch[@]}" train_grpo.py --model "$2" --rollouts "$1/rollouts.jsonl" --diagnoses "$1/diagnoses.jsonl" \
     --interface "$1/interface.json" $REWEIGHT --lr "$LR" --kl-coef "$KL" --mini-batch-tasks "$MINI_BATCH" \
-    --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA $EXTRA_TRAIN --seed "$SEED" --out "$1/policy"
+    --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA $EXTRA_TRAIN --seed "$SEED" --ref-model "$MODEL" \
+    --save-optimizer "${state[@]+"${state[@]}"}" --out "$1/policy"
+}
+
+prune() {  # prune ROUND: what KEEP lets go once round ROUND's policy exists (never the base model)
+  if [ "$KEEP" = all ]; then return; fi
+  local s dir
+  for ((s = 0; s < $1; s++)); do
+    dir=$RUN/round_$(printf %03d "$s")/policy
+    rm -rf "$dir/optimizer"
+    if [ -d "$dir" ] && { [ "$KEEP" = latest ] || [ ! -e "$RUN/eval/round_$(printf %03d "$s")/scores.json" ]; }; then
+      # the marker first: it tells a rerun that this round is done, even if rm is interrupted
+      echo "deleted by loop.sh (KEEP=$KEEP) once round $1's policy existed" > "$dir.deleted"
+      rm -rf "$dir"
+    fi
+  done
 }
 
 # The base model is scored once per preset and shared by every run (and mode) of it.
@@ -150,6 +172,7 @@ for ((t = 0; t < ROUNDS; t++)); do
   if [ $(((t + 1) % EVAL_EVERY)) -eq 0 ] || [ $((t + 1)) -eq "$ROUNDS" ]; then
     evaluate "$policy" "$t" "$RUN/eval/round_$(printf %03d "$t")"
   fi
+  prune "$t"
   $PY -m common.report "$RUN" > /dev/null
 done
 $PY -m common.report "$RUN"

@@ -8,7 +8,10 @@ Each task is played `--n` times against the real bfcl-eval environment; every
 trajectory is one JSONL record (DESIGN §3) holding the transcript, the parsed
 calls and what the environment returned, and the exact token ids the engine
 consumed and produced with a mask that is 1 only on model-generated tokens.
-`--model` is a HF model folder or a LoRA adapter folder.
+Turns follow bfcl-eval's inference loop (common/play.py): an output that does
+not decode into calls ends the turn, unless Ω's error feedback is on, which
+answers it with the parse error and a hint; the record's `decode_failure` says
+which. `--model` is a HF model folder or a LoRA adapter folder.
 """
 
 import argparse

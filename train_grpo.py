@@ -4,31 +4,42 @@ Joins the rollouts (token ids, loss mask, engine log-probs) with their diagnoses
 label profile) on (task_id, sample_index), gives each trajectory the advantage
 Ã_j = w_j·A_j with the SEAL weight w_j = clip(Σ_z p_j(z)·ρ(z), 0.5, 2.0) (common/grpo.py),
 and takes one optimiser step per mini-batch of tasks with the PPO-clipped token-mean loss
-plus a k3 KL penalty to the reference policy. Writes the next policy to --out.
+plus a k3 KL penalty to the initial policy. Writes the next policy to --out.
 
     python train_grpo.py --model DIR --rollouts R.jsonl --diagnoses D.jsonl \\
-        [--interface interface.json | --rho rho.json] --out round_000/policy [--lora]
+        [--interface interface.json | --rho rho.json] --out round_001/policy \\
+        [--ref-model ROUND0_MODEL] [--save-optimizer] [--optimizer-state round_000/policy/optimizer] [--lora]
     accelerate launch --multi_gpu --num_processes 2 train_grpo.py ... --cpu      # 2-process DDP on CPU
     accelerate launch --config_file configs/accelerate/fsdp_4gpu.yaml train_grpo.py ...   # 7B, 4 GPUs
     accelerate launch --config_file configs/accelerate/zero3_4gpu.yaml train_grpo.py ...  # needs deepspeed
 
 Multi-node: the same command on every node with `--num_machines N --machine_rank R
 --main_process_ip HOST --main_process_port PORT --num_processes <total GPUs>` added after
-`accelerate launch` (or in the config file); every node needs the input files and --model.
+`accelerate launch` (or in the config file); every node needs the input files and --model,
+and --out on a filesystem all nodes share (each process writes its part of the optimiser state).
 
 Semantics:
 - Group = all samples of one task_id in the rollouts file. A = (r - mean)/(std + 1e-6) with
   the population std. Groups with equal rewards have A = 0 and are left out of the update
   entirely (no forward/backward, so also no KL term); their share is logged. A round
-  whose groups all have equal rewards writes the input policy unchanged.
+  whose groups all have equal rewards writes the input policy (and optimiser state) unchanged.
 - ρ: the interface file's "rho" if it has one, else --rho FILE (a JSON object), else
   common.taxonomy.RHO. A profile label missing from ρ is an error. --no-reweight sets w = 1.
 - Old log-probs are recomputed by this trainer with the input weights before the first
   step; the engine's log-probs only feed the logprob_mismatch metric.
-- Reference policy for the KL: --ref-model if given, else the input policy (for a round
-  after the first, pass the round-0 model to keep "KL to the initial policy"). With LoRA it
-  is the base model (adapter disabled). Its log-probs are computed once before training,
-  so no second model is held while training. --kl-coef 0 skips it.
+- KL reference (the paper's: the initial policy in every round): --ref-model, which loop.sh
+  sets to the round-0 model in every round; without it, the input policy. With LoRA it is
+  the base model (adapter disabled) and --ref-model is ignored. Reference log-probs are
+  computed before the policy is loaded (or, with LoRA, with its adapter off), so only one
+  model is held while training. --kl-coef 0 skips it.
+- One optimiser across rounds: --save-optimizer writes the optimiser state (AdamW moments and
+  step counts, sharded as the run is) to <out>/optimizer with Accelerate's save_state, plus
+  the global step count; --optimizer-state DIR (the previous round's <out>/optimizer) loads
+  it with load_state, so round t+1 continues round t's optimisation: the same code path in
+  one process, DDP, FSDP and DeepSpeed ZeRO-3. The learning rate is constant (no schedule,
+  as in the paper); --lr overrides the saved one. Each epoch's order of mini-batches is
+  drawn from --seed and the global step it starts at, so k rounds of one epoch on the same
+  rollouts take the same steps as one run of k epochs.
 - Loss = Σ over model tokens of the mini-batch / number of model tokens in the mini-batch
   (on all processes together), so 1 or N processes give the same update.
 - Precision: full fine-tuning keeps float32 weights and, on GPU, computes in bf16 (autocast):
@@ -40,28 +51,33 @@ Semantics:
 Outputs: --out holds a Hugging Face model folder (plus the tokenizer and chat-template
 files of --model), or with --lora (or when --model is an adapter folder, whose training then
 continues) a PEFT adapter folder whose adapter_config.json names the base model's absolute
-path. --save-optimizer adds optimizer.pt; a --model folder holding one resumes from it.
+path; with --save-optimizer also <out>/optimizer/ (Accelerate state; trainer_state.json
+holds global_step). Policy and optimiser state appear together or not at all.
 --metrics (default: train_metrics.jsonl next to --out) gets one line per optimiser step:
-step, epoch, loss, pg_loss, kl, clip_frac, grad_norm (before clipping), w_mean, w_std,
-zero_var_share (of the round's groups), reward_mean (of the step's trajectories: groups
-with differing rewards only), model_tokens, tokens_per_s (prompt + response tokens per
-second of the update step), seconds (of the update step), logprob_mismatch (mean
-|engine - trainer| log-prob over model tokens), lr. A round with nothing to learn writes
-one line with step 0 and the weights, zero-variance share and reward of all trajectories.
+step (in this round), global_step (across rounds, carried in the optimiser state), epoch,
+loss, pg_loss, kl, clip_frac, grad_norm (before clipping), w_mean, w_std, zero_var_share
+(of the round's groups), reward_mean (of the step's trajectories: groups with differing
+rewards only), model_tokens, tokens_per_s (prompt + response tokens per second of the
+update step), seconds (of the update step), logprob_mismatch (mean |engine - trainer|
+log-prob over model tokens), lr, ref_model (absolute folder of the KL reference; null
+without KL). A round with nothing to learn writes one line with step 0, the global step so
+far, the weights, zero-variance share and reward of all trajectories, and ref_model.
 Bad input stops with `error: file:line: ...`, a non-zero exit and no output.
 """
 
 import argparse
+import contextlib
 import math
 import os
 import random
 import shutil
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
@@ -78,6 +94,8 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )  # fmt: skip
+OPTIMIZER_DIR = "optimizer"  # inside --out
+TRAINER_STATE = "trainer_state.json"  # inside the optimiser folder: {"global_step": N}
 
 
 def parse_args(argv=None):
@@ -94,7 +112,7 @@ def parse_args(argv=None):
     src.add_argument("--rho", help="JSON object {label: utility}")
     ap.add_argument("--out", required=True, help="folder for the next policy")
     ap.add_argument("--metrics", help="default: train_metrics.jsonl in the folder that holds --out")
-    ap.add_argument("--ref-model", help="reference policy for the KL (default: --model; ignored with LoRA)")
+    ap.add_argument("--ref-model", help="the initial policy, KL reference (default: --model)")
     ap.add_argument("--no-reweight", action="store_true", help="w = 1 for every trajectory (ρ ≡ 1)")
     ap.add_argument("--lr", type=float, default=1e-6, help="1e-6 for full fine-tuning; ~1e-5 with --lora")
     ap.add_argument("--kl-coef", type=float, default=0.001, help="0 disables the KL term and the reference")
@@ -107,7 +125,8 @@ def parse_args(argv=None):
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--lora-alpha", type=int, default=32)
     ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--save-optimizer", action="store_true", help="write optimizer.pt (one process or DDP)")
+    ap.add_argument("--save-optimizer", action="store_true", help="write <out>/optimizer/")
+    ap.add_argument("--optimizer-state", help="previous <out>/optimizer/")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu", action="store_true", help="force CPU (Accelerator(cpu=True))")
     args = ap.parse_args(argv)
@@ -125,7 +144,22 @@ def main(argv=None):
 
 
 def train(args):
-    # ---- inputs, all checked before anything is loaded or written
+    run = read_inputs(args)
+    accelerator = make_accelerator(args)
+    set_seed(args.seed)
+    mini_batches = plan_mini_batches(args, run, accelerator)
+    reference_logprobs(args, run, mini_batches, accelerator)
+    model, optimizer, params, global_step = load_policy(args, run, accelerator)
+    old_logprobs(model, run, mini_batches, accelerator)
+    metrics = optimise(args, run, mini_batches, model, optimizer, params, global_step, accelerator)
+    save(args, run, model, metrics, accelerator)
+
+
+# ---------------------------------------------------------------- inputs and plan
+
+
+def read_inputs(args):
+    """Everything the round needs from disk, checked before a model is loaded or a file written."""
     rho = load_rho(args.interface, args.rho)
     rollouts = read_jsonl(args.rollouts, required=["task_id", "sample_index", "tokens"])
     diagnoses = read_jsonl(args.diagnoses, required=["task_id", "sample_index", "reward", "profile"])
@@ -135,55 +169,66 @@ def train(args):
     )  # fmt: skip
     if not trajectories:
         raise RecordError(f"{args.rollouts}: no rollout records")
-    lines = {(r["task_id"], r["sample_index"]): r["_line"] for r in rollouts}
-    del rollouts, diagnoses
     adapter_in = os.path.isfile(os.path.join(args.model, "adapter_config.json"))
     if not adapter_in and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise RecordError(f"{args.model}: not a model or adapter folder (no config.json)")
-    base_path = (
+    base_path = os.path.abspath(
         read_json(os.path.join(args.model, "adapter_config.json"))["base_model_name_or_path"]
         if adapter_in
         else args.model
     )
-    use_lora = args.lora or adapter_in
     config = read_json(os.path.join(base_path, "config.json"))
-    saved_dtype = config.get("dtype") or config.get("torch_dtype")
+    vocab = config.get("vocab_size")
+    lines = {(r["task_id"], r["sample_index"]): r["_line"] for r in rollouts}
+    for t in trajectories:
+        if vocab and max(t.prompt_ids + t.ids) >= vocab:
+            raise RecordError(
+                f"{args.rollouts}:{lines[t.task_id, t.sample_index]}: token id outside the model's vocabulary ({vocab})"
+            )
+    use_lora = args.lora or adapter_in
+    # where the KL reference's log-probs come from; ref_model is the folder the metrics record
     if args.kl_coef <= 0:
-        ref_source = None
-    elif adapter_in:
-        ref_source = "base"  # the adapter disabled
-    elif use_lora or not args.ref_model:
-        ref_source = "input"  # a fresh adapter starts out as the base model
+        ref_source, ref_model = None, None
+    elif use_lora:  # the base with the adapter disabled (a fresh adapter starts out as the base)
+        ref_source, ref_model = ("base" if adapter_in else "input"), base_path
+    elif args.ref_model and os.path.abspath(args.ref_model) != base_path:
+        ref_source, ref_model = "ref_model", os.path.abspath(args.ref_model)
+        if not os.path.isfile(os.path.join(ref_model, "config.json")):
+            raise RecordError(f"{args.ref_model}: not a model folder (no config.json)")
     else:
-        ref_source = "ref_model"
+        ref_source, ref_model = "input", base_path
+    if args.optimizer_state and not os.path.isfile(os.path.join(args.optimizer_state, TRAINER_STATE)):
+        raise RecordError(f"{args.optimizer_state}: not an optimiser state folder (no {TRAINER_STATE})")
     metrics_path = args.metrics or os.path.join(
         os.path.dirname(os.path.abspath(args.out)), "train_metrics.jsonl"
     )
+    return SimpleNamespace(
+        trajectories=trajectories, adapter_in=adapter_in, base_path=base_path, use_lora=use_lora,
+        saved_dtype=config.get("dtype") or config.get("torch_dtype"), ref_source=ref_source,
+        ref_model=ref_model, metrics_path=metrics_path,
+    )  # fmt: skip
 
+
+def make_accelerator(args):
     accelerator = Accelerator(
         cpu=args.cpu, mixed_precision="bf16" if torch.cuda.is_available() and not args.cpu else "no"
     )
-    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    if args.save_optimizer and sharded:
-        sys.exit("error: --save-optimizer needs one process or DDP (FSDP/DeepSpeed shard optimiser state)")
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        if ref_source == "ref_model":
-            sys.exit("error: --ref-model is not supported under DeepSpeed (ZeRO-3 partitions every model)")
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         # there is no DataLoader to infer it from; DeepSpeed only uses it for its logging
         ds_config["train_micro_batch_size_per_gpu"] = 1
         ds_config["gradient_clipping"] = args.grad_clip
-    set_seed(args.seed)
-    on_gpu = accelerator.device.type != "cpu"
+    return accelerator
 
-    # ---- groups and mini-batches (whole tasks; the same plan on every process)
+
+def plan_mini_batches(args, run, accelerator):
+    """Whole tasks with differing rewards, shuffled into mini-batches: the same plan on every process."""
     by_task = {}
-    for t in trajectories:
+    for t in run.trajectories:
         by_task.setdefault(t.task_id, []).append(t)
     live = [tid for tid, ts in by_task.items() if any(t.advantage != 0.0 for t in ts)]
-    zero_var_share = 1 - len(live) / len(by_task) if by_task else 0.0
-    rng = random.Random(args.seed)
-    rng.shuffle(live)
+    run.zero_var_share = 1 - len(live) / len(by_task) if by_task else 0.0
+    random.Random(args.seed).shuffle(live)
     mini_batches = []
     for i in range(0, len(live), args.mini_batch_tasks):
         trajs = [t for tid in live[i : i + args.mini_batch_tasks] for t in by_task[tid]]
@@ -192,22 +237,48 @@ def train(args):
         )
         mine = [[trajs[k] for k in mb] for mb in plan[accelerator.process_index]]
         mini_batches.append({"trajs": trajs, "mine": mine, "norm": sum(t.model_tokens for t in trajs)})
+    return mini_batches
 
-    # ---- model
-    from_pretrained = {"dtype": torch.bfloat16 if use_lora and on_gpu else torch.float32}
-    model = AutoModelForCausalLM.from_pretrained(os.path.abspath(base_path), **from_pretrained)
-    vocab = model.get_input_embeddings().num_embeddings
-    for t in trajectories:
-        if max(t.prompt_ids + t.ids) >= vocab:
-            raise RecordError(
-                f"{args.rollouts}:{lines[t.task_id, t.sample_index]}: token id outside the model's vocabulary ({vocab})"
-            )
+
+# ---------------------------------------------------------------- reference log-probs
+
+
+def reference_logprobs(args, run, mini_batches, accelerator):
+    """A separate reference model (the round-0 policy) scores every trajectory and is freed
+    before the policy is loaded: training never holds two models."""
+    if run.ref_source != "ref_model" or not mini_batches:
+        return
+    ds = accelerator.state.deepspeed_plugin
+    # ZeRO-3 would partition the reference like the policy; it is used outside DeepSpeed, whole on every GPU
+    no_zero_init = ds.zero3_init_context_manager(enable=False) if ds else contextlib.nullcontext()
+    with no_zero_init:
+        on_gpu = accelerator.device.type != "cpu"
+        ref = AutoModelForCausalLM.from_pretrained(
+            run.ref_model, dtype=torch.bfloat16 if on_gpu else torch.float32
+        ).to(accelerator.device)
+    ref.eval()
+    with accelerator.autocast():
+        for mb in mini_batches:
+            score_trajectories(ref, mb["mine"], accelerator.device, "ref_logprobs")
+    del ref
+    accelerator.free_memory()
+
+
+# ---------------------------------------------------------------- model
+
+
+def load_policy(args, run, accelerator):
+    """The policy (full model, or base + LoRA adapter) and its AdamW, prepared; with
+    --optimizer-state, the optimiser continues from the previous round. Returns the global step."""
+    on_gpu = accelerator.device.type != "cpu"
+    dtype = torch.bfloat16 if run.use_lora and on_gpu else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(run.base_path, dtype=dtype)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if use_lora:
+    if run.use_lora:
         from peft import LoraConfig, PeftModel, get_peft_model
 
-        if adapter_in:
+        if run.adapter_in:
             model = PeftModel.from_pretrained(model, args.model, is_trainable=True)
         else:
             # no LoRA dropout: it would make the first step's ratio differ from 1 by noise
@@ -216,42 +287,44 @@ def train(args):
                 target_modules="all-linear", task_type="CAUSAL_LM",
             )  # fmt: skip
             model = get_peft_model(model, lora)
-
-    if ref_source == "ref_model" and mini_batches:
-        ref = AutoModelForCausalLM.from_pretrained(
-            os.path.abspath(args.ref_model), dtype=torch.bfloat16 if on_gpu else torch.float32
-        ).to(accelerator.device)
-        ref.eval()
-        with accelerator.autocast():
-            for mb in mini_batches:
-                score_trajectories(ref, mb["mine"], accelerator.device, "ref_logprobs")
-        del ref
-        accelerator.free_memory()
-
     params = [p for p in model.parameters() if p.requires_grad]
     # no weight decay: a round is a handful of steps and decay would only shrink the policy
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    opt_file = os.path.join(args.model, "optimizer.pt")
-    if os.path.isfile(opt_file):
-        try:
-            optimizer.load_state_dict(torch.load(opt_file, map_location="cpu"))
-        except (ValueError, KeyError) as e:
-            raise RecordError(f"{opt_file}: does not match this model's trainable parameters ({e})") from None
-        for g in optimizer.param_groups:
-            g["lr"] = args.lr
-        accelerator.print(f"resuming optimiser state from {opt_file}")
     model, optimizer = accelerator.prepare(model, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them with sharded ones
+    # one-process and DDP state would also hold the weights, which the policy folder already has
+    accelerator.register_save_state_pre_hook(lambda models, weights, out: weights.clear())
+    accelerator.register_load_state_pre_hook(lambda models, inp: models.clear())
+    global_step = 0
+    if args.optimizer_state:
+        try:
+            accelerator.load_state(args.optimizer_state)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise RecordError(
+                f"{args.optimizer_state}: does not match this model's trainable parameters ({e})"
+            ) from None
+        for g in optimizer.param_groups:
+            g["lr"] = args.lr
+        global_step = read_json(os.path.join(args.optimizer_state, TRAINER_STATE))["global_step"]
+        accelerator.print(f"resuming optimiser state from {args.optimizer_state} (global step {global_step})")
+    return model, optimizer, params, global_step
 
-    # ---- old (and reference) log-probs with the input weights, before any update
+
+# ---------------------------------------------------------------- old log-probs
+
+
+@torch.no_grad()
+def old_logprobs(model, run, mini_batches, accelerator):
+    """Log-probs of the input weights (the PPO ratio's denominator), and the reference's
+    where it is the input policy or the base under the adapter; engine mismatch per mini-batch."""
     model.eval()
     for mb in mini_batches:
         score_trajectories(model, mb["mine"], accelerator.device, "old_logprobs")
         mine = [t for micro in mb["mine"] for t in micro]
-        if ref_source == "base":
+        if run.ref_source == "base":
             with accelerator.unwrap_model(model).disable_adapter():
                 score_trajectories(model, mb["mine"], accelerator.device, "ref_logprobs")
-        elif ref_source == "input":
+        elif run.ref_source == "input":
             for t in mine:
                 t.ref_logprobs = t.old_logprobs
         mm_sum = mm_count = 0.0
@@ -262,82 +335,117 @@ def train(args):
             mm_count += used.sum().item()
         mb["mismatch"] = (mm_sum, mm_count)
 
-    # ---- optimiser steps: every mini-batch once per epoch, in a fresh order each epoch
+
+# ---------------------------------------------------------------- optimiser steps
+
+
+def optimise(args, run, mini_batches, model, optimizer, params, global_step, accelerator):
+    """Every mini-batch once per epoch; returns the metric lines."""
     metrics, step = [], 0
     max_norm = args.grad_clip if args.grad_clip > 0 else math.inf
     bar = tqdm(total=len(mini_batches) * args.epochs, desc="grpo", disable=not accelerator.is_main_process)
     model.train()
     for epoch in range(args.epochs):
-        for mb in rng.sample(mini_batches, len(mini_batches)):
+        # drawn from the global step, so a run split into rounds keeps one run's order
+        for mb in random.Random(f"{args.seed}/{global_step}").sample(mini_batches, len(mini_batches)):
             t0 = time.perf_counter()
             sums = accumulate_gradients(model, accelerator, mb["mine"], mb["norm"], args.clip, args.kl_coef)
             grad_norm = accelerator.clip_grad_norm_(params, max_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if on_gpu:
+            if accelerator.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
-            keys = ("pg_sum", "kl_sum", "clip_count", "tokens")
-            local = [sums[k] for k in keys] + list(mb["mismatch"])
-            pg, kl, clipped, tokens, mm_sum, mm_count = accelerator.reduce(
-                torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum"
-            ).tolist()
-            tokens = max(tokens, 1)
-            ws = [t.weight for t in mb["trajs"]]
-            w_mean = sum(ws) / len(ws)
             step += 1
-            metrics.append({
-                "step": step,
-                "epoch": epoch,
-                "loss": (pg + args.kl_coef * kl) / tokens,
-                "pg_loss": pg / tokens,
-                "kl": kl / tokens,
-                "clip_frac": clipped / tokens,
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "w_mean": w_mean,
-                "w_std": math.sqrt(sum((w - w_mean) ** 2 for w in ws) / len(ws)),
-                "zero_var_share": zero_var_share,
-                "reward_mean": sum(t.reward for t in mb["trajs"]) / len(mb["trajs"]),
-                "model_tokens": int(tokens),
-                "tokens_per_s": sum(t.length for t in mb["trajs"]) / seconds,
-                "seconds": seconds,
-                "logprob_mismatch": mm_sum / mm_count if mm_count else None,
-                "lr": optimizer.param_groups[0]["lr"],
-            })  # fmt: skip
+            global_step += 1
+            metrics.append(
+                {"step": step, "global_step": global_step, "epoch": epoch}
+                | step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator)
+                | {"lr": optimizer.param_groups[0]["lr"]}
+            )
             bar.update(1)
             bar.set_postfix(loss=f"{metrics[-1]['loss']:.4f}", reward=f"{metrics[-1]['reward_mean']:.2f}")
     bar.close()
     if not mini_batches:
         accelerator.print("no group has differing rewards: nothing to learn, the policy is written unchanged")
         # One step-0 line still records the round's weights, so runs and modes stay comparable.
-        ws = [t.weight for t in trajectories]
-        w_mean = sum(ws) / len(ws)
-        metrics.append({"step": 0, "w_mean": w_mean, "w_std": math.sqrt(sum((w - w_mean) ** 2 for w in ws) / len(ws)),
-                        "zero_var_share": zero_var_share,
-                        "reward_mean": sum(t.reward for t in trajectories) / len(trajectories)})
+        reward = sum(t.reward for t in run.trajectories) / len(run.trajectories)
+        metrics.append({
+            "step": 0, "global_step": global_step, **weight_stats(run.trajectories),
+            "zero_var_share": run.zero_var_share, "reward_mean": reward, "ref_model": run.ref_model,
+        })  # fmt: skip
+    run.global_step = global_step
+    return metrics
 
-    # ---- next policy (main process only; every process takes part in gathering the weights)
+
+def weight_stats(trajs):
+    ws = [t.weight for t in trajs]
+    w_mean = sum(ws) / len(ws)
+    return {"w_mean": w_mean, "w_std": math.sqrt(sum((w - w_mean) ** 2 for w in ws) / len(ws))}
+
+
+def step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator):
+    keys = ("pg_sum", "kl_sum", "clip_count", "tokens")
+    local = [sums[k] for k in keys] + list(mb["mismatch"])
+    pg, kl, clipped, tokens, mm_sum, mm_count = accelerator.reduce(
+        torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum"
+    ).tolist()
+    tokens = max(tokens, 1)
+    return {
+        "loss": (pg + args.kl_coef * kl) / tokens,
+        "pg_loss": pg / tokens,
+        "kl": kl / tokens,
+        "clip_frac": clipped / tokens,
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        **weight_stats(mb["trajs"]),
+        "zero_var_share": run.zero_var_share,
+        "reward_mean": sum(t.reward for t in mb["trajs"]) / len(mb["trajs"]),
+        "model_tokens": int(tokens),
+        "tokens_per_s": sum(t.length for t in mb["trajs"]) / seconds,
+        "seconds": seconds,
+        "logprob_mismatch": mm_sum / mm_count if mm_count else None,
+        "ref_model": run.ref_model,
+    }
+
+
+# ---------------------------------------------------------------- save
+
+
+def save(args, run, model, metrics, accelerator):
+    """The next policy and its optimiser state, renamed into --out together (every process
+    takes part in gathering the weights and writing sharded optimiser state)."""
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        with atomic_dir(args.out) as tmp:
+    with shared_atomic_dir(args.out, accelerator) as tmp:
+        if args.save_optimizer:
+            accelerator.save_state(os.path.join(tmp, OPTIMIZER_DIR))
+        if accelerator.is_main_process:
+            if args.save_optimizer:
+                write_json(os.path.join(tmp, OPTIMIZER_DIR, TRAINER_STATE), {"global_step": run.global_step})
+            unwrapped = accelerator.unwrap_model(model)
             unwrapped.save_pretrained(tmp, state_dict=state_dict)
-            if not use_lora and saved_dtype:
+            if not run.use_lora and run.saved_dtype:
                 # save_pretrained records the float32 of the weights; engines should keep loading the input's dtype
                 saved = read_json(os.path.join(tmp, "config.json"))
-                write_json(os.path.join(tmp, "config.json"), saved | {"dtype": saved_dtype})
+                write_json(os.path.join(tmp, "config.json"), saved | {"dtype": run.saved_dtype})
             for name in TOKENIZER_FILES:
-                for folder in (args.model, base_path):
+                for folder in (args.model, run.base_path):
                     if os.path.isfile(os.path.join(folder, name)):
                         shutil.copy(os.path.join(folder, name), os.path.join(tmp, name))
                         break
-            if args.save_optimizer:
-                torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-            write_jsonl(metrics_path, metrics)
-        print(f"{step} optimiser steps; policy written to {args.out}; metrics to {metrics_path}")
-    accelerator.wait_for_everyone()
+            write_jsonl(run.metrics_path, metrics)
+    steps = sum(m["step"] > 0 for m in metrics)
+    accelerator.print(f"{steps} optimiser steps; policy written to {args.out}; metrics to {run.metrics_path}")
     accelerator.end_training()
+
+
+@contextlib.contextmanager
+def shared_atomic_dir(path, accelerator):
+    """common.jsonl.atomic_dir opened by the main process, its temporary folder shared with all."""
+    with atomic_dir(path) if accelerator.is_main_process else contextlib.nullcontext() as tmp:
+        tmp = broadcast_object_list([tmp])[0]
+        yield tmp
+        accelerator.wait_for_everyone()  # every process has written its part before the rename
 
 
 if __name__ == "__main__":

@@ -5,14 +5,17 @@
 Builds the oracle trajectory of every task of data/train.jsonl and data/heldin.jsonl
 plus the systematic perturbed set (tests/trajectories.py: one argument changed,
 one call dropped, one extra call, one turn emptied, garbage in one step, a call
-on an abstention turn, stopped before a turn), all played through
-bfcl.Environment. Then, interleaved per trajectory so that machine noise hits
+on an abstention turn, stopped before a turn; schema breaks that still run: a
+number written as a string, a value outside an enum, an unknown parameter, a
+missing required one, a held-out function called early; names refused unrun),
+all played through bfcl.Environment. Then, interleaved per trajectory so that machine noise hits
 both alike: "official" = bfcl.official_verdict on each trajectory's decoded calls;
 "diagnose" = common.taxonomy.diagnose on its rollout record (re-derives and
 replays the calls, labels every turn; unlike the checker it does not stop at the
 first failing turn). Prints trajectories per second, the ratio on all
-trajectories (target ≤ 2) and on the oracle ones alone, the parity count (reward and official fields equal to
-official_verdict's) and the label mix. --script also times diagnose.py end to end.
+trajectories (target ≤ 2) and on the oracle ones alone, the parity counts (reward and official fields equal to
+official_verdict's; reward equal to the checker's verdict on the raw strings bfcl-eval's own decoder makes of
+the same texts) and the label mix. --script also times diagnose.py end to end.
 """
 
 import argparse
@@ -28,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common import bfcl, taxonomy  # noqa: E402
 from common.jsonl import write_jsonl  # noqa: E402
-from tests.trajectories import oracle, perturbations, rollout  # noqa: E402
+from tests.trajectories import bfcl_eval_decoded, oracle, perturbations, rollout  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--repeats", type=int, default=3)
@@ -89,6 +92,12 @@ kinds = sorted({k for k, _ in same})
 print(f"   parity: {sum(v for (_, ok), v in same.items() if ok)}/{n} trajectories with reward and official "
       f"fields equal to official_verdict's (" + ", ".join(f"{k} {same[k, True]}/{same[k, True] + same[k, False]}"
                                                         for k in kinds) + ")")
+raw = collections.Counter()
+for (task, kind, rec, _), r in zip(trajectories, records, strict=True):
+    raw[kind, r["reward"] == int(bfcl.official_verdict(task, bfcl_eval_decoded(rec))["valid"])] += 1
+print(f"   raw parity: {sum(v for (_, ok), v in raw.items() if ok)}/{n} rewards equal to the checker's verdict on "
+      f"bfcl-eval's own decoding of the texts (" + ", ".join(f"{k} {raw[k, True]}/{raw[k, True] + raw[k, False]}"
+                                                             for k in kinds) + ")")
 print(f"  rewards: {sum(r['reward'] for r in records)}/{n} solved; oracle "
       f"{sum(r['reward'] for (_, k, _, _), r in zip(trajectories, records, strict=True) if k == 'oracle')}"
       f"/{sum(k == 'oracle' for _, k, _, _ in trajectories)}")

@@ -78,7 +78,8 @@ for seed in [int(s) for s in args.seeds.split(",")]:
         name = f"{mode}-s{seed}"
         run = os.path.join(args.runs, name)
         t0 = time.time()
-        sets = [x for kv in [f"SEED={seed}", *args.set] for x in ("--set", kv)]
+        # KEEP=all: every round's policy is scored greedily below
+        sets = [x for kv in [f"SEED={seed}", "KEEP=all", *args.set] for x in ("--set", kv)]
         sh(["bash", "loop.sh", "tiny", "--mode", mode, "--rounds", str(args.rounds), "--eval-every", str(args.rounds),
             "--name", name, "--runs", args.runs, *sets], os.path.join(args.runs, f"{name}.log"))
         rounds, evals, base, config = collect(run)

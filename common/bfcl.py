@@ -9,8 +9,11 @@ Wraps bfcl-eval's executor and `multi_turn_checker` with the isolation they lack
 - long_context scenario data is shared by reference at module level and mutated
   by tool calls: the environment's instances get private copies, and the shared
   data is restored in place after every checker run;
-- the executor `eval()`s call strings: only strings rendered by common.calls from
-  validated literals reach it;
+- the executor `eval()`s call strings: it gets only strings rendered by
+  common.calls from parsed literals, and only for the calls it would dispatch
+  itself (`methods`: public methods of the task's classes minus its deny-list),
+  whether or not they fit the schema or are listed yet; any other name is refused
+  with an error result and reaches it only as a stand-in that it refuses unrun;
 - a schema-valid call can still run for ever (MathAPI.logarithm with precision
   987654321): every execution, ours and the checker's, runs under a deadline, and
   the call that overruns fails with an error result like any other.
@@ -18,6 +21,9 @@ Wraps bfcl-eval's executor and `multi_turn_checker` with the isolation they lack
 
 import contextlib
 import copy
+import functools
+import importlib
+import inspect
 import itertools
 import json
 import os
@@ -33,6 +39,7 @@ os.environ.setdefault("BFCL_PROJECT_ROOT", os.path.join(tempfile.gettempdir(), "
 from bfcl_eval.constants.default_prompts import (  # noqa: E402
     DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING as NEW_TOOLS_TEMPLATE,
 )
+from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING  # noqa: E402
 from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_checker as _checker  # noqa: E402
 from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils as _utils  # noqa: E402
 from bfcl_eval.eval_checker.multi_turn_eval.func_source_code import long_context as _long  # noqa: E402
@@ -45,6 +52,11 @@ TASK_FIELDS = ["id", "category", "questions", "initial_config", "involved_classe
                "missed_function", "long_context", "ground_truth"]
 EXEC_ERROR_PREFIX = "Error during execution:"
 EXEC_DEADLINE_S = 2.0  # for one batch of calls; real tool calls take milliseconds
+# Names execute_multi_turn_func_call refuses before its eval(), whatever they name.
+DENY_LIST = ("kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run")
+# What the checker gets for a refused call: the executor refuses it unrun (a deny-list
+# name), so the step keeps its place and an error result, as the refused name would have.
+REFUSED_STAND_IN = "kill()"
 
 _PRISTINE_LONG = {k: copy.deepcopy(v) for k, v in vars(_long).items()
                   if k.isupper() and isinstance(v, (dict, list))}
@@ -99,6 +111,46 @@ def execute(*args, **kwargs):
 
 # The checker calls the executor it imported: bound each of its executions too.
 _checker.execute_multi_turn_func_call = execute
+
+
+@functools.cache
+def _public_methods(class_name):
+    """{method: [parameter names in order]} as the executor maps them: inspect.ismethod on an
+    instance, names not starting with '_'."""
+    cls = getattr(importlib.import_module(CLASS_FILE_PATH_MAPPING[class_name]), class_name)
+    return {name: list(inspect.signature(m).parameters)
+            for name, m in inspect.getmembers(cls(), predicate=inspect.ismethod) if not name.startswith("_")}
+
+
+def methods(involved_classes):
+    """{name: [parameter names]} of every call bfcl-eval's executor dispatches for these classes
+    (a later class wins a shared name, as in its mapping), minus its deny-list."""
+    out = {}
+    for cls in involved_classes:
+        out.update(_public_methods(cls))
+    return {name: params for name, params in out.items() if name not in DENY_LIST}
+
+
+def to_executor(call, dispatchable):
+    """(call string, refusal) for one parsed call: the string the executor gets, and None if it
+    runs, else the error result the agent is shown instead.
+
+    A call runs when bfcl-eval's executor would dispatch it to a method (`dispatchable`,
+    from `methods`), schema or not; it is rendered from its literals. Anything else is
+    refused: an unknown name or a builtin (eval would raise NameError or run the
+    builtin), a private or dotted name, a deny-list name, or a parameter name that
+    cannot be rendered as a keyword. The checker then gets REFUSED_STAND_IN.
+    """
+    name = call["name"]
+    if name in DENY_LIST:
+        return REFUSED_STAND_IN, f"{EXEC_ERROR_PREFIX} Function call {name} is not allowed."
+    if name not in dispatchable:
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        return REFUSED_STAND_IN, f"{EXEC_ERROR_PREFIX} name {shown!r} is not defined"
+    try:
+        return C.render(call), None
+    except C.CallError as e:
+        return REFUSED_STAND_IN, f"{EXEC_ERROR_PREFIX} {e}"
 
 
 def first_per_category(tasks, k):
@@ -173,9 +225,9 @@ class Environment:
 
         with Environment(task) as env:
             env.start_turn(0)
-            step = env.step(model_text, fmt="json")   # calls, parse_error, results, call_errors
+            step = env.step(model_text, fmt="json")   # calls, parse_error, results, call_errors, schema_errors
             ...
-            env.decoded                               # per turn, per step: rendered call strings
+            env.decoded                               # per turn, per step with calls: what the checker gets
     """
 
     def __init__(self, task):
@@ -183,6 +235,7 @@ class Environment:
         self.name = unique_name()
         self.turn = -1
         self.tools = []
+        self.methods = methods(task["involved_classes"])
         self.decoded = []  # what the checker gets: per turn, per step with calls, rendered strings
         if task["long_context"]:
             # Long-context instances hold references to module-level scenario data
@@ -210,31 +263,24 @@ class Environment:
         return [t for t in self.tools if t["name"] not in before] if turn > 0 else []
 
     def step(self, text, fmt):
-        """Parse one model output, run what is valid, and return the step record's fields."""
-        calls, parse_error = C.parse(text, fmt, self.tools)
+        """Parse one model output, run its calls as bfcl-eval would, and return the step record's
+        fields; `schema_errors` says per call whether it broke the schema of the tools listed now."""
+        calls, parse_error = C.parse(text, fmt, self.methods)
         results, call_errors = self.run_calls(calls)
-        return {"calls": calls, "parse_error": parse_error, "results": results, "call_errors": call_errors}
+        return {"calls": calls, "parse_error": parse_error, "results": results, "call_errors": call_errors,
+                "schema_errors": [C.validate(call, self.tools) for call in calls]}
 
     def run_calls(self, calls):
-        """Validate and execute parsed calls in order; rejected ones never reach the executor."""
-        results, errors, rendered = [], [], []
-        for call in calls:
-            reason = C.validate(call, self.tools)
-            if reason is None:
-                try:
-                    rendered.append((len(results), C.render(call)))
-                except C.CallError as e:
-                    reason = str(e)
-            results.append(f"Error: {reason}" if reason else None)
-            errors.append(reason)
-        if rendered:
-            out, _ = self._execute([s for _, s in rendered])
-            for (i, _), res in zip(rendered, out, strict=True):
-                results[i] = res
-                if is_error_result(res):
-                    errors[i] = res
-            self.decoded[-1].append([s for _, s in rendered])
-        return results, errors
+        """Execute parsed calls in order; (results, errors): a refused call (see to_executor) gets
+        its refusal as result and error, an executed one its result, and the result as error
+        when it reports a failure."""
+        if not calls:
+            return [], []
+        strings, refusals = zip(*(to_executor(call, self.methods) for call in calls), strict=True)
+        out, _ = self._execute(list(strings))
+        results = [refusal or res for refusal, res in zip(refusals, out, strict=True)]
+        self.decoded[-1].append(list(strings))
+        return results, [r if is_error_result(r) else None for r in results]
 
     def _execute(self, call_strings):
         return execute(
@@ -276,10 +322,10 @@ def _failing_turn(res):
 
 
 def ground_truth_calls(task, turn):
-    """The ground-truth calls of `turn` parsed like model output (positional args bound by schema)."""
+    """The ground-truth calls of `turn` parsed like model output (positional args bound as Python binds them)."""
     calls = []
     for s in task["ground_truth"][turn]:
-        parsed, err = C.parse(s, "python", tools_at(task, turn))
+        parsed, err = C.parse(s, "python", methods(task["involved_classes"]))
         if err:
             raise RecordError(f"task {task['id']}: ground truth {s!r} does not parse: {err}")
         calls.extend(parsed)

@@ -1,15 +1,19 @@
-"""Tool calls: parse untrusted model text, validate against the schemas, render.
+"""Tool calls: parse untrusted model text, check against the schemas, render.
 
 Model output never reaches bfcl-eval's `eval()`-based executor as written. It is
-parsed into (name, literal arguments), checked against the tools available at
-that moment, and only then rendered by `render()` into a call string built from
-`repr()` of plain Python literals. Two formats:
+parsed into (name, literal arguments) and, when its name is a method the task's
+environment dispatches (common.bfcl decides), rendered by `render()` into a call
+string built from `repr()` of plain Python literals. Two formats:
 
 - "json":   Qwen's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
 - "python": a Python list of calls, `[func(a=1, b='x'), g()]` (ToolACE, BFCL ground truth)
 
-A call is the dict `{"name": str, "arguments": {param: value}}`. Every rejection
-is a short reason meant to be shown to the model.
+A call is the dict `{"name": str, "arguments": {param: value}}`. Parsing accepts
+any name, as bfcl-eval's decoders do (deciding what may run is the executor's
+gate, not the parser's); arguments must be literals. `validate` checks a call
+against the schemas listed at that moment: its verdict labels the call and
+chooses a hint, it does not decide execution. Every reason is a short sentence
+meant to be shown to the model.
 """
 
 import ast
@@ -33,18 +37,20 @@ class CallError(ValueError):
 # ----------------------------------------------------------------------------- parsing
 
 
-def parse(text, fmt, tools=()):
+def parse(text, fmt, params=None):
     """(calls, error) for one model output; no calls and no error means a plain answer.
 
-    `tools` (the schemas available now) is only used to bind positional
-    arguments of the Python format to parameter names.
+    `params` ({name: [parameter names in signature order]}, common.bfcl.methods)
+    binds positional arguments of the Python format to names, as Python would
+    when the call runs. Positional arguments of a name not in `params` are
+    checked and dropped, as bfcl-eval's decoder drops them: such a call never runs.
     """
     if fmt not in ("json", "python"):
         raise ValueError(f"unknown call format {fmt!r}")
     if len(text) > MAX_TEXT_CHARS:
         return [], f"output too long to parse ({len(text)} characters)"
     try:
-        calls = parse_json_calls(text) if fmt == "json" else parse_python_calls(text, tools)
+        calls = parse_json_calls(text) if fmt == "json" else parse_python_calls(text, params or {})
     except CallError as e:
         return [], str(e)
     if len(calls) > MAX_CALLS:
@@ -79,7 +85,6 @@ def parse_json_calls(text):
         extra = set(obj) - {"name", "arguments"}
         if extra:
             raise CallError(f"unexpected key(s) in tool call: {', '.join(sorted(extra))}")
-        _check_name(obj["name"])
         for key, value in args.items():
             _check_value(value, key, 0)
         calls.append({"name": obj["name"], "arguments": args})
@@ -93,7 +98,7 @@ def _reject_constant(name):
 CALL_START_RE = re.compile(r"[\[(]|[A-Za-z_][\w.]*\s*\(")
 
 
-def parse_python_calls(text, tools=()):
+def parse_python_calls(text, params):
     src = text.strip()
     # Like bfcl-eval's decoding, text that does not even start like a call is an answer.
     if not CALL_START_RE.match(src):
@@ -106,20 +111,21 @@ def parse_python_calls(text, tools=()):
         raise CallError("not a Python list of calls (too deeply nested)") from None
     body = tree.body
     nodes = body.elts if isinstance(body, (ast.List, ast.Tuple)) else [body]
-    params_of = {t["name"]: list(t["parameters"].get("properties", {})) for t in tools}
     calls = []
     for node in nodes:
         if not isinstance(node, ast.Call):
             raise CallError("expected a list of function calls like [func(a=1)]")
-        if not isinstance(node.func, ast.Name):
-            raise CallError("only plain function names may be called (no attributes or expressions)")
-        name = node.func.id
-        _check_name(name)
+        name = _dotted(node.func)
+        if name is None:
+            raise CallError("only plain function names may be called (no expressions)")
         args = {}
-        order = params_of.get(name, [])
+        order = params.get(name)
         for i, arg in enumerate(node.args):
             if isinstance(arg, ast.Starred):
                 raise CallError("*args are not allowed")
+            if order is None:
+                _literal(arg, f"#{i + 1}")  # checked, then dropped: this call will be refused anyway
+                continue
             if i >= len(order):
                 raise CallError(f"{name}: too many positional arguments")
             args[order[i]] = _literal(arg, order[i])
@@ -131,6 +137,17 @@ def parse_python_calls(text, tools=()):
             args[kw.arg] = _literal(kw.value, kw.arg)
         calls.append({"name": name, "arguments": args})
     return calls
+
+
+def _dotted(func):
+    """`f` or `a.b.f` as a name (bfcl-eval's decoder joins attribute paths); None for anything else."""
+    parts = []
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name):
+        return None
+    return ".".join([func.id] + parts[::-1])
 
 
 def _literal(node, key):
@@ -189,7 +206,11 @@ TYPE_NAMES = {"string": "a string", "integer": "an integer", "float": "a number"
 
 
 def validate(call, tools):
-    """None if `call` fits one of `tools` (the schemas available now), else the reason."""
+    """None if `call` fits one of `tools` (the schemas listed now), else the reason.
+
+    Labels and hints only: bfcl-eval runs a call that breaks its schema, or names
+    a tool not listed yet, all the same (common.bfcl.Environment does too).
+    """
     by_name = {t["name"]: t for t in tools}
     tool = by_name.get(call["name"])
     if tool is None:
@@ -227,8 +248,11 @@ def _check_type(value, schema, where):
         return None
     if not ok(value):
         return f"{where} must be {TYPE_NAMES.get(kind, kind)}, got {_type_name(value)}"
-    if "enum" in schema and value not in schema["enum"]:
-        return f"{where} must be one of {schema['enum']}"
+    enum = enum_values(schema)
+    if enum is not None:
+        for v in (value if kind == "array" and "enum" not in schema else [value]):
+            if v not in enum:
+                return f"{where} must be one of {enum}"
     if kind == "array" and "items" in schema:
         for item in value:
             reason = _check_type(item, schema["items"], f"{where} item")
@@ -243,6 +267,24 @@ def _check_type(value, schema, where):
     return None
 
 
+ENUM_NOTE_RE = re.compile(r"\[Enum\]: (\[[^\]]*\])")
+
+
+def enum_values(schema):
+    """Allowed values: the schema's `enum`, or the `[Enum]: [...]` note BFCL writes into descriptions
+    (its multi-turn docs have no `enum` keys; for an array the note constrains the items)."""
+    if "enum" in schema:
+        return schema["enum"]
+    m = ENUM_NOTE_RE.search(schema.get("description", ""))
+    if m:
+        try:
+            values = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return None
+        return values if isinstance(values, list) else None
+    return None
+
+
 def _type_name(value):
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
             dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
@@ -254,13 +296,14 @@ def _type_name(value):
 def render(call):
     """The call string bfcl-eval's executor and checker take: `name(k=<repr>, ...)`.
 
-    Only for calls that passed `validate`: names match NAME_RE and values are
-    plain literals, so the string cannot contain anything but a literal call.
+    Names and keys must match NAME_RE and values are plain literals, so the
+    string cannot contain anything but one literal call (CallError otherwise).
     """
     _check_name(call["name"])
     parts = []
     for key, value in call["arguments"].items():
-        _check_name(key)
+        if not NAME_RE.match(key) or len(key) > 64:
+            raise CallError(f"invalid parameter name {key[:40]!r}")
         _check_value(value, key, 0)
         parts.append(f"{key}={value!r}")
     return f"{call['name']}({', '.join(parts)})"

@@ -8,7 +8,8 @@ is byte-identical to the plain one. Three cue families:
 - schema cue (φ_schema): `tool_view` annotates each parameter description with
   `[required]`, its type (and array item type) and its allowed enum values;
 - error feedback (φ_err): `error_hint` appends a short recovery-oriented hint to
-  a rejected or failed call's tool response, chosen by the error's class
+  the tool response of a call that broke the schema (it may still have run),
+  failed or was refused, or of an undecodable output, chosen by the error's class
   (ERROR_RULES) and built only from schema facts (tool and parameter names,
   types, enum values, descriptions) and fixed text, never from the error's
   own values or anything the agent has not seen;
@@ -35,6 +36,7 @@ import functools
 import json
 import re
 
+from common import calls as C
 from common.jsonl import RecordError, read_json
 from common.taxonomy import LABELS, RHO
 
@@ -245,7 +247,7 @@ def _hint_missing_param(m, tools):
 
 def _hint_enum(m, tools):
     prop = _prop(tools, m["tool"], m["param"])
-    enum = prop and prop.get("enum", prop.get("items", {}).get("enum"))
+    enum = prop and (C.enum_values(prop) or prop.get("items", {}).get("enum"))
     values = f" ({', '.join(json.dumps(v, ensure_ascii=False) for v in enum)})" if enum else ""
     return f"Use exactly one of the allowed values of {m['param']}{values}, written as listed."
 
@@ -300,7 +302,7 @@ def _hint_precondition(m, tools):
 
 
 # Error classes, tried in order: (class, source, pattern, hint). `call` errors are
-# the reasons common.calls gives for a rejected output or call; `env` errors are
+# the reasons common.calls gives for an undecodable output or a schema break; `env` errors are
 # what an executed call returned (an exception or an {"error": ...} payload).
 # Every hint is built from fixed text and the schemas of `tools` only.
 ERROR_RULES = [
@@ -341,7 +343,8 @@ def error_class(error):
 
 
 def error_hint(error, tools, omega):
-    """A recovery hint for a rejected call (reason) or failed execution (result); None if no rule applies."""
+    """A recovery hint for a schema break or parse error (reason) or a failed or refused call (result);
+    None if no rule applies."""
     if not omega or not omega["error_feedback"] or not error:
         return None
     name, m = error_class(error)
@@ -487,7 +490,6 @@ def audit(task, omega):
     schema cue's annotations and every capability line.
     """
     from common import bfcl  # bfcl-eval is only needed for the audit
-    from common import calls as C
 
     task_literals = sorted({x for t in range(len(task["questions"])) for c in bfcl.ground_truth_calls(task, t)
                             for v in c["arguments"].values() for x in literals(v)})
@@ -519,7 +521,7 @@ def audit(task, omega):
                     check(turn, "capability_cue", None, text)
 
             for call in bfcl.ground_truth_calls(task, turn):
-                for case, error in _call_errors(call, tools, C):
+                for case, error in _call_errors(call, tools, env.methods):
                     check(turn, case, error, error_hint(error, tools, omega))
                 wrong = {k: _missing_value(v) for k, v in call["arguments"].items()}
                 if wrong != call["arguments"]:
@@ -538,8 +540,8 @@ def audit(task, omega):
     return out
 
 
-def _call_errors(call, tools, C):
-    """(case, reason) for the rejected variants of one valid call."""
+def _call_errors(call, tools, params):
+    """(case, reason) for the schema-breaking and unparsable variants of one valid call."""
     name, args = call["name"], call["arguments"]
     props = next(t for t in tools if t["name"] == name)["parameters"].get("properties", {})
     variants = [("unknown_tool", {"name": "seal_no_such_tool", "arguments": args}),
@@ -554,9 +556,10 @@ def _call_errors(call, tools, C):
         if kind == "array" and item.get("type", "any") != "any":
             bad_item = AUDIT_INT if item["type"] == "string" else AUDIT_STRING
             variants.append(("wrong_type", {"name": name, "arguments": {**args, p: [bad_item]}}))
-        if "enum" in props[p]:
+        enum = C.enum_values(props[p])  # BFCL writes its enums into descriptions
+        if enum and kind != "array":
             variants.append(("enum_value", {"name": name, "arguments": {**args, p: AUDIT_STRING}}))
-        if "enum" in item:
+        if "enum" in item or (enum and kind == "array"):
             variants.append(("enum_value", {"name": name, "arguments": {**args, p: [AUDIT_STRING]}}))
     out = [(case, C.validate(v, tools)) for case, v in variants]
     text = json.dumps(call, ensure_ascii=False)
@@ -564,7 +567,7 @@ def _call_errors(call, tools, C):
                               ("parse_json", f"<tool_call>\n{text}", "json"),
                               ("parse_python", f"[{C.render(call)[:-1]}]", "python"),
                               ("parse_python", f"[{name}({next(iter(props), 'x')}=some_variable)]", "python")]:
-        out.append((case, C.parse(output, fmt, tools)[1]))
+        out.append((case, C.parse(output, fmt, params)[1]))
     return [(case, reason) for case, reason in out if reason]
 
 

@@ -1,11 +1,22 @@
 """The multi-turn BFCL protocol, played by a policy engine for many trajectories at once.
 
-For each user turn the model answers; parsed calls are validated, executed and
-their results fed back as tool responses; the turn ends when the model answers
-without a call. A turn that reaches the step limit ends the trajectory, as
-bfcl-eval's force-quit does. All trajectories waiting for the model advance
-together: one batched engine call per step. rollout.py and evaluate.py are thin
-command lines around `play`.
+For each user turn the model answers; parsed calls are executed as bfcl-eval's
+harness executes them (common/bfcl.py) and their results fed back as tool
+responses. The turn protocol is bfcl-eval's multi-turn inference loop
+(model_handler/base_handler.py):
+
+- the turn ends when an output has no calls: a plain answer (`end: "answer"`), or
+  an output that does not decode into calls (`end: "decode_error"`, no retry);
+- after a step with calls, if the turn has had more than `max_steps_per_turn` of
+  them (the 21st of 20), the task is force-quit (`stop: "step_limit"`).
+
+One part of that belongs to Ω in training: with its error feedback on, an
+undecodable output is answered with the parse error and its hint and the turn goes
+on (it counts as a step). The record's `decode_failure` says which rule applied:
+"end_turn" (evaluation, Ω absent or error feedback off) or "feedback".
+
+All trajectories waiting for the model advance together: one batched engine call
+per step. rollout.py and evaluate.py are thin command lines around `play`.
 """
 
 import collections
@@ -21,6 +32,7 @@ from common.chat import Renderer, tool_messages
 class Trajectory:
     def __init__(self, task, sample_index, omega, tokenizer, fmt):
         self.task, self.sample_index, self.omega, self.fmt = task, sample_index, omega, fmt
+        self.decode_failure = "feedback" if omega and omega["error_feedback"] else "end_turn"
         self.env = bfcl.Environment(task)
         self.start = time.perf_counter()
         self.cue_tokens = 0
@@ -75,15 +87,15 @@ class Trajectory:
         history = list(self.history)
         self.history.append({"role": "assistant", "content": text})
 
-        if step["calls"] or step["parse_error"]:
-            if len(turn["steps"]) >= max_steps_per_turn:
-                return self.finish("step_limit", "step_limit")
+        action = turn_action(step, len(turn["steps"]), self.decode_failure, max_steps_per_turn)
+        if action == "force_quit":
+            return self.finish("step_limit", "step_limit")
+        if action == "continue":
             contents = list(step["results"])
             if step["parse_error"]:
                 contents.append(f"Error: could not parse tool calls: {step['parse_error']}")
             hints = []
-            errors = list(step["call_errors"]) + ([step["parse_error"]] if step["parse_error"] else [])
-            for i, err in enumerate(errors):
+            for i, err in enumerate(hint_errors(step)):
                 hint = omega_api.error_hint(err, self.env.tools, self.omega) if err else None
                 if hint:
                     contents[i] = f"{contents[i]}\n{hint}"
@@ -93,7 +105,7 @@ class Trajectory:
             new = tool_messages(contents)
             self.history += new
         else:
-            turn["end"] = "answer"
+            turn["end"] = "decode_error" if step["parse_error"] else "answer"
             if len(self.turns) == len(self.task["questions"]):
                 return self.finish("done")
             new = self._enter_turn(len(self.turns))
@@ -108,11 +120,34 @@ class Trajectory:
             "task_id": self.task["id"], "category": self.task["category"], "sample_index": self.sample_index,
             "round": round_, "policy": policy,
             "interface_version": self.omega.get("version") if self.omega else None,
-            "turns": self.turns, "stop": self.stop,
+            "turns": self.turns, "stop": self.stop, "decode_failure": self.decode_failure,
             "tokens": {"prompt_ids": self.prompt_ids, "ids": self.ids, "mask": self.mask, "logprobs": self.logprobs},
             "stats": {"gen_tokens": sum(self.mask), "cue_tokens": self.cue_tokens,
                       "seconds": round(time.perf_counter() - self.start, 3)},
         }
+
+
+def turn_action(step, steps_in_turn, decode_failure, max_steps_per_turn):
+    """What bfcl-eval's inference loop does after a step (the `steps_in_turn`-th of its turn):
+
+    "end_turn"    no calls: a plain answer, or an undecodable output under the "end_turn" rule;
+    "force_quit"  calls ran and the turn has now had more than `max_steps_per_turn` steps
+                  (bfcl-eval counts a step after running its calls: with 20, the 21st quits);
+    "continue"    the results (or, under the "feedback" rule, the parse error) go back to the model.
+
+    Every step but a turn's last has calls (or was answered with feedback), so the step's
+    position in its turn is bfcl-eval's count.
+    """
+    if not step["calls"] and not (step["parse_error"] and decode_failure == "feedback"):
+        return "end_turn"
+    return "force_quit" if steps_in_turn > max_steps_per_turn else "continue"
+
+
+def hint_errors(step):
+    """The error each φ_err hint is chosen by, per tool response of a step: per call its
+    schema break if any (the call may have run), else its execution error; then the parse error."""
+    errors = [s or e for s, e in zip(step["schema_errors"], step["call_errors"], strict=True)]
+    return errors + ([step["parse_error"]] if step["parse_error"] else [])
 
 
 def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps_per_turn=20,
@@ -165,6 +200,7 @@ def summary(records):
         "trajectories": len(records),
         "mean_steps_per_turn": round(sum(steps) / max(len(steps), 1), 3),
         "stop_reasons": dict(sorted(stops.items())),
+        "turn_ends": dict(sorted(collections.Counter(str(turn["end"]) for r in records for turn in r["turns"]).items())),
         "parse_error_rate": round(sum(s["parse_error"] is not None for s in all_steps) / max(len(all_steps), 1), 4),
         "call_error_rate": round(sum(e is not None for s in all_steps for e in s["call_errors"])
                                  / max(sum(len(s["call_errors"]) for s in all_steps), 1), 4),

@@ -9,9 +9,10 @@ checks it skips past have no side effects and the turns it goes on executing com
 after the verdict's turn. tests/test_diagnose.py checks the equality against
 bfcl.official_verdict on perturbed trajectories of real tasks.
 
-Rollout files are not trusted (DESIGN §3): `read_turns()` re-derives the calls to
-replay from each step's parsed `calls`, validated against the tools available at
-that turn and rendered here. A call that fails validation never reaches the executor.
+Rollout files are not trusted (DESIGN §3): `read_turns()` re-derives what to
+replay from each step's parsed `calls` with the environment's own gate
+(bfcl.to_executor: rendered here from literals, or refused), and re-derives each
+call's schema verdict against the tools listed at that turn.
 """
 
 from dataclasses import dataclass, field
@@ -33,10 +34,10 @@ class Turn:
     tools: list  # schemas available at this turn
     played: bool = True  # False: the trajectory stopped before this turn
     parse_errors: list = field(default_factory=list)  # per unparsable output: the parser's reason
-    rejected: list = field(default_factory=list)  # (call, reason) for calls that failed validation
-    calls: list = field(default_factory=list)  # valid calls, in the order they ran
-    decoded: list = field(default_factory=list)  # per step with valid calls: rendered strings
-    results: list = field(default_factory=list)  # replayed result per valid call
+    schema_errors: list = field(default_factory=list)  # (call, reason) for calls that broke the listed schemas
+    calls: list = field(default_factory=list)  # every parsed call, in order (run or refused)
+    decoded: list = field(default_factory=list)  # per step with calls: what the checker executes
+    results: list = field(default_factory=list)  # replayed result per call (a refused call's is an error)
     state: dict | None = None  # official state_checker result after the turn (None: not checked)
     response: dict | None = None  # official response_checker result (None: not checked)
     failure: str | None = None  # the error type the official checker would stop with here
@@ -62,15 +63,16 @@ def read_turns(task, rollout_turns):
         raise RecordError(f"turns must be a list of at most {n} turns (the task's), "
                           f"got {len(rollout_turns) if isinstance(rollout_turns, list) else type(rollout_turns).__name__}")
     turns = []
+    dispatchable = bfcl.methods(task["involved_classes"])
     for t in range(n):
         turn = Turn(t, task["ground_truth"][t], bfcl.tools_at(task, t), played=t < len(rollout_turns), task=task)
         if turn.played:
-            _read_steps(turn, rollout_turns[t])
+            _read_steps(turn, rollout_turns[t], dispatchable)
         turns.append(turn)
     return turns
 
 
-def _read_steps(turn, record):
+def _read_steps(turn, record, dispatchable):
     where = f"turn {turn.index}"
     if not isinstance(record, dict) or not isinstance(record.get("steps"), list):
         raise RecordError(f"{where}: expected an object with a 'steps' list")
@@ -84,25 +86,19 @@ def _read_steps(turn, record):
             turn.parse_errors.append(step["parse_error"])
         if not isinstance(step["calls"], list):
             raise RecordError(f"{where}: calls must be a list")
-        rendered = []
+        strings = []
         for call in step["calls"]:
             if not (isinstance(call, dict) and isinstance(call.get("name"), str)
                     and isinstance(call.get("arguments"), dict)):
                 raise RecordError(f"{where}: a call must be an object with a 'name' string and an 'arguments' object")
             call = {"name": call["name"], "arguments": call["arguments"]}
-            # The same gate as bfcl.Environment.run_calls: validate, then render.
+            strings.append(bfcl.to_executor(call, dispatchable)[0])  # the gate of bfcl.Environment.run_calls
+            turn.calls.append(call)
             reason = C.validate(call, turn.tools)
-            if reason is None:
-                try:
-                    rendered.append(C.render(call))
-                except C.CallError as e:
-                    reason = str(e)
-            if reason is None:
-                turn.calls.append(call)
-            else:
-                turn.rejected.append((call, reason))
-        if rendered:
-            turn.decoded.append(rendered)
+            if reason:
+                turn.schema_errors.append((call, reason))
+        if strings:
+            turn.decoded.append(strings)
 
 
 def replay(task, turns):

@@ -60,6 +60,7 @@ def collect(run):
             "omega": omega,
             "w_mean": (sum(m["w_mean"] for m in metrics) / len(metrics)) if metrics else None,
             "steps": sum(m["step"] > 0 for m in metrics),
+            "global_step": max((m.get("global_step", 0) for m in metrics), default=0),
             "summary": summary,
             "seconds": {s: sum(x["seconds"] for x in timing if x["round"] == t and x["stage"] == s) for s in STAGES},
         }
@@ -130,7 +131,7 @@ def markdown(run, rounds, evals, base, config):
              f"preset **{s.get('preset')}**, mode **{s.get('mode')}**, model `{s.get('model')}`, "
              f"commit `{(config.get('git_commit') or '?')[:10]}`", "", "![curves](curves.png)", "",
              "## Rounds", "",
-             "| round | reward | w mean | opt. steps | Ω cues | gen tokens | cue tokens | "
+             "| round | reward | w mean | opt. steps (global) | Ω cues | gen tokens | cue tokens | "
              + " | ".join(f"{x} s" for x in STAGES) + " |",
              "|" + "---|" * (7 + len(STAGES))]
     def fmt(v):
@@ -138,7 +139,7 @@ def markdown(run, rounds, evals, base, config):
 
     for r in rounds:
         sm = r["summary"]
-        lines.append(f"| {r['round']} | {fmt(r['reward'])} | {fmt(r['w_mean'])} | {r['steps']} | "
+        lines.append(f"| {r['round']} | {fmt(r['reward'])} | {fmt(r['w_mean'])} | {r['steps']} ({r['global_step']}) | "
                      f"{cues_text(r['omega'])} | {sm.get('gen_tokens', '-')} | {sm.get('cue_tokens', '-')} | "
                      + " | ".join(f"{r['seconds'][x]:.1f}" for x in STAGES) + " |")
     lines += ["", "## Label mix (share of turns)", "", "| round | " + " | ".join(LABELS) + " |",

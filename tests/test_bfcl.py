@@ -10,11 +10,11 @@ import pytest
 from common import bfcl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Held-in tasks whose ground truth our schema validation must refuse: ticket_id is
-# declared integer but given as 'ticket_001' (*_173), and miss_func_49 calls `tail`
-# two turns before the task reveals it. No schema-abiding policy can solve them.
-HELDIN_GT_DEFECTS = {"multi_turn_base_173", "multi_turn_long_context_173", "multi_turn_miss_func_173",
-                     "multi_turn_miss_param_173", "multi_turn_miss_func_49"}
+# Held-in tasks whose ground truth breaks the schema: ticket_id is declared integer but
+# given as 'ticket_001' (*_173), and miss_func_49 calls `tail` two turns before the task
+# reveals it. bfcl-eval runs such calls, and so do we: the oracle solves them.
+HELDIN_SCHEMA_BREAKS = {"multi_turn_base_173", "multi_turn_long_context_173", "multi_turn_miss_func_173",
+                        "multi_turn_miss_param_173", "multi_turn_miss_func_49"}
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +50,16 @@ def test_split_is_100_per_category_and_disjoint(train, heldin):
         assert {t["category"] for t in tasks.values()} == set(bfcl.CATEGORIES)
 
 
-def test_oracle_solves_every_task_but_the_documented_defects(train, heldin):
+def test_oracle_solves_every_task(train, heldin):
+    broken = set()
     for tasks in (train, heldin):
         for task in tasks.values():
-            verdict = bfcl.official_verdict(task, play(task, gt_turns(task))[0])
-            assert verdict["valid"] == (task["id"] not in HELDIN_GT_DEFECTS), (task["id"], verdict)
+            decoded, steps = play(task, gt_turns(task))
+            assert bfcl.official_verdict(task, decoded)["valid"], task["id"]
+            if any(e for s in steps for e in s["schema_errors"]):
+                broken.add(task["id"])
+    # The ground truth's own schema breaks ran, as in bfcl-eval, and are still recorded as breaks.
+    assert HELDIN_SCHEMA_BREAKS <= broken, HELDIN_SCHEMA_BREAKS - broken
 
 
 def test_perturbed_ground_truth_fails_with_the_official_error_type(train):
@@ -143,7 +148,9 @@ def test_miss_func_tools_appear_only_from_their_turn(train):
     with bfcl.Environment(task) as env:
         assert env.start_turn(0) == []
         step = env.step(f"<tool_call>{{\"name\": \"{name}\", \"arguments\": {{}}}}</tool_call>", "json")
-        assert step["call_errors"] == [f"unknown tool {name}"]
+        # Not listed yet, but a method of the task's classes: it runs, as in bfcl-eval, and is a schema break.
+        assert step["schema_errors"] == [f"unknown tool {name}"]
+        assert env.decoded[-1] == [[f"{name}()"]] and not step["results"][0].startswith("Error during execution: name")
         for t in range(1, turn + 1):
             revealed = env.start_turn(t)
         assert [t["name"] for t in revealed] == [t["name"] for t in held]
@@ -158,8 +165,42 @@ def test_execution_errors_are_reported_per_call(train):
         step = env.step("[cd(folder='no_such_folder'), ls(a=True), cd(folder=5)]", "python")
     assert step["call_errors"][0] and "no_such_folder" in step["call_errors"][0]
     assert step["call_errors"][1] is None and step["results"][1].startswith("{")
-    assert step["call_errors"][2] == "cd: parameter folder must be a string, got an integer"
-    assert step["results"][2] == "Error: cd: parameter folder must be a string, got an integer"
+    # A schema break runs (bfcl-eval does not check types) and fails inside the tool.
+    assert step["schema_errors"] == [None, None, "cd: parameter folder must be a string, got an integer"]
+    assert step["call_errors"][2] == step["results"][2] == "Error during execution: 'int' object has no attribute 'rstrip'"
+
+
+@pytest.mark.parametrize("text,refusal", [
+    ("[book_flight(travel_class='economy')]", "name 'book_flight' is not defined"),  # another class's method
+    ("[print(x='hi')]", "name 'print' is not defined"),  # a builtin: eval would run it
+    ("[_load_scenario(scenario={})]", "name '_load_scenario' is not defined"),  # private
+    ("[__import__(name='os')]", "name '__import__' is not defined"),
+    ("[os.system(command='ls')]", "name 'os.system' is not defined"),
+    ("[exit()]", "Function call exit is not allowed."),  # bfcl-eval's deny-list
+    ('<tool_call>{"name": "cd", "arguments": {"a b": 1}}</tool_call>', "invalid parameter name 'a b'"),
+])
+def test_calls_the_executor_would_not_dispatch_are_refused_unrun(train, text, refusal):
+    task = train["multi_turn_base_0"]  # GorillaFileSystem, TwitterAPI
+    with bfcl.Environment(task) as env:
+        env.start_turn(0)
+        step = env.step(text, "json" if text.startswith("<") else "python")
+        assert step["parse_error"] is None and len(step["calls"]) == 1
+        assert step["results"] == step["call_errors"] == [f"{bfcl.EXEC_ERROR_PREFIX} {refusal}"]
+        assert step["schema_errors"][0]
+        # The checker gets a stand-in that bfcl-eval's executor refuses before its eval().
+        assert env.decoded[-1] == [[bfcl.REFUSED_STAND_IN]]
+        out, _ = bfcl.execute([bfcl.REFUSED_STAND_IN], task["initial_config"], task["involved_classes"], env.name,
+                              task["id"])
+        assert out == [f"{bfcl.EXEC_ERROR_PREFIX} Function call kill is not allowed."]
+
+
+def test_dispatch_table_is_the_executors(train):
+    """Public methods of the task's classes, as the executor maps them, minus its deny-list."""
+    task = train["multi_turn_base_0"]
+    table = bfcl.methods(task["involved_classes"])
+    assert {"cd", "ls", "post_tweet", "tail"} <= set(table) and "book_flight" not in table
+    assert not any(n.startswith("_") or n in bfcl.DENY_LIST for n in table)
+    assert table["mv"] == ["source", "destination"]  # the signature's order binds positional arguments
 
 
 def test_oracle_evaluation_command_writes_scores(tmp_path):

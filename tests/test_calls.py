@@ -24,6 +24,7 @@ TOOLS = [
          "x": {"type": "any"},
          "note": {"type": "string", "default": None}}, "required": ["m"]}},
 ]
+PARAMS = {t["name"]: list(t["parameters"]["properties"]) for t in TOOLS}  # positional binding order
 
 
 # ----------------------------------------------------------------------------- Qwen <tool_call> blocks
@@ -56,8 +57,6 @@ def test_json_arguments_given_as_a_json_string():
     ('<tool_call>{"name": "cd", "arguments": {}, "id": 3}</tool_call>', "unexpected key"),
     ('<tool_call>{"name": "fill", "arguments": {"amount": NaN}}</tool_call>', "not an allowed value"),
     ('<tool_call>{"name": "fill", "arguments": {"amount": 1e999}}</tool_call>', "finite"),
-    ('<tool_call>{"name": "__import__", "arguments": {}}</tool_call>', "invalid function name"),
-    ('<tool_call>{"name": "os.system", "arguments": {}}</tool_call>', "invalid function name"),
     ('<tool_call>{"name": "cd", "arguments": {"folder": ' + "[" * 50 + "]" * 50 + '}}</tool_call>', "deeply"),
     ('<tool_call>{"name": "cd", "arguments": {"folder": "' + "a" * 9000 + '"}}</tool_call>', "too long"),
     ("x" * 40_000, "too long to parse"),
@@ -71,7 +70,7 @@ def test_json_malformed_and_hostile(text, reason):
 
 
 def test_python_list_keywords_and_positional_binding():
-    calls, err = C.parse("[cd(folder='docs'), tail('a.txt', lines=2), fill(amount=-3.5)]", "python", TOOLS)
+    calls, err = C.parse("[cd(folder='docs'), tail('a.txt', lines=2), fill(amount=-3.5)]", "python", PARAMS)
     assert err is None
     assert calls == [{"name": "cd", "arguments": {"folder": "docs"}},
                      {"name": "tail", "arguments": {"file_name": "a.txt", "lines": 2}},
@@ -79,13 +78,13 @@ def test_python_list_keywords_and_positional_binding():
 
 
 def test_python_single_call_and_literals():
-    calls, err = C.parse("mode(m='eco', flags=[True, False], meta={'a': [1, None]}, x=None)", "python", TOOLS)
+    calls, err = C.parse("mode(m='eco', flags=[True, False], meta={'a': [1, None]}, x=None)", "python", PARAMS)
     assert err is None and calls[0]["arguments"]["meta"] == {"a": [1, None]}
 
 
 @pytest.mark.parametrize("text,reason", [
     ("[__import__('os').system('touch /tmp/x')]", "plain function names"),
-    ("[os.system('ls')]", "plain function names"),
+    ("[getattr(x, 'y')('ls')]", "plain function names"),
     ("[cd(folder=open('/etc/passwd').read())]", "literal"),
     ("[cd(folder=(lambda: 'x')())]", "literal"),
     ("[cd(folder=[c for c in 'abc'])]", "literal"),
@@ -94,8 +93,6 @@ def test_python_single_call_and_literals():
     ("[cd(folder=f'{1}')]", "literal"),
     ("[cd(**{'folder': 'x'})]", "**kwargs"),
     ("[cd(*['x'])]", "*args"),
-    ("[__class__()]", "invalid function name"),
-    ("[_private()]", "invalid function name"),
     ("[cd(folder=('a', 'b'))]", "tuple"),
     ("[cd(folder={1, 2})]", "set"),
     ("[cd(folder=b'x')]", "bytes"),
@@ -106,8 +103,24 @@ def test_python_single_call_and_literals():
     ("[cd(folder=" + "[" * 200 + "]" * 200 + ")]", ""),
 ])
 def test_python_hostile_inputs_are_rejected(text, reason):
-    calls, err = C.parse(text, "python", TOOLS)
+    calls, err = C.parse(text, "python", PARAMS)
     assert calls == [] and err and reason in err
+
+
+@pytest.mark.parametrize("text,fmt,name", [
+    ('<tool_call>{"name": "__import__", "arguments": {"name": "os"}}</tool_call>', "json", "__import__"),
+    ('<tool_call>{"name": "os.system", "arguments": {"command": "ls"}}</tool_call>', "json", "os.system"),
+    ("[os.system('ls')]", "python", "os.system"),
+    ("[__class__()]", "python", "__class__"),
+    ("[_load_scenario(scenario={})]", "python", "_load_scenario"),
+    ("[print(x='hi')]", "python", "print"),
+])
+def test_any_name_parses_as_in_bfcl_eval(text, fmt, name):
+    """bfcl-eval's decoders accept any name (what may run is decided at execution, common/bfcl.py);
+    positional arguments of a name that is no tool are checked and dropped, as its decoder drops them."""
+    calls, err = C.parse(text, fmt, PARAMS)
+    assert err is None and [c["name"] for c in calls] == [name]
+    assert C.parse("[os.system(open('x'))]", "python", PARAMS)[1]  # still literals only
 
 
 def test_unknown_format_is_a_programming_error():
@@ -144,11 +157,25 @@ def test_validation_accepts(call):
     assert C.validate(call, TOOLS) is None
 
 
+def test_enums_written_into_descriptions_are_checked():
+    """BFCL's multi-turn docs carry no `enum` keys; their allowed values sit in the description."""
+    tools = [{"name": "setHeadlights", "parameters": {"type": "dict", "required": ["mode"], "properties": {
+        "mode": {"type": "string", "description": 'The mode. [Enum]: ["on", "off", "auto"]'}}}},
+             {"name": "lockDoors", "parameters": {"type": "dict", "required": ["door"], "properties": {
+                 "door": {"type": "array", "items": {"type": "string"},
+                          "description": 'Doors. [Enum]: ["driver", "passenger"]'}}}}]
+    assert C.validate({"name": "setHeadlights", "arguments": {"mode": "auto"}}, tools) is None
+    assert "must be one of ['on', 'off', 'auto']" in C.validate(
+        {"name": "setHeadlights", "arguments": {"mode": "bright"}}, tools)
+    assert C.validate({"name": "lockDoors", "arguments": {"door": ["driver"]}}, tools) is None
+    assert "must be one of" in C.validate({"name": "lockDoors", "arguments": {"door": ["trunk"]}}, tools)
+
+
 def test_render_round_trips_through_the_parser():
     call = {"name": "mode", "arguments": {"m": "eco", "meta": {"q": "it's \"quoted\"\n"}, "flags": [True]}}
     s = C.render(call)
     assert s.startswith("mode(m='eco', ")
-    assert C.parse(s, "python", TOOLS) == ([call], None)
+    assert C.parse(s, "python", PARAMS) == ([call], None)
 
 
 def test_hostile_text_inside_a_literal_never_executes(tmp_path):
@@ -160,6 +187,10 @@ def test_hostile_text_inside_a_literal_never_executes(tmp_path):
         f"<tool_call>{{\"name\": \"cd\", \"arguments\": {{\"folder\": \"x'); open('{canary}', 'w'); ('\"}}}}</tool_call>",
         f"[cd(folder=__import__('os').system('touch {canary}'))]",
         f"<tool_call>{{\"name\": \"__import__('os').system('touch {canary}')\", \"arguments\": {{}}}}</tool_call>",
+        f"<tool_call>{{\"name\": \"open\", \"arguments\": {{\"file\": \"{canary}\", \"mode\": \"w\"}}}}</tool_call>",
+        f"[open(file='{canary}', mode='w')]",
+        f"[cd(folder='x', **{{'a': open('{canary}', 'w')}})]",
+        f"<tool_call>{{\"name\": \"cd\", \"arguments\": {{\"folder\": \"x\", \"a=open('{canary}','w'),b\": 1}}}}</tool_call>",
     ]
     with bfcl.Environment(task) as env:
         env.start_turn(0)

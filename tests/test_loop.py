@@ -1,4 +1,5 @@
-"""loop.sh end to end on the tiny preset: artifacts, modes, resume after an interruption."""
+"""loop.sh end to end on the tiny preset: artifacts, modes, KL reference and optimiser state
+handed from round to round, disk retention (KEEP), resume after an interruption."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,13 +19,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--rounds", "2", "--eval-every", "2", "--set", "TASKS_PER_ROUND=2", "--set", "N=2", "--set", "MAX_NEW=32",
          "--set", "EVAL_LIMIT=1", "--set", "MAX_STEPS=1", "--set", "ENGINE=hf"]
 ARTIFACTS = ["config.json", "timing.jsonl", "report.md", "curves.png", "eval/round_001/scores.json",
-             "round_002/interface.json"] + [f"round_00{t}/{f}" for t in (0, 1) for f in (
-                 "interface.json", "rollouts.jsonl", "rollout_summary.json", "diagnoses.jsonl", "train_metrics.jsonl",
-                 "policy/config.json", "policy/model.safetensors", "policy/tokenizer.json")]
+             "round_002/interface.json", "round_001/policy/optimizer/trainer_state.json"] + [
+                 f"round_00{t}/{f}" for t in (0, 1) for f in (
+                     "interface.json", "rollouts.jsonl", "rollout_summary.json", "diagnoses.jsonl",
+                     "train_metrics.jsonl")] + [
+                 f"round_001/policy/{f}" for f in ("config.json", "model.safetensors", "tokenizer.json")]
+# The seal run keeps the default KEEP=evaluated, the vanilla run KEEP=all.
+KEEP = {"seal": [], "vanilla": ["--set", "KEEP=all"], "resumed": []}
 
 
-def loop(runs, name, mode, **kw):
-    cmd = ["bash", "loop.sh", "tiny", "--mode", mode, "--name", name, "--runs", str(runs), *SMALL]
+def loop(runs, name, mode, *extra, **kw):
+    cmd = ["bash", "loop.sh", "tiny", "--mode", mode, "--name", name, "--runs", str(runs), *SMALL, *KEEP[name], *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, **kw)
 
@@ -61,6 +67,18 @@ def test_two_round_loop_leaves_every_artifact(runs, mode):
             assert stages.count((t, stage)) == 1
     report = (run / "report.md").read_text()
     assert "| 0 |" in report and "| 1 |" in report and "round_001" in report
+
+    # KL to the round-0 model in every round; round 1 continues round 0's optimiser
+    model = os.path.abspath(os.path.join(ROOT, config["settings"]["model"]))
+    for t in (0, 1):
+        assert {m["ref_model"] for m in jsonl(run / f"round_00{t}" / "train_metrics.jsonl")} == {model}
+        assert all(m["global_step"] == 0 for m in jsonl(run / f"round_00{t}" / "train_metrics.jsonl"))
+    assert "resuming optimiser state from" in (run / "logs" / "round_001_train.log").read_text()
+    # disk: round 0 was not evaluated, so once round 1's policy exists it goes (KEEP=evaluated)
+    if mode == "seal":
+        assert not (run / "round_000" / "policy").exists() and (run / "round_000" / "policy.deleted").is_file()
+    else:
+        assert (run / "round_000" / "policy" / "optimizer" / "trainer_state.json").is_file()
 
 
 def test_modes_differ_where_they_should(runs):
@@ -118,9 +136,12 @@ def test_interrupted_loop_resumes_to_the_same_artifacts(runs):
                 r.get("stats", {}).pop("seconds", None)
             assert a == b, f
         assert (ref / f"round_00{t}" / "interface.json").read_text() == (run / f"round_00{t}" / "interface.json").read_text()
-        wa = load_file(ref / f"round_00{t}" / "policy" / "model.safetensors")
-        wb = load_file(run / f"round_00{t}" / "policy" / "model.safetensors")
-        assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    wa = load_file(ref / "round_001" / "policy" / "model.safetensors")
+    wb = load_file(run / "round_001" / "policy" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    sa, sb = (torch.load(r / "round_001" / "policy" / "optimizer" / "optimizer.bin", weights_only=False) for r in (ref, run))
+    assert sa["state"].keys() == sb["state"].keys() and sa["param_groups"] == sb["param_groups"]
+    assert all(torch.equal(sa["state"][k][n], sb["state"][k][n]) for k in sa["state"] for n in sa["state"][k])
     assert json.loads((ref / "eval/round_001/scores.json").read_text()) == \
         json.loads((run / "eval/round_001/scores.json").read_text())
 
@@ -132,3 +153,18 @@ def test_compare_prints_runs_side_by_side(runs):
     lines = res.stdout.splitlines()
     assert "average" in lines[0]
     assert [ln.split()[0:2] for ln in lines[1:]] == [["tiny", "base"], ["seal", "r001"], ["vanilla", "r001"]]
+
+
+def test_finished_loop_reruns_nothing_after_deletions(runs):
+    """Round 0's policy is gone (KEEP=evaluated): a rerun must still find every round done.
+    KEEP may change on a rerun (config.json follows); other settings may not."""
+    run = runs / "seal"
+    timing = (run / "timing.jsonl").read_text()
+    out = finish(loop(runs, "seal", "seal", "--set", "KEEP=latest"))
+    assert "round 0 train: done" in out and "round 1 train: done" in out
+    assert (run / "timing.jsonl").read_text() == timing
+    assert not (run / "round_000" / "policy").exists() and (run / "round_001" / "policy").is_dir()
+    assert json.loads((run / "config.json").read_text())["settings"]["keep"] == "latest"
+    bad = loop(runs, "seal", "seal", "--set", "LR=7e-7")
+    out, _ = bad.communicate(timeout=300)
+    assert bad.returncode != 0 and "-> '7e-7'" in out

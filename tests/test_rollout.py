@@ -1,9 +1,10 @@
 """rollout.py and the multi-turn play loop (common/play.py), with the tiny model and real tasks.
 
-Protocol cases that need a policy to behave a certain way (answer every turn,
-never stop calling, write garbage) use `Scripted`: a policy whose outputs are
-fixed texts, tokenised by the real tokenizer, against the real environment.
-Engine cases use the tiny model through HF generate and vLLM.
+The turn protocol (bfcl-eval's loop, and Ω's decode-failure rule) is checked on
+the tiny model's own outputs through the recorded fields, and its decision rule
+(`play.turn_action`) on real environment steps. One prompt-rendering case needs
+a fixed bad call (a cue rendered after it) and uses `Scripted`: fixed texts
+tokenised by the real tokenizer, against the real environment.
 """
 
 import json
@@ -69,12 +70,12 @@ def conversation(task, record, omega=None):
         for s, step in enumerate(turn["steps"]):
             msgs.append({"role": "assistant", "content": step["text"]})
             last = t == len(record["turns"]) - 1 and s == len(turn["steps"]) - 1
-            if (step["calls"] or step["parse_error"]) and not last:
+            fed_back = step["calls"] or (step["parse_error"] and record["decode_failure"] == "feedback")
+            if fed_back and not last:
                 contents = list(step["results"])
                 if step["parse_error"]:
                     contents.append(f"Error: could not parse tool calls: {step['parse_error']}")
-                errors = step["call_errors"] + ([step["parse_error"]] if step["parse_error"] else [])
-                for i, err in enumerate(errors):
+                for i, err in enumerate(play.hint_errors(step)):
                     hint = omega_api.error_hint(err, bfcl.tools_at(task, t), omega) if err else None
                     contents[i] += f"\n{hint}" if hint else ""
                 msgs += [{"role": "tool", "content": c} for c in contents]
@@ -151,12 +152,16 @@ def test_context_limit_stops_the_trajectory_without_crashing_the_batch(tiny_mode
     assert recs[1]["stop"] == "context_limit" and recs[1]["tokens"]["ids"] == []
 
 
-def test_miss_func_tools_appear_only_from_their_turn(tasks, tokenizer):
+def test_miss_func_tools_appear_only_from_their_turn(tiny_model, tasks, tokenizer):
+    """One generated token can hold no complete call, so under bfcl-eval's rule (Ω absent) every
+    output ends its turn, whatever the model samples: the trajectory reaches every turn."""
     task = tasks["multi_turn_miss_func_0"]
     reveal = int(next(iter(task["missed_function"])))
     held = [t["name"] for t in task["missed_function"][str(reveal)]]
-    rec = play.play([task], 1, Scripted(tokenizer, lambda p: "I cannot do that."), progress=False)[0][0]
+    engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
+    rec = play.play([task], 1, engine, max_new_tokens=1, temperature=1.0, progress=False)[0][0]
     assert rec["stop"] == "done" and len(rec["turns"]) == len(task["questions"])
+    assert all(len(turn["steps"]) == 1 and turn["end"] in ("answer", "decode_error") for turn in rec["turns"])
     prompt = tokenizer.decode(rec["tokens"]["prompt_ids"])
     for name in held:
         assert f'"name": "{name}"' not in prompt
@@ -167,32 +172,60 @@ def test_miss_func_tools_appear_only_from_their_turn(tasks, tokenizer):
     check_record(task, rec, tokenizer)
 
 
-def test_step_limit_ends_the_trajectory(tasks, tokenizer):
+def env_steps(task, texts, fmt="json"):
+    """Step records of real model texts played through the environment on turn 0."""
+    with bfcl.Environment(task) as env:
+        env.start_turn(0)
+        return [env.step(text, fmt) for text in texts]
+
+
+def test_turn_action_is_bfcl_eval_loop(tasks):
+    """After each step: end the turn on no calls (an undecodable output too, unless Ω's error
+    feedback answers it), quit the task once a turn has had more than the limit (the 21st of 20)."""
     task = tasks["multi_turn_base_0"]
-    call = '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>'
-    rec = play.play([task], 1, Scripted(tokenizer, lambda p: call), max_steps_per_turn=3, progress=False)[0][0]
-    assert rec["stop"] == "step_limit" and len(rec["turns"]) == 1
-    assert rec["turns"][0]["end"] == "step_limit" and len(rec["turns"][0]["steps"]) == 3
-    check_record(task, rec, tokenizer)
+    call, answer, garbage = env_steps(task, ['<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>', "Done.",
+                                             '<tool_call>{"name": "ls", "arguments": {'])
+    assert call["calls"] and not answer["calls"] and garbage["parse_error"]
+    for rule in ("end_turn", "feedback"):
+        assert play.turn_action(answer, 1, rule, 20) == "end_turn"
+        assert [play.turn_action(call, k, rule, 20) for k in (1, 20, 21)] == ["continue", "continue", "force_quit"]
+    assert play.turn_action(garbage, 1, "end_turn", 20) == "end_turn"
+    assert play.turn_action(garbage, 1, "feedback", 20) == "continue"
+    assert play.turn_action(garbage, 21, "feedback", 20) == "force_quit"
+    # A schema break or a refused name is still a step with calls: bfcl-eval ran (or tried) it.
+    broken, refused = env_steps(task, ['<tool_call>\n{"name": "cd", "arguments": {"folder": 7}}\n</tool_call>',
+                                       '<tool_call>\n{"name": "rm_all", "arguments": {}}\n</tool_call>'])
+    assert broken["schema_errors"][0] and refused["schema_errors"][0]
+    assert play.turn_action(broken, 1, "end_turn", 20) == play.turn_action(refused, 1, "end_turn", 20) == "continue"
 
 
-def test_garbage_gets_error_responses_and_the_run_completes(tasks, tokenizer):
-    garbage = ['<tool_call>{"name": "ls", "arguments": {', '<tool_call>{"name": "rm_all"}</tool_call>',
-               '<tool_call>{"name": "cd", "arguments": {"folder": 7}}</tool_call>', "]]}{<tool_call>"]
-    count = [0]
-
-    def script(prompt):
-        count[0] += 1
-        return garbage[count[0] % len(garbage)] if count[0] % 3 else "Done."
-
-    recs, _ = play.play([tasks["multi_turn_base_0"], tasks["multi_turn_miss_func_0"]], 2, Scripted(tokenizer, script),
-                     progress=False)
-    steps = [s for r in recs for turn in r["turns"] for s in turn["steps"]]
-    assert any(s["parse_error"] for s in steps)
-    assert any(e and e.startswith("unknown tool") for s in steps for e in s["call_errors"])
-    assert any(e and "must be a string" in e for s in steps for e in s["call_errors"])
-    for r in recs:
-        check_record(tasks[r["task_id"]], r, tokenizer)
+@pytest.mark.parametrize("omega_kind, rule", [("absent", "end_turn"), ("off", "end_turn"), ("initial", "feedback")])
+def test_play_loop_follows_the_decode_failure_rule_of_omega(tiny_model, tasks, tokenizer, omega_kind, rule):
+    """The tiny model's own outputs (short generations, so many do not decode), under evaluation
+    (Ω absent), Vanilla RL / w/o env-side (Ω off) and Ω_0: every step is handled as
+    turn_action says, the record names the rule, and the tokens spell that conversation."""
+    omega = {"absent": None, "off": omega_api.off(), "initial": omega_api.initial()}[omega_kind]
+    engine = make_engine("hf", tiny_model, max_model_len=16384, seed=1)
+    limit = 1
+    recs, _ = play.play([tasks[i] for i in TASK_IDS], 1, engine, omega=omega, temperature=1.0, max_new_tokens=12,
+                        max_steps_per_turn=limit, progress=False)
+    failures = 0
+    for rec in recs:
+        assert rec["decode_failure"] == rule
+        for t, turn in enumerate(rec["turns"]):
+            steps = turn["steps"]
+            actions = [play.turn_action(s, k + 1, rule, limit) for k, s in enumerate(steps)]
+            assert all(a == "continue" for a in actions[:-1]), actions  # only a turn's last step may end it
+            ends = {"end_turn": ("decode_error" if steps[-1]["parse_error"] else "answer"), "force_quit": "step_limit"}
+            if t < len(rec["turns"]) - 1 or rec["stop"] == "done":
+                assert turn["end"] == ends[actions[-1]], (turn["end"], actions)
+            if turn["end"] == "step_limit":
+                assert len(steps) == limit + 1 and rec["stop"] == "step_limit" and t == len(rec["turns"]) - 1
+            if rule == "feedback":
+                assert turn["end"] != "decode_error"
+            failures += sum(s["parse_error"] is not None for s in steps)
+        check_record(tasks[rec["task_id"]], rec, tokenizer, omega)
+    print(f"\n{omega_kind}: {failures} undecodable outputs, turn ends {play.summary(recs)['turn_ends']}")
 
 
 def test_cues_reach_the_prompt_masked_and_counted(tasks, tokenizer):
@@ -204,7 +237,9 @@ def test_cues_reach_the_prompt_masked_and_counted(tasks, tokenizer):
     rec = play.play([task], 1, Scripted(tokenizer, lambda p: bad), omega=omega, max_steps_per_turn=2,
                     progress=False)[0][0]
     step = rec["turns"][0]["steps"][0]
-    assert step["call_errors"] == ["cd: missing required parameter folder"] and step["feedback"]
+    # The call ran (bfcl-eval runs it) and failed; the hint follows its schema break.
+    assert step["schema_errors"] == ["cd: missing required parameter folder"] and step["call_errors"][0]
+    assert step["feedback"] and "cd needs folder" in step["feedback"]
     prompt = tokenizer.decode(rec["tokens"]["prompt_ids"])
     assert "[required]" in prompt and omega_api.CAPABILITY_TEXT["recovery_failure"] in prompt
     obs = tokenizer.decode([i for i, m in zip(rec["tokens"]["ids"], rec["tokens"]["mask"], strict=True) if not m])

@@ -70,7 +70,7 @@ def test_pass_oracle_and_after_recovery(base0):
         text([call("cd", folder=7)]),
         text(gt[1]),
         ANSWER,
-    ]  # unparsable, rejected, then right
+    ]  # unparsable, schema broken, then right
     rec = diagnose(base0, rollout(base0, steps))
     assert rec["reward"] == 1 and rec["turn_labels"] == ["pass"] * 4
     assert "after 2 bad output(s)" in rec["evidence"][1]
@@ -88,13 +88,13 @@ def test_correct_abstention(train):
 
 def test_invalid_tool_call_on_abstention_turn(train):
     """Empty ground truth and the model made a call: invalid_tool_call, even though the
-    official checker does not penalise it; a call rejected by validation counts too."""
+    official checker does not penalise it; a call that broke the schema counts too."""
     task = train["multi_turn_miss_param_0"]
     gt = gt_calls(task)
     rec = diagnose(task, play(task, gt[:3] + [[call("ls")]] + gt[4:]))
     assert rec["reward"] == 1 and rec["turn_labels"][3] == "invalid_tool_call"
     assert rec["evidence"][3] == "called ls() on an abstention turn"
-    # miss_func: `sort` is revealed at turn 3; calling it at the abstention turn 2 is rejected.
+    # miss_func: `sort` is revealed at turn 3; calling it at the abstention turn 2 runs (as in bfcl-eval).
     task = train["multi_turn_miss_func_0"]
     gt = gt_calls(task)
     rec = diagnose(task, play(task, gt[:2] + [gt[3]] + gt[3:]))
@@ -103,20 +103,26 @@ def test_invalid_tool_call_on_abstention_turn(train):
 
 
 def test_invalid_tool_call(base0):
-    """Some output did not parse, named an unavailable tool or broke the schema."""
+    """Some output did not parse, named a tool not listed or broke the schema; such a call
+    may still have run (bfcl-eval runs every method of the task's classes)."""
     gt = gt_calls(base0)
     cases = [
-        (call("cd", folder=5), "cd: parameter folder must be a string, got an integer"),
-        (call("cd"), "cd: missing required parameter folder"),
-        (call("cd", folder="temp", depth=1), "cd: unknown parameter depth"),
-        (call("sort"), "sort: missing required parameter file_name"),
-        (call("book_flight", travel_class="economy"), "unknown tool book_flight"),
+        (call("cd", folder=5), "cd: parameter folder must be a string, got an integer", True),
+        (call("cd"), "cd: missing required parameter folder", True),
+        (call("cd", folder="temp", depth=1), "cd: unknown parameter depth", True),
+        (call("sort"), "sort: missing required parameter file_name", True),
+        (call("book_flight", travel_class="economy"), "unknown tool book_flight", False),  # not this task's
     ]
-    for calls, reason in cases:
-        rec = diagnose(base0, play(base0, [gt[0], [calls], gt[2], gt[3]]))
+    for calls, reason, ran in cases:
+        built = play(base0, [gt[0], [calls], gt[2], gt[3]])
+        rec = diagnose(base0, built)  # reward checked against the official checker
         assert rec["turn_labels"][1] == "invalid_tool_call", calls
         assert rec["evidence"][1].endswith(reason)
-        assert rec["official"]["error_type"] == "multi_turn:empty_turn_model_response"  # never executed
+        assert (built[1][1] != [[bfcl.REFUSED_STAND_IN]]) == ran, calls
+        assert rec["official"]["error_type"] != "multi_turn:empty_turn_model_response"  # the turn has a call
+    # A schema break in a turn that the checker passes: the turn is pass (a break that did no harm).
+    rec = diagnose(base0, play(base0, [gt[0] + [call("ls", a="yes")]] + gt[1:]))  # a boolean written as a string
+    assert rec["reward"] == 1 and rec["turn_labels"][0] == "pass" and "after 1 bad output(s)" in rec["evidence"][0]
     steps = [[text(c), ANSWER] for c in gt]
     steps[1] = [GARBAGE]
     rec = diagnose(base0, rollout(base0, steps))

@@ -1,10 +1,13 @@
 """train_grpo.py end to end on a tiny random Qwen2 (built here, no hub): it learns in the
 direction of the weighted advantage, --no-reweight changes the update by exactly w,
-2 DDP processes on CPU give the 1-process update, LoRA adapters save/load/continue, and
-bad input stops with file:line and no output.
+2 DDP processes on CPU give the 1-process update, LoRA adapters save/load/continue, the
+optimiser state carries across rounds (one process and DDP; a killed round reruns to the
+same state), the KL reference stays the initial policy, and bad input stops with file:line
+and no output.
 """
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -208,7 +211,7 @@ def test_lora_adapter_trains_saves_and_continues(tiny, data, tmp_path):
     )
     cfg = json.load(open(os.path.join(out, "adapter_config.json")))
     assert cfg["base_model_name_or_path"] == os.path.abspath(tiny)
-    assert os.path.isfile(os.path.join(out, "optimizer.pt"))
+    assert os.path.isfile(os.path.join(out, "optimizer", "trainer_state.json"))
     assert not os.path.exists(os.path.join(out, "model.safetensors"))
 
     ids = torch.tensor([list(range(1, 40))])
@@ -220,13 +223,19 @@ def test_lora_adapter_trains_saves_and_continues(tiny, data, tmp_path):
 
     # next round: --model is the adapter; training continues it (KL reference = base, adapter off)
     out2 = str(tmp_path / "r1" / "policy")
-    proc = ok(run_train(out, *data, out2, *COMMON))
+    proc = ok(run_train(out, *data, out2, *COMMON, "--optimizer-state", os.path.join(out, "optimizer")))
     assert "resuming optimiser state" in proc.stdout
     m = metrics_of(out2)
     assert m[0]["kl"] > 0  # the adapter already moved the policy away from the base
     with torch.no_grad():
         lora2_logits = PeftModel.from_pretrained(load(tiny), out2).eval()(ids).logits
     assert (lora2_logits - lora_logits).abs().max() > 1e-5
+
+    # an adapter's optimiser state does not fit the full model: refused, nothing written
+    full = str(tmp_path / "full" / "policy")
+    proc = run_train(tiny, *data, full, *COMMON, "--optimizer-state", os.path.join(out, "optimizer"))
+    assert proc.returncode != 0 and not os.path.exists(full)
+    assert "does not match this model's trainable parameters" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_bad_input_stops_without_output(tiny, tmp_path):
@@ -253,3 +262,97 @@ def test_accelerate_configs_parse(name, kind, procs):
 
     cfg = load_config_from_file(os.path.join(ROOT, "configs", "accelerate", f"{name}.yaml"))
     assert cfg.distributed_type == kind and cfg.num_processes == procs
+
+
+# ---------------------------------------------------------------- one optimiser across rounds
+
+# lr 1e-5: the policy moves little in 2 steps, so the PPO ratio of steps 3-4 (old log-probs
+# recomputed by round B, the round-0 ones in the single run) is ~1 and the only difference
+# left between the runs is whether AdamW's moments and step count carried over
+CARRY = ["--lr", "1e-5", *COMMON[2:]]
+
+
+@pytest.fixture(scope="module")
+def carried(tiny, data, tmp_path_factory):
+    """One run of 2 epochs (4 steps) against round A (2 steps) + round B (2 steps, same
+    rollouts) with the optimiser state carried, and round B with a fresh optimiser."""
+    folder = tmp_path_factory.mktemp("carried")
+    out = {k: str(folder / k / "policy") for k in ("single", "a", "b", "fresh")}
+    ok(run_train(tiny, *data, out["single"], *CARRY, "--epochs", "2"))
+    ok(run_train(tiny, *data, out["a"], *CARRY, "--save-optimizer"))
+    state = os.path.join(out["a"], "optimizer")
+    ok(run_train(out["a"], *data, out["b"], *CARRY, "--ref-model", tiny, "--optimizer-state", state, "--save-optimizer"))
+    ok(run_train(out["a"], *data, out["fresh"], *CARRY, "--ref-model", tiny))
+    return out
+
+
+def distance(a, b):
+    return math.sqrt(sum(((a[k] - b[k]) ** 2).sum().item() for k in a))
+
+
+def assert_continues_single_run(single, a, b, fresh=None):
+    """Round B's weights are the single run's within 2 % of what steps 3-4 moved them (a
+    fresh AdamW restarts its bias correction and lands about half that distance away)."""
+    s, a, b = (load(x).state_dict() for x in (single, a, b))
+    moved = distance(s, a)
+    assert moved > 1e-3
+    assert distance(b, s) < 0.02 * moved, (distance(b, s), moved)
+    if fresh:
+        assert distance(load(fresh).state_dict(), s) > 0.2 * moved
+
+
+def test_optimizer_state_carries_across_rounds(tiny, carried):
+    assert_continues_single_run(carried["single"], carried["a"], carried["b"], carried["fresh"])
+    single, a, b = (metrics_of(carried[k]) for k in ("single", "a", "b"))
+    assert [(m["step"], m["global_step"]) for m in a + b] == [(1, 1), (2, 2), (1, 3), (2, 4)]
+    assert [m["global_step"] for m in metrics_of(carried["fresh"])] == [1, 2]
+    # KL to the initial policy in every row: round B's reference is --ref-model, not its input
+    assert {m["ref_model"] for m in single + a + b} == {os.path.abspath(tiny)}
+    assert b[0]["kl"] == pytest.approx(single[2]["kl"], rel=1e-4) and b[0]["kl"] > 0
+    state = torch.load(os.path.join(carried["b"], "optimizer", "optimizer.bin"), weights_only=False)
+    assert {float(s["step"]) for s in state["state"].values()} == {4.0}
+    assert json.load(open(os.path.join(carried["b"], "optimizer", "trainer_state.json"))) == {"global_step": 4}
+    # the optimiser folder holds no second copy of the weights (the policy folder has them)
+    assert not [f for f in os.listdir(os.path.join(carried["b"], "optimizer")) if "model" in f]
+
+
+def test_optimizer_state_carries_on_two_processes(tiny, data, carried, tmp_path):
+    launcher = [
+        os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--multi_gpu",
+        "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+    ]  # fmt: skip
+    a, b = str(tmp_path / "a" / "policy"), str(tmp_path / "b" / "policy")
+    ok(run_train(tiny, *data, a, *CARRY, "--save-optimizer", launcher=launcher))
+    state = os.path.join(a, "optimizer")
+    ok(run_train(a, *data, b, *CARRY, "--ref-model", tiny, "--optimizer-state", state, launcher=launcher))
+    assert [m["global_step"] for m in metrics_of(b)] == [3, 4]
+    assert_continues_single_run(carried["single"], a, b)
+
+
+def test_killed_round_reruns_to_the_same_weights_and_optimizer_state(tiny, data, carried, tmp_path):
+    """Round B killed mid-way leaves no output and its input state untouched; the rerun
+    gives the uninterrupted round B's weights and optimiser state."""
+    state = os.path.join(carried["a"], "optimizer")
+    before = {f: open(os.path.join(state, f), "rb").read() for f in os.listdir(state)}
+    out = str(tmp_path / "b" / "policy")
+    args = [*CARRY, "--ref-model", tiny, "--optimizer-state", state, "--save-optimizer"]
+    cmd = [sys.executable, SCRIPT, "--model", carried["a"], "--rollouts", data[0], "--diagnoses", data[1],
+           "--out", out, *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV | {"PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # killed as soon as it has loaded the state, before it trains
+        if line.startswith("resuming optimiser state"):
+            proc.kill()
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode != 0 and not os.path.exists(out)
+    assert {f: open(os.path.join(state, f), "rb").read() for f in os.listdir(state)} == before
+
+    ok(run_train(carried["a"], *data, out, *args))
+    ref, new = load(carried["b"]).state_dict(), load(out).state_dict()
+    assert all(torch.equal(ref[k], new[k]) for k in ref)
+    s1, s2 = (torch.load(os.path.join(x, "optimizer", "optimizer.bin"), weights_only=False) for x in (carried["b"], out))
+    assert s1["state"].keys() == s2["state"].keys()
+    for k in s1["state"]:
+        assert all(torch.equal(s1["state"][k][n], s2["state"][k][n]) for n in ("step", "exp_avg", "exp_avg_sq"))
+    assert [m["global_step"] for m in metrics_of(out)] == [3, 4]
+

@@ -1,11 +1,14 @@
 """Rollout records built by really playing model texts through bfcl.Environment.
 
 Shared by tests/test_taxonomy.py, tests/test_diagnose.py and bench/diagnose_bench.py:
-calls, parse errors, results and call_errors in these records are what the
-environment produced, not made up. `perturbations()` derives the systematic
-perturbed set from a task's ground truth.
+calls, parse errors, results, call_errors and schema_errors in these records are
+what the environment produced, not made up. `perturbations()` derives the
+systematic perturbed set from a task's ground truth; `bfcl_eval_decoded()` gives
+what bfcl-eval's own pipeline would hand its checker for the same model texts.
 """
 
+import json
+import re
 import zlib
 
 from common import bfcl
@@ -54,6 +57,32 @@ def play(task, calls_per_turn, sample_index=0):
     )
 
 
+# bfcl-eval's Qwen decoding (QwenFCHandler._extract_tool_calls + utils.convert_to_function_call,
+# copied: importing bfcl_eval.model_handler needs tree_sitter, which is not installed).
+QWEN_TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+
+
+def bfcl_eval_decode(text):
+    """The raw call strings bfcl-eval's inference and checker run for one Qwen-format output."""
+    out = []
+    for match in QWEN_TOOL_CALL_RE.findall(text):
+        try:
+            item = json.loads(match)
+        except Exception:  # noqa: BLE001 (as bfcl-eval: a bad block is skipped)
+            continue
+        out.append(f"{item['name']}({','.join(f'{k}={v!r}' for k, v in item['arguments'].items())})")
+    return out
+
+
+def bfcl_eval_decoded(record):
+    """Per turn, per step with calls: the raw strings bfcl-eval would check for this record's texts."""
+    turns = []
+    for turn in record["turns"]:
+        steps = [bfcl_eval_decode(step["text"]) for step in turn["steps"]]
+        turns.append([s for s in steps if s])
+    return turns
+
+
 def gt_calls(task):
     return [bfcl.ground_truth_calls(task, t) for t in range(len(task["ground_truth"]))]
 
@@ -87,6 +116,15 @@ def perturbations(task):
     unparsable output before the turn's calls), abstain_call (a call on an
     abstention turn; only tasks that have one), stop (the trajectory stops before
     the turn).
+
+    Schema breaks (each call still runs, as in bfcl-eval), where the task has a
+    call to break: number_as_string (an int or float argument written as a
+    string), enum (a value outside the description's [Enum] list), unknown_param
+    (an extra argument), missing_required (a required argument left out),
+    early_held_out (miss_func: a held-out function called on the turn before it
+    is revealed). Calls bfcl-eval's executor would not dispatch, refused by ours:
+    unknown_name (a builtin's name added after the turn's calls), refused_only
+    (the turn's only call names no tool), deny_listed (`exit()` added).
     """
     gt = gt_calls(task)
     acting = [t for t, c in enumerate(gt) if c]
@@ -116,7 +154,70 @@ def perturbations(task):
         call = before[-1][-1] if before else gt[acting[0]][0]  # a call the model has seen work
         turns["abstain_call"] = [[text([call]), ANSWER] if i == t else s for i, s in enumerate(oracle_turns)]
     turns["stop"] = oracle_turns[:pick]
+
+    for kind, broken in _schema_breaks(task, gt, order).items():
+        turns[kind] = [[text(c), ANSWER] if c else [ANSWER] for c in broken]
+    refused = {"unknown_name": gt[pick] + [{"name": "print", "arguments": {"x": "hi"}}],
+               "refused_only": [{"name": "seal_no_such_tool", "arguments": {}}],
+               "deny_listed": gt[pick] + [{"name": "exit", "arguments": {}}]}
+    for kind, calls in refused.items():
+        turns[kind] = [[text(calls), ANSWER] if i == pick else s for i, s in enumerate(oracle_turns)]
     return turns
+
+
+SCHEMA_KINDS = ("number_as_string", "enum", "unknown_param", "missing_required", "early_held_out")
+REFUSED_KINDS = ("unknown_name", "refused_only", "deny_listed")
+
+
+def _schema_breaks(task, gt, order):
+    """{kind: per-turn calls} for the schema-breaking perturbations this task allows."""
+    out = {}
+
+    def first(change):
+        for t in order:
+            tools = {x["name"]: x for x in bfcl.tools_at(task, t)}
+            for i, call in enumerate(gt[t]):
+                params = tools[call["name"]]["parameters"] if call["name"] in tools else {}
+                new = change(call, params)
+                if new is not None:
+                    return [gt[u][:i] + [new] + gt[u][i + 1 :] if u == t else c for u, c in enumerate(gt)]
+        return None
+
+    def number_as_string(call, params):
+        for k, v in call["arguments"].items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                return {"name": call["name"], "arguments": {**call["arguments"], k: str(v)}}
+        return None
+
+    def enum(call, params):
+        for k in call["arguments"]:
+            prop = params.get("properties", {}).get(k, {})
+            if C.enum_values(prop):
+                bad = ["seal_other"] if prop.get("type") == "array" else "seal_other"
+                return {"name": call["name"], "arguments": {**call["arguments"], k: bad}}
+        return None
+
+    def unknown_param(call, params):
+        return {"name": call["name"], "arguments": {**call["arguments"], "seal_extra": 1}}
+
+    def missing_required(call, params):
+        for k in params.get("required", []):
+            if k in call["arguments"]:
+                return {"name": call["name"], "arguments": {a: v for a, v in call["arguments"].items() if a != k}}
+        return None
+
+    for kind, change in (("number_as_string", number_as_string), ("enum", enum), ("unknown_param", unknown_param),
+                         ("missing_required", missing_required)):
+        broken = first(change)
+        if broken:
+            out[kind] = broken
+    for turn, held in sorted(task["missed_function"].items(), key=lambda kv: int(kv[0])):
+        names = {h["name"] for h in held}
+        later = [c for calls in gt[int(turn):] for c in calls if c["name"] in names]
+        if later and int(turn) > 0:
+            out["early_held_out"] = [c + later[:1] if u == int(turn) - 1 else c for u, c in enumerate(gt)]
+            break
+    return out
 
 
 def _with_changed_argument(task, gt, order):
