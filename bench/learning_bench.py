@@ -48,6 +48,7 @@ def sh(cmd, log):
 def greedy_success(policy, out, settings):
     """Share of the training tasks the policy solves greedily (evaluate.py, official verdict)."""
     if not os.path.isfile(os.path.join(out, "results.jsonl")):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
         sh([PY, "evaluate.py", "--policy", policy, "--split", "train", "--tasks", TASKS, "--engine", "hf",
             "--max-new-tokens", str(settings["max_new_tokens"]), "--max-steps-per-turn", str(settings["max_steps"]),
             "--max-model-len", str(settings["max_model_len"]), "--out", out], out + ".log")

@@ -300,8 +300,9 @@ def token_spans(enc, char_spans):
     return out
 
 
-def warm_start_examples(tok, bpe, tasks, convs, context):
-    """Training examples (ids, loss positions, is_first_step) of all conversations.
+def warm_start_examples(tok, bpe, tasks, convs, context, omega=None):
+    """Training examples (ids, loss positions, is_first_step) of all conversations, with the
+    tool list as the interface `omega` shows it (common.interface.tool_view; None: plain).
 
     A rendered conversation is the system block (the tool list, ~4-7k tokens) and
     the messages after it, which start with the special token <|im_start|>, so the
@@ -310,9 +311,11 @@ def warm_start_examples(tok, bpe, tasks, convs, context):
     """
     import torch
 
+    from common.interface import tool_view
+
     sys_cache, sys_ids, conv_texts = {}, [], []
     for task, msgs in zip(tasks, convs, strict=True):
-        text = tok.apply_chat_template(msgs, tools=to_chat_tools(task["tools"]), tokenize=False)
+        text = tok.apply_chat_template(msgs, tools=to_chat_tools(tool_view(task["tools"], omega)), tokenize=False)
         cut = text.index(EOS + "\n") + len(EOS) + 1
         if text[cut:].find("<|im_start|>") != 0:
             raise RuntimeError("the chat template's system block is not followed by <|im_start|>")
@@ -369,6 +372,7 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
     from common import bfcl
+    from common import interface as omega_api
     from common.jsonl import write_json
 
     t_start = time.time()
@@ -401,8 +405,12 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     # whole split writes the format but not the calls (measured: 0 of 7 call tasks solved at
     # 300 steps, also with the preset's examples drawn 40x as often); on 8 tasks it learns the
     # calls within ~100 steps, and `steps` stops it short, partly competent (build_info.json).
+    # Both views of their tool list: plain (vanilla) and with the schema cue (SEAL's Ω_0), whose
+    # annotations fill the 256-token window before the question.
     preset = list(bfcl.load_tasks(preset_path).values()) if preset_path else []
-    focus = warm_start_examples(tok, bpe, preset, [conversation(t) for t in preset], args["context"])
+    preset_convs = [conversation(t) for t in preset]
+    focus = [e for omega in (None, omega_api.initial())
+             for e in warm_start_examples(tok, bpe, preset, preset_convs, args["context"], omega)]
     share = args["general_share"] if focus else 1.0
     # answers to tool results ("Done: ...") are easy: sample them less often
     weights = [1.0 if first else args["answer_weight"] for _, _, first in examples]
@@ -435,7 +443,8 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     timings["eval_s"] = round(time.time() - t0, 2)
     # --- measure: sampled reward (official verdict) on the preset's tasks, as its round 0 plays them
     t0 = time.time()
-    reward = preset_reward(folder, preset, args) if preset else None
+    reward = {"plain": preset_reward(folder, preset, args), "schema_cue": preset_reward(
+        folder, preset, args, omega=omega_api.initial())} if preset else None
     timings["reward_s"] = round(time.time() - t0, 2)
     timings["total_s"] = round(time.time() - t_start, 2)
     info = {"args": args, "tasks": os.path.relpath(os.path.abspath(tasks_path), REPO),
@@ -451,9 +460,10 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     return info
 
 
-def preset_reward(model_dir, tasks, args, engine=None):
-    """Sampled reward on `tasks` as the preset's rollouts play them: `check_samples` per task at
-    `check_temperature`, scored by the official checker. {"mean", "per_task": {id: mean}}."""
+def preset_reward(model_dir, tasks, args, engine=None, omega=None):
+    """Sampled reward on `tasks` as the preset's rollouts play them (under the interface `omega`):
+    `check_samples` per task at `check_temperature`, scored by the official checker.
+    {"mean", "per_task": {id: mean}}."""
     from common import play, taxonomy
     from common.engines import make_engine
 
@@ -461,7 +471,7 @@ def preset_reward(model_dir, tasks, args, engine=None):
     if own:
         engine = make_engine("hf", model_dir, max_model_len=DEFAULTS["max_positions"], seed=args["seed"])
     try:
-        records, _ = play.play(tasks, args["check_samples"], engine, temperature=args["check_temperature"],
+        records, _ = play.play(tasks, args["check_samples"], engine, omega=omega, temperature=args["check_temperature"],
                                max_steps_per_turn=args["check_max_steps"], max_model_len=DEFAULTS["max_positions"],
                                max_new_tokens=args["check_max_new_tokens"], progress=False)
     finally:
