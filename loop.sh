@@ -38,31 +38,33 @@ PY=.venv/bin/python
 # mini-batches of 8 tasks (4 optimiser steps a round; 18 rounds ~ 72 update steps),
 # lr 1e-6, KL 0.001, clip 0.2, temperature 1.0, 16k context; MAX_STEPS=20 is bfcl-eval's
 # step limit: a turn's 21st step with calls force-quits the task.
-ENGINE=vllm; TP=1; NPROC=1; ACCEL_CONFIG=""; LORA=""; CALL_FORMAT=json
+ENGINE=vllm; DP=1; TP=1; NPROC=1; ACCEL_CONFIG=""; LORA=""; CALL_FORMAT=json
 TASKS_PER_ROUND=32; N=8; MINI_BATCH=8; LR=1e-6; KL=0.001; TEMP=1.0
 MAX_STEPS=20; MAX_LEN=16384; MAX_NEW=1024; DEFAULT_ROUNDS=18; DEFAULT_EVAL_EVERY=6
-TRAIN_LIMIT=""; EVAL_LIMIT=""; MICRO_TOKENS=32768; EXTRA_TRAIN=""
+TRAIN_LIMIT=""; EVAL_LIMIT=""; MICRO_TOKENS=32768; EXTRA_TRAIN=""; TASKS=data/train.jsonl; SEED=0
 # Disk: once round t's policy exists, earlier rounds lose their optimiser state and, unless
 # evaluated, their policy. KEEP=latest drops evaluated policies too; KEEP=all deletes nothing.
 KEEP=evaluated
 case $PRESET in
-  tiny)  # the offline tiny model on CPU: a few tasks, short generations, minutes per round
+  tiny)  # the offline tiny model on CPU: 8 first-turn training tasks (data/tiny.jsonl), minutes per round
     MODEL=offline-tiny  # built (once, cached) below, unless --set MODEL=... names another
-    TRAIN_LIMIT=2; EVAL_LIMIT=2; TASKS_PER_ROUND=4; N=4; MINI_BATCH=2
-    LR=1e-4; MAX_STEPS=3; MAX_NEW=48; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2
+    TASKS=data/tiny.jsonl; EVAL_LIMIT=1; TASKS_PER_ROUND=8; N=4; MINI_BATCH=2
+    LR=1e-3; MAX_STEPS=3; MAX_NEW=96; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2
     EXTRA_TRAIN="--cpu" ;;
-  qwen3b)  # 4 GPUs (e.g. 4x A100/H100 80GB): vLLM rollouts (TP 4), FSDP full fine-tuning
-    MODEL=Qwen/Qwen2.5-3B-Instruct; NPROC=4; TP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml ;;
-  qwen7b)  # 4 GPUs (80GB): vLLM rollouts (TP 4), FSDP full fine-tuning with gradient checkpointing
-    MODEL=Qwen/Qwen2.5-7B-Instruct; NPROC=4; TP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
+  # GPU presets: 4 vLLM replicas x TP 1 for rollouts (a 3-8B model and its KV cache fit one
+  # 80 GB GPU; README "Presets and hardware"), then FSDP over the same 4 GPUs for training.
+  qwen3b)  # 4 GPUs (e.g. 4x A100/H100 80GB): vLLM rollouts (4 replicas), FSDP full fine-tuning
+    MODEL=Qwen/Qwen2.5-3B-Instruct; NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml ;;
+  qwen7b)  # 4 GPUs (80GB): vLLM rollouts (4 replicas), FSDP full fine-tuning with gradient checkpointing
+    MODEL=Qwen/Qwen2.5-7B-Instruct; NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
     EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
   toolace8b)  # 4 GPUs (80GB); ToolACE writes calls as a Python list [f(a=1)]
-    MODEL=Team-ACE/ToolACE-2-Llama-3.1-8B; NPROC=4; TP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
+    MODEL=Team-ACE/ToolACE-2-Llama-3.1-8B; NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
     CALL_FORMAT=python; EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
   *) echo "loop: unknown preset $PRESET (tiny, qwen3b, qwen7b, toolace8b)" >&2; exit 2 ;;
 esac
-OVERRIDABLE=" MODEL ENGINE TP NPROC ACCEL_CONFIG LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH LR KL TEMP "
-OVERRIDABLE+="MAX_STEPS MAX_LEN MAX_NEW TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS EXTRA_TRAIN KEEP "
+OVERRIDABLE=" MODEL ENGINE DP TP NPROC ACCEL_CONFIG LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH LR KL TEMP "
+OVERRIDABLE+="MAX_STEPS MAX_LEN MAX_NEW TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS EXTRA_TRAIN KEEP TASKS SEED "
 for kv in "${SETS[@]+"${SETS[@]}"}"; do
   var=${kv%%=*}
   case $OVERRIDABLE in *" $var "*) printf -v "$var" '%s' "${kv#*=}" ;;
@@ -92,11 +94,11 @@ esac
 RUN=$RUNS/$NAME
 mkdir -p "$RUN/logs"
 $PY -m common.runinfo "$RUN/config.json" preset="$PRESET" mode="$MODE" rounds="$ROUNDS" name="$NAME" \
-  eval_every="$EVAL_EVERY" model="$MODEL" engine="$ENGINE" nproc="$NPROC" accelerate_config="$ACCEL_CONFIG" \
+  eval_every="$EVAL_EVERY" model="$MODEL" engine="$ENGINE" dp="$DP" tp="$TP" nproc="$NPROC" accelerate_config="$ACCEL_CONFIG" \
   lora="$LORA" call_format="$CALL_FORMAT" tasks_per_round="$TASKS_PER_ROUND" n="$N" mini_batch="$MINI_BATCH" \
   lr="$LR" kl="$KL" temperature="$TEMP" max_steps="$MAX_STEPS" max_model_len="$MAX_LEN" \
   max_new_tokens="$MAX_NEW" train_limit="$TRAIN_LIMIT" eval_limit="$EVAL_LIMIT" omega="$OMEGA" \
-  reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN" keep="$KEEP"
+  reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN" keep="$KEEP" tasks="$TASKS" seed="$SEED"
 
 # run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists (or was deleted by KEEP after a
 # later round used it), else run with a log and a timing line.
@@ -120,7 +122,7 @@ limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
 evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
   run eval "$2" "$3/scores.json" $PY evaluate.py --policy "$1" --split heldin \
     $(limit_args "$EVAL_LIMIT") --engine "$ENGINE" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
-    --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT" --tensor-parallel-size "$TP" \
+    --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT" --data-parallel-size "$DP" --tensor-parallel-size "$TP" \
     --out "$3"
 }
 
@@ -133,7 +135,7 @@ train() {  # train ROUND_DIR POLICY: KL to the round-0 model, one optimiser carr
   fi
   "${launch[@]}" train_grpo.py --model "$2" --rollouts "$1/rollouts.jsonl" --diagnoses "$1/diagnoses.jsonl" \
     --interface "$1/interface.json" $REWEIGHT --lr "$LR" --kl-coef "$KL" --mini-batch-tasks "$MINI_BATCH" \
-    --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA $EXTRA_TRAIN --seed 0 --ref-model "$MODEL" \
+    --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA $EXTRA_TRAIN --seed "$SEED" --ref-model "$MODEL" \
     --save-optimizer "${state[@]+"${state[@]}"}" --out "$1/policy"
 }
 
@@ -159,12 +161,12 @@ for ((t = 0; t < ROUNDS; t++)); do
   NEXT=$RUN/round_$(printf %03d $((t + 1)))
   mkdir -p "$R" "$NEXT"
   run interface "$t" "$R/interface.json" $PY evolve.py --mode "$OMEGA" --out "$R/interface.json"
-  run rollout "$t" "$R/rollouts.jsonl" $PY rollout.py --model "$policy" --tasks data/train.jsonl \
+  run rollout "$t" "$R/rollouts.jsonl" $PY rollout.py --model "$policy" --tasks "$TASKS" \
     $(limit_args "$TRAIN_LIMIT") --batch "$TASKS_PER_ROUND" --round "$t" --n "$N" --interface "$R/interface.json" \
-    --engine "$ENGINE" --temperature "$TEMP" --seed "$t" --max-steps-per-turn "$MAX_STEPS" \
+    --engine "$ENGINE" --temperature "$TEMP" --seed $((SEED * 1000 + t)) --max-steps-per-turn "$MAX_STEPS" \
     --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" --call-format "$CALL_FORMAT" \
-    --tensor-parallel-size "$TP" --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
-  run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks data/train.jsonl \
+    --data-parallel-size "$DP" --tensor-parallel-size "$TP" --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
+  run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks "$TASKS" \
     --rollouts "$R/rollouts.jsonl" --out "$R/diagnoses.jsonl"
   run evolve "$t" "$NEXT/interface.json" $PY evolve.py --mode "$OMEGA" --diagnoses "$R/diagnoses.jsonl" \
     --previous "$R/interface.json" --round $((t + 1)) --out "$NEXT/interface.json"

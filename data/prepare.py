@@ -1,10 +1,13 @@
 """Write the task records of the SEAL split from the installed bfcl-eval.
 
-    python data/prepare.py            # data/train.jsonl and data/heldin.jsonl
+    python data/prepare.py            # data/train.jsonl, data/heldin.jsonl, data/tiny.jsonl
 
 Reads bfcl-eval's JSON files directly (importing bfcl_eval.utils would create
 folders in site-packages) and joins questions, ground truth and tool schemas
 into one record per task (DESIGN §3). Skips the work when the files are current.
+
+data/tiny.jsonl holds the `tiny` preset's tasks (see `tiny_tasks`): training tasks
+cut to their first turn, which the official checker scores like any task.
 """
 
 import hashlib
@@ -20,6 +23,10 @@ from common.jsonl import write_json, write_jsonl  # noqa: E402
 BFCL_VERSION = "2026.3.23"
 CATEGORIES = ["base", "miss_func", "miss_param", "long_context"]
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The tiny preset: per category, the first TINY_PER_CATEGORY training tasks whose first
+# turn needs at most TINY_MAX_CALLS calls (a 1 M CPU model can learn to write those),
+# cut to their first TINY_TURNS turn(s).
+TINY_PER_CATEGORY, TINY_MAX_CALLS, TINY_TURNS = 2, 2, 1
 CLASS_DOC_FILES = {
     "GorillaFileSystem": "gorilla_file_system.json",
     "MathAPI": "math_api.json",
@@ -77,6 +84,30 @@ def build_tasks(data_dir):
     return tasks
 
 
+def first_turns(task, k):
+    """`task` cut to its first `k` turns: a task of its own (id suffixed `_<k>turn`) that the
+    official checker scores on those turns exactly as on the whole task's."""
+    return {**task, "id": f"{task['id']}_{k}turn", "questions": task["questions"][:k],
+            "ground_truth": task["ground_truth"][:k],
+            "missed_function": {t: v for t, v in task["missed_function"].items() if int(t) < k}}
+
+
+def tiny_tasks(train):
+    """The tiny preset's tasks, derived from training tasks only (file order).
+
+    The categories are variants of the same scenarios (`multi_turn_base_2` and
+    `multi_turn_miss_func_2` share their questions): each scenario number is taken once.
+    """
+    out, taken = [], set()
+    for cat in CATEGORIES:
+        fit = [t for t in train if t["category"] == cat and len(t["ground_truth"][0]) <= TINY_MAX_CALLS
+               and t["id"].rsplit("_", 1)[1] not in taken]
+        for t in fit[:TINY_PER_CATEGORY]:
+            taken.add(t["id"].rsplit("_", 1)[1])
+            out.append(first_turns(t, TINY_TURNS))
+    return out
+
+
 def main():
     split_path = os.path.join(HERE, "split.json")
     with open(split_path, "rb") as f:
@@ -85,23 +116,26 @@ def main():
     stamp_path = os.path.join(HERE, ".prepared.json")
     stamp = {"bfcl_eval": BFCL_VERSION, "split_sha256": hashlib.sha256(split_bytes).hexdigest(),
              "prepare_sha256": hashlib.sha256(open(__file__, "rb").read()).hexdigest()}
-    outputs = [os.path.join(HERE, f"{name}.jsonl") for name in ("train", "heldin")]
+    outputs = [os.path.join(HERE, f"{name}.jsonl") for name in ("train", "heldin", "tiny")]
     data_dir = bfcl_data_dir()
     if all(os.path.isfile(p) for p in outputs) and os.path.isfile(stamp_path):
         with open(stamp_path) as f:
             if json.load(f) == stamp:
-                print("prepare: data/train.jsonl and data/heldin.jsonl are current")
+                print("prepare: data/train.jsonl, data/heldin.jsonl and data/tiny.jsonl are current")
                 return
 
     tasks = build_tasks(data_dir)
     if set(split["train"]) & set(split["heldin"]):
         sys.exit(f"error: {split_path}: train and heldin share task ids")
-    for name, out in zip(("train", "heldin"), outputs, strict=True):
-        missing = [i for i in split[name] if i not in tasks]
-        if missing:
-            sys.exit(f"error: {split_path}: {len(missing)} {name} id(s) not in bfcl-eval {BFCL_VERSION}, "
-                     f"e.g. {missing[0]}")
-        records = [tasks[i] for i in split[name]]
+    for name, out in zip(("train", "heldin", "tiny"), outputs, strict=True):
+        if name == "tiny":
+            records = tiny_tasks([tasks[i] for i in split["train"]])
+        else:
+            missing = [i for i in split[name] if i not in tasks]
+            if missing:
+                sys.exit(f"error: {split_path}: {len(missing)} {name} id(s) not in bfcl-eval {BFCL_VERSION}, "
+                         f"e.g. {missing[0]}")
+            records = [tasks[i] for i in split[name]]
         counts = {c: sum(r["category"] == c for r in records) for c in CATEGORIES}
         write_jsonl(out, records)
         print(f"prepare: {os.path.relpath(out)}: {len(records)} tasks {counts}")

