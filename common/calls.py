@@ -146,13 +146,18 @@ def parse_python_calls(text):
         raise
 
 
-def _decode_python(src):
+def _parse_expression(src):
+    """The syntax tree of `src` as one Python expression (read, never run), or CallError."""
     try:
-        tree = ast.parse(src, mode="eval")
+        return ast.parse(src, mode="eval")
     except SyntaxError as e:
         raise CallError(f"not a Python list of calls ({e.msg})") from None
     except (RecursionError, MemoryError, ValueError):
         raise CallError("not a Python list of calls (too deeply nested)") from None
+
+
+def _decode_python(src):
+    tree = _parse_expression(src)
     nodes = [tree.body] if isinstance(tree.body, ast.Call) else getattr(tree.body, "elts", None)
     if nodes is None:
         raise CallError("not a Python list of calls")
@@ -297,14 +302,7 @@ def _check_fold(op, left, right, key):
 
 
 def _parse_source(text, params):
-    src = text.strip()
-    try:
-        tree = ast.parse(src, mode="eval")
-    except SyntaxError as e:
-        raise CallError(f"not a Python list of calls ({e.msg})") from None
-    except (RecursionError, MemoryError, ValueError):
-        raise CallError("not a Python list of calls (too deeply nested)") from None
-    body = tree.body
+    body = _parse_expression(text.strip()).body
     nodes = body.elts if isinstance(body, (ast.List, ast.Tuple)) else [body]
     calls = []
     for node in nodes:
