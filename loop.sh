@@ -49,7 +49,7 @@ case $PRESET in
   tiny)  # the offline tiny model on CPU: 8 first-turn training tasks (data/tiny.jsonl), minutes per round
     MODEL=offline-tiny  # built (once, cached) below, unless --set MODEL=... names another
     TASKS=data/tiny.jsonl; EVAL_LIMIT=1; TASKS_PER_ROUND=8; N=4; MINI_BATCH=2
-    LR=1e-3; MAX_STEPS=3; MAX_NEW=96; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2
+    LR=1e-4; MAX_STEPS=3; MAX_NEW=96; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2
     EXTRA_TRAIN="--cpu" ;;
   # GPU presets: 4 vLLM replicas x TP 1 for rollouts (a 3-8B model and its KV cache fit one
   # 80 GB GPU; README "Presets and hardware"), then FSDP over the same 4 GPUs for training.
