@@ -185,7 +185,7 @@ def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps
     tok = engine.tokenizer
     trajs = [Trajectory(task, k, omega, tok, fmt) for task in tasks for k in range(n)]
     bar = tqdm(total=len(trajs), desc="trajectories", unit="traj", disable=not progress)
-    counts = {"seconds": time.perf_counter(), "engine_seconds": 0.0, "generated": 0}
+    counts = {"start": time.perf_counter(), "engine_seconds": 0.0, "generated": 0}
     before = {k: getattr(engine, k) for k in ("prompt_tokens", "cached_tokens") if hasattr(engine, k)}
     step = _lockstep if schedule == "lockstep" else _async
     try:
@@ -197,7 +197,7 @@ def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps
         raise
     finally:
         bar.close()
-    timing = {"seconds": time.perf_counter() - counts["seconds"], "engine_seconds": counts["engine_seconds"]}
+    timing = {"seconds": time.perf_counter() - counts["start"], "engine_seconds": counts["engine_seconds"]}
     timing.update({k: getattr(engine, k) - v for k, v in before.items()})
     return [t.record(round_, policy) for t in trajs], timing
 
@@ -223,7 +223,7 @@ def _handle(t, gen, tok, counts, bar, max_steps_per_turn, max_model_len):
 
 
 def _lockstep(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_model_len, max_new_tokens):
-    t0 = counts["seconds"]
+    t0 = counts["start"]
     while True:
         waiting = []
         for t in trajs:
@@ -240,7 +240,7 @@ def _lockstep(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_m
 
 
 def _async(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_model_len, max_new_tokens):
-    t0 = counts["seconds"]
+    t0 = counts["start"]
 
     def submit(i):
         t = trajs[i]
