@@ -574,8 +574,12 @@ def build_key(tasks_path=DEFAULT_TASKS, preset_path=PRESET_TASKS, **overrides):
 
 
 def build_cached(cache_root=None, *, tasks_path=DEFAULT_TASKS, preset_path=PRESET_TASKS, **overrides):
-    """Path of the tiny model folder, built once into `<cache_root>/tiny-<hash>/` and reused."""
+    """Path of the tiny model folder, built once into `<cache_root>/tiny-<hash>/` and reused.
+
+    SEAL_TINY_SEED=K builds (and every caller then uses) the model of another seed: the way
+    to check that tests and the preset hold on a build whose floats differ from this one's."""
     from filelock import FileLock
+    overrides.setdefault("seed", int(os.environ.get("SEAL_TINY_SEED", DEFAULTS["seed"])))
     cache_root = cache_root or os.path.join(REPO, ".cache")
     os.makedirs(cache_root, exist_ok=True)
     path = os.path.join(cache_root, f"tiny-{build_key(tasks_path, preset_path, **overrides)}")
