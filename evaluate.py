@@ -100,6 +100,44 @@ def compare(runs):
     print(f"{'':{width}}" + "".join(f"{c:>14}" for c in bfcl.CATEGORIES + ["average"]))
     for name, sc in rows:
         print(f"{name:{width}}" + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in bfcl.CATEGORIES + ["average"]))
+    compare_ood(runs)
+    return rows
+
+
+# The paper's Table 2: BFCL V4 memory per backend and its mean, web search where it ran, and
+# τ²-bench per domain and their mean, with the user simulator that τ² scores depend on.
+OOD_COLUMNS = [("bfcl-memory", "memory_kv", "mem kv"), ("bfcl-memory", "memory_vector", "mem vector"),
+               ("bfcl-memory", "memory_rec_sum", "mem rec_sum"), ("bfcl-memory", "memory", "memory avg"),
+               ("bfcl-web", "web_search", "web search"), ("tau2", "retail", "τ² retail"),
+               ("tau2", "airline", "τ² airline"), ("tau2", "telecom", "τ² telecom"), ("tau2", "average", "τ² avg")]
+
+
+def compare_ood(runs):
+    """Print the Table-2 block for the runs that have OOD scores (loop.sh --ood); rows of (name, {column: value})."""
+    rows, bases = [], set()
+    for run in runs:
+        preset = read_json(os.path.join(run, "config.json"))["settings"]["preset"]
+        base = os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{preset}", "ood")
+        found = [(f"{preset} base", base)] if base not in bases else []
+        bases.add(base)
+        found += [(f"{os.path.basename(os.path.normpath(run))} {os.path.basename(d).replace('round_', 'r')}", d)
+                  for d in sorted(glob.glob(os.path.join(run, "ood", "round_*")))]
+        for name, folder in found:
+            benches = {b: read_json(p) for b in ("bfcl-memory", "bfcl-web", "tau2")
+                       if os.path.isfile(p := os.path.join(folder, b, "scores.json"))}
+            if benches:
+                rows.append((name, benches))
+    if not rows:
+        return rows
+    width = max(len(name) for name, _ in rows)
+    print("\nOut of distribution (Table 2): BFCL V4 memory (web search where it ran) and τ²-bench")
+    print(f"{'':{width}}" + "".join(f"{label:>13}" for _, _, label in OOD_COLUMNS) + "  τ² user simulator")
+    for name, benches in rows:
+        cells = []
+        for bench, key, _ in OOD_COLUMNS:
+            v = benches.get(bench, {}).get(key)
+            cells.append(f"{v:>13.2f}" if isinstance(v, (int, float)) else f"{'—' if v is None else v:>13}")
+        print(f"{name:{width}}" + "".join(cells) + f"  {benches.get('tau2', {}).get('user_simulator', '—')}")
     return rows
 
 

@@ -2,7 +2,7 @@
 # The SEAL closed loop: rollout (under Ω_t) -> diagnose -> evolve (Ω_t+1) -> train, for N rounds.
 #
 #   bash loop.sh PRESET [--rounds N] [--mode seal|vanilla|no-env|no-reweight|no-closed-loop]
-#                       [--name NAME] [--eval-every K] [--runs DIR] [--set VAR=VALUE ...]
+#                       [--name NAME] [--eval-every K] [--runs DIR] [--ood] [--set VAR=VALUE ...]
 #
 # PRESET is tiny (CPU, minutes), qwen3b, qwen7b or toolace8b (GPU nodes; see README).
 # --set overrides one preset variable (e.g. --set N=4 --set TASKS_PER_ROUND=8).
@@ -10,10 +10,13 @@
 # from the first missing artifact: stages write atomically, so a file that exists is
 # complete, and complete artifacts are never recomputed. KEEP (a preset variable) says
 # which round policies stay on disk: evaluated (default), latest or all (see README, Disk).
+# --ood (or --set OOD="bfcl-memory tau2") also scores the base model and the final policy on
+# the out-of-distribution benches after the last round (the paper's Table 2); τ²-bench needs
+# a user simulator: --set USER_MODEL=DIR, or USER_BASE_URL=URL and USER_MODEL_NAME=NAME.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -ge 1 ] || usage
 PRESET=$1; shift
 ROUNDS=""; MODE=seal; NAME=""; EVAL_EVERY=""; SETS=(); RUNS=runs
@@ -25,6 +28,7 @@ while [ $# -gt 0 ]; do
     --eval-every) EVAL_EVERY=$2; shift 2 ;;
     --set) SETS+=("$2"); shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
+    --ood) SETS+=("OOD=bfcl-memory tau2"); shift ;;
     -h|--help) usage ;;
     *) echo "loop: unknown argument $1" >&2; usage ;;
   esac
@@ -45,11 +49,13 @@ TRAIN_LIMIT=""; EVAL_LIMIT=""; MICRO_TOKENS=32768; EXTRA_TRAIN=""; TASKS=data/tr
 # Disk: once round t's policy exists, earlier rounds lose their optimiser state and, unless
 # evaluated, their policy. KEEP=latest drops evaluated policies too; KEEP=all deletes nothing.
 KEEP=evaluated
+# Out-of-distribution benches after the loop (off by default); OOD_LIMIT: first K per category/domain.
+OOD=""; OOD_LIMIT=""; USER_MODEL=""; USER_BASE_URL=""; USER_MODEL_NAME=""
 case $PRESET in
   tiny)  # the offline tiny model on CPU: 8 first-turn training tasks (data/tiny.jsonl), minutes per round
     MODEL=offline-tiny  # built (once, cached) below, unless --set MODEL=... names another
     TASKS=data/tiny.jsonl; EVAL_LIMIT=1; TASKS_PER_ROUND=8; N=4; MINI_BATCH=2
-    LR=1e-4; MAX_STEPS=3; MAX_NEW=96; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2
+    LR=1e-4; MAX_STEPS=3; MAX_NEW=96; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2; OOD_LIMIT=1
     EXTRA_TRAIN="--cpu" ;;
   # GPU presets: 4 vLLM replicas x TP 1 for rollouts (a 3-8B model and its KV cache fit one
   # 80 GB GPU; README "Presets and hardware"), then FSDP over the same 4 GPUs for training.
@@ -65,6 +71,7 @@ case $PRESET in
 esac
 OVERRIDABLE=" MODEL ENGINE DP TP NPROC ACCEL_CONFIG LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH LR KL TEMP "
 OVERRIDABLE+="MAX_STEPS MAX_LEN MAX_NEW TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS EXTRA_TRAIN KEEP TASKS SEED "
+OVERRIDABLE+="OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME "
 for kv in "${SETS[@]+"${SETS[@]}"}"; do
   var=${kv%%=*}
   case $OVERRIDABLE in *" $var "*) printf -v "$var" '%s' "${kv#*=}" ;;
@@ -77,6 +84,21 @@ elif [ ! -d "$MODEL" ]; then
   MODEL=$($PY -c "import sys; from huggingface_hub import snapshot_download; print(snapshot_download(sys.argv[1]))" "$MODEL")
 fi
 case $KEEP in evaluated|latest|all) ;; *) echo "loop: KEEP=$KEEP: use evaluated, latest or all" >&2; exit 2 ;; esac
+USER_ARGS=()  # the τ²-bench user simulator, checked before any round runs
+for b in $OOD; do
+  case $b in
+    bfcl-memory|bfcl-web) ;;
+    tau2)
+      if [ -n "$USER_MODEL" ]; then USER_ARGS=(--user-model "$USER_MODEL")
+      elif [ -n "$USER_BASE_URL" ] && [ -n "$USER_MODEL_NAME" ]; then
+        USER_ARGS=(--user-base-url "$USER_BASE_URL" --user-model-name "$USER_MODEL_NAME")
+      else
+        echo "loop: OOD tau2 needs a user simulator: --set USER_MODEL=DIR (served with vllm serve)," \
+          "or --set USER_BASE_URL=URL --set USER_MODEL_NAME=NAME" >&2; exit 2
+      fi ;;
+    *) echo "loop: OOD=$OOD: benches are bfcl-memory, bfcl-web and tau2" >&2; exit 2 ;;
+  esac
+done
 ROUNDS=${ROUNDS:-$DEFAULT_ROUNDS}
 EVAL_EVERY=${EVAL_EVERY:-$DEFAULT_EVAL_EVERY}
 NAME=${NAME:-$PRESET-$MODE}
@@ -98,7 +120,9 @@ $PY -m common.runinfo "$RUN/config.json" preset="$PRESET" mode="$MODE" rounds="$
   lora="$LORA" call_format="$CALL_FORMAT" tasks_per_round="$TASKS_PER_ROUND" n="$N" mini_batch="$MINI_BATCH" \
   lr="$LR" kl="$KL" temperature="$TEMP" max_steps="$MAX_STEPS" max_model_len="$MAX_LEN" \
   max_new_tokens="$MAX_NEW" train_limit="$TRAIN_LIMIT" eval_limit="$EVAL_LIMIT" omega="$OMEGA" \
-  reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN" keep="$KEEP" tasks="$TASKS" seed="$SEED"
+  reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN" keep="$KEEP" tasks="$TASKS" seed="$SEED" \
+  ood="$OOD" ood_limit="$OOD_LIMIT" user_model="$USER_MODEL" user_base_url="$USER_BASE_URL" \
+  user_model_name="$USER_MODEL_NAME"
 
 # run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists (or was deleted by KEEP after a
 # later round used it), else run with a log and a timing line.
@@ -124,6 +148,18 @@ evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
     $(limit_args "$EVAL_LIMIT") --engine "$ENGINE" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
     --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT" --data-parallel-size "$DP" --tensor-parallel-size "$TP" \
     --out "$3"
+}
+
+ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR/<bench>/
+  local b extra
+  for b in $OOD; do
+    extra=()
+    if [ "$b" = tau2 ]; then extra=("${USER_ARGS[@]}"); fi
+    run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" $PY evaluate.py --bench "$b" --policy "$1" \
+      $(limit_args "$OOD_LIMIT") --engine "$ENGINE" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
+      --call-format "$CALL_FORMAT" --data-parallel-size "$DP" --tensor-parallel-size "$TP" \
+      "${extra[@]+"${extra[@]}"}" --out "$3/$b"
+  done
 }
 
 train() {  # train ROUND_DIR POLICY: KL to the round-0 model, one optimiser carried from round to round
@@ -178,4 +214,8 @@ for ((t = 0; t < ROUNDS; t++)); do
   prune "$t"
   $PY -m common.report "$RUN" > /dev/null
 done
+if [ -n "$OOD" ]; then
+  ood "$MODEL" base "$RUNS/base-$PRESET/ood"
+  ood "$policy" final "$RUN/ood/round_$(printf %03d $((ROUNDS - 1)))"
+fi
 $PY -m common.report "$RUN"
