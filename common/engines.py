@@ -374,7 +374,21 @@ class VLLMEngine(Engine):
             kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(cfg), max_loras=1)
             self.lora = LoRARequest("policy", 1, self.adapter)
         kwargs.update(llm_kwargs)
-        self.llm = LLM(**kwargs)
+        self.torch_threads = None
+        if cpu and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and "OMP_NUM_THREADS" not in os.environ:
+            # The in-process engine core steps in this process's torch, with one OpenMP thread
+            # per core (vLLM's own cut to one serving thread is skipped once its CPU worker has
+            # patched torch.set_num_threads). On a shared machine every op then waits at a
+            # barrier for a descheduled sibling thread: measured 8-20x slower steps under load
+            # on 2 cores (README "Benchmarks"). close() gives the process its threads back.
+            import torch
+            self.torch_threads = torch.get_num_threads()
+            torch._C.set_num_threads(1)  # not torch.set_num_threads: vLLM may have patched it
+        try:
+            self.llm = LLM(**kwargs)
+        except BaseException:
+            self.close()
+            raise
         self.pending = {}  # request id -> (caller's key, limit), for submit/poll
         self.request_counter = 0
         self.prompt_tokens = self.cached_tokens = 0
@@ -438,6 +452,10 @@ class VLLMEngine(Engine):
             self.abort()
         llm = getattr(self, "llm", None)
         self.llm = None
+        if getattr(self, "torch_threads", None):
+            import torch
+            torch._C.set_num_threads(self.torch_threads)  # the process's other work gets its cores back
+            self.torch_threads = None
         if llm is None:
             return
         core = getattr(llm.llm_engine, "engine_core", None)
@@ -538,6 +556,6 @@ class Replicas(Engine):
         self.pins.clear()
 
     def close(self):
-        for e in self.replicas:
+        for e in reversed(self.replicas):  # last started first: each restores what it found
             e.close()
         self.replicas = []
