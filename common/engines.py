@@ -41,6 +41,7 @@ synchronously from the caller's thread: no event loop, and with the in-process
 engine core (CPU) the same seed and the same calls give the same samples.
 `engine.prompt_tokens` / `engine.cached_tokens` count prompt tokens sent and
 those served from the prefix cache (vLLM's `num_cached_tokens`), both schedules.
+On CPU the in-process engine core runs on one torch thread while the engine is open.
 """
 
 import gc
