@@ -380,7 +380,7 @@ class VLLMEngine(Engine):
             # The in-process engine core steps in this process's torch, with one OpenMP thread
             # per core (vLLM's own cut to one serving thread is skipped once its CPU worker has
             # patched torch.set_num_threads). On a shared machine every op then waits at a
-            # barrier for a descheduled sibling thread: measured 8-20x slower steps under load
+            # barrier for a descheduled sibling thread: runs measured 2-17x slower under load
             # on 2 cores (README "Benchmarks"). close() gives the process its threads back.
             import torch
             self.torch_threads = torch.get_num_threads()
