@@ -41,6 +41,7 @@ synchronously from the caller's thread: no event loop, and with the in-process
 engine core (CPU) the same seed and the same calls give the same samples.
 `engine.prompt_tokens` / `engine.cached_tokens` count prompt tokens sent and
 those served from the prefix cache (vLLM's `num_cached_tokens`), both schedules.
+On CPU the in-process engine core runs on one torch thread while the engine is open.
 """
 
 import gc
@@ -374,7 +375,21 @@ class VLLMEngine(Engine):
             kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(cfg), max_loras=1)
             self.lora = LoRARequest("policy", 1, self.adapter)
         kwargs.update(llm_kwargs)
-        self.llm = LLM(**kwargs)
+        self.torch_threads = None
+        if cpu and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and "OMP_NUM_THREADS" not in os.environ:
+            # The in-process engine core steps in this process's torch, with one OpenMP thread
+            # per core (vLLM's own cut to one serving thread is skipped once its CPU worker has
+            # patched torch.set_num_threads). On a shared machine every op then waits at a
+            # barrier for a descheduled sibling thread: runs measured 2-17x slower under load
+            # on 2 cores (README "Benchmarks"). close() gives the process its threads back.
+            import torch
+            self.torch_threads = torch.get_num_threads()
+            torch._C.set_num_threads(1)  # not torch.set_num_threads: vLLM may have patched it
+        try:
+            self.llm = LLM(**kwargs)
+        except BaseException:
+            self.close()
+            raise
         self.pending = {}  # request id -> (caller's key, limit), for submit/poll
         self.request_counter = 0
         self.prompt_tokens = self.cached_tokens = 0
@@ -438,6 +453,10 @@ class VLLMEngine(Engine):
             self.abort()
         llm = getattr(self, "llm", None)
         self.llm = None
+        if getattr(self, "torch_threads", None):
+            import torch
+            torch._C.set_num_threads(self.torch_threads)  # the process's other work gets its cores back
+            self.torch_threads = None
         if llm is None:
             return
         core = getattr(llm.llm_engine, "engine_core", None)
@@ -462,12 +481,16 @@ class Replicas(Engine):
     hitting that replica's prefix cache; a new key goes to the replica with the fewest keys
     pinned. On GPUs replica r gets the r-th group of `tensor_parallel_size` visible devices
     (its engine core process is started with CUDA_VISIBLE_DEVICES set to that group).
+    `poll` steps the replicas in turn: with engine core processes (GPUs, or CPU with
+    VLLM_ENABLE_V1_MULTIPROCESSING=1, where each replica's worker gets its own share of
+    the cores) it waits for one replica's output while the others keep computing; with
+    the in-process engine core (CPU's default here) the replicas run one after another.
     Per-trajectory scheduling only: `generate` (lock-step) is refused.
     """
 
     def __init__(self, model_dir, k, *, max_model_len, seed=0, tensor_parallel_size=1, **kwargs):
         self.replicas = []
-        visible = None
+        groups = [None] * k  # per replica: (environment variable, value) that places it
         if _cuda():
             import torch
             env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -475,10 +498,20 @@ class Replicas(Engine):
             if len(visible) < k * tensor_parallel_size:
                 raise ValueError(f"{k} replicas x {tensor_parallel_size} GPUs need {k * tensor_parallel_size} "
                                  f"GPUs, {len(visible)} visible")
+            groups = [("CUDA_VISIBLE_DEVICES", ",".join(visible[r * tensor_parallel_size:(r + 1) * tensor_parallel_size]))
+                      for r in range(k)]
+        elif os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0") and \
+                "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # Engine core processes on CPU: vLLM's automatic thread binding knows of one engine
+            # and binds every replica's worker to the same cores, which serialises them
+            # (2 replicas on 2 cores: 6.5 s a rollout, 3.6 s with a core each). Split the cores instead.
+            cores = sorted(os.sched_getaffinity(0))
+            if len(cores) >= k:
+                groups = [("VLLM_CPU_OMP_THREADS_BIND",
+                           ",".join(map(str, cores[r * len(cores) // k:(r + 1) * len(cores) // k]))) for r in range(k)]
         try:
             for r in range(k):
-                group = visible[r * tensor_parallel_size:(r + 1) * tensor_parallel_size] if visible else None
-                self.replicas.append(self._start(group, model_dir, max_model_len=max_model_len, seed=seed + r,
+                self.replicas.append(self._start(groups[r], model_dir, max_model_len=max_model_len, seed=seed + r,
                                                  tensor_parallel_size=tensor_parallel_size, **kwargs))
         except BaseException:
             self.close()
@@ -489,17 +522,19 @@ class Replicas(Engine):
 
     @staticmethod
     def _start(group, model_dir, **kwargs):
+        """A replica whose engine processes start with `group` = (variable, value) in their environment."""
         if group is None:
             return VLLMEngine(model_dir, **kwargs)
-        before = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(group)
+        name, value = group
+        before = os.environ.get(name)
+        os.environ[name] = value
         try:
             return VLLMEngine(model_dir, **kwargs)
         finally:
             if before is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                os.environ.pop(name, None)
             else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = before
+                os.environ[name] = before
 
     @property
     def pending(self):
@@ -538,6 +573,6 @@ class Replicas(Engine):
         self.pins.clear()
 
     def close(self):
-        for e in self.replicas:
+        for e in reversed(self.replicas):  # last started first: each restores what it found
             e.close()
         self.replicas = []

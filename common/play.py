@@ -246,11 +246,14 @@ def _async(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_mode
         t = trajs[i]
         if (limit := _room(t, max_model_len, max_new_tokens, bar)) is None:
             return
+        t_gen = time.perf_counter()
         try:
             engine.submit(i, t.prompt_ids + t.ids, limit, temperature)
         except Exception as e:
             raise TrajectoryFailed(f"task {t.task['id']} sample {t.sample_index}: "
                                    f"engine request failed: {type(e).__name__}: {e}") from e
+        # vLLM's own request processing (lock-step's generate() counts it inside the engine too)
+        counts["engine_seconds"] += time.perf_counter() - t_gen
 
     try:
         for i in range(len(trajs)):

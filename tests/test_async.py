@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from common import bfcl, play
 from common.engines import make_engine
@@ -35,8 +36,12 @@ def test_engine_error_in_one_trajectory_fails_the_stage_and_aborts_the_rest(tiny
         t.env.close()
     # The engine's context holds every first prompt plus 4 tokens, the loop believes in 16k:
     # each trajectory's second request overflows the engine, a real per-request error.
+    threads = torch.get_num_threads()
     engine = make_engine("vllm", tiny_model, max_model_len=longest + 4, seed=0)
     try:
+        if "OMP_NUM_THREADS" not in os.environ and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" \
+                and not torch.cuda.is_available():
+            assert torch.get_num_threads() == 1  # the in-process engine core's one thread (engines.py)
         with pytest.raises(play.TrajectoryFailed, match=r"task multi_turn_\w+ sample \d: engine request failed"):
             play.play(tasks, 2, engine, temperature=1.0, max_new_tokens=4, max_model_len=16384,
                       progress=False, schedule="async")
@@ -47,6 +52,7 @@ def test_engine_error_in_one_trajectory_fails_the_stage_and_aborts_the_rest(tiny
         assert len(gen.ids) >= 1
     finally:
         engine.close()
+    assert torch.get_num_threads() == threads  # the process's other work has its threads back
 
 
 @pytest.fixture(scope="module")
