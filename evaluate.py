@@ -37,6 +37,15 @@ parser.add_argument("--domain", default=None, choices=["retail", "airline", "tel
 parser.add_argument("--user-model", default=None, help="τ²-bench user simulator: a local model folder, served with vllm serve")
 parser.add_argument("--user-base-url", default=None, help="τ²-bench user simulator: an OpenAI-compatible endpoint")
 parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
+parser.add_argument("--user-tool-parser", default="hermes",
+                    help="τ²: vLLM tool-call parser of the served --user-model (hermes for Qwen, llama3_json for Llama)")
+parser.add_argument("--user-serve-args", default="", help="τ²: extra arguments for the --user-model server, one string")
+parser.add_argument("--user-start-timeout", type=int, default=900, help="τ²: seconds to wait for the user server")
+parser.add_argument("--user-max-tokens", type=int, default=None,
+                    help="τ²: cap on each user-simulator message (default: none, as τ²-bench)")
+parser.add_argument("--max-episode-steps", type=int, default=200, help="τ²: orchestrator steps per task (τ²'s default)")
+parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="τ²: the agent's vLLM share of the GPU, when the user model is served on the same GPU")
 parser.add_argument("--compare", nargs="+", metavar="RUN", help="print the scores of these run folders")
 parser.add_argument("--split", default="heldin", choices=["heldin", "train"])
 parser.add_argument("--tasks", default=None, help="task file (default: data/<split>.jsonl)")
