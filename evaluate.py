@@ -56,6 +56,8 @@ parser.add_argument("--user-start-timeout", type=int, default=900, help="τ²: s
 parser.add_argument("--user-max-tokens", type=int, default=None,
                     help="τ²: cap on each user-simulator message (default: none, as τ²-bench)")
 parser.add_argument("--max-episode-steps", type=int, default=200, help="τ²: orchestrator steps per task (τ²'s default)")
+parser.add_argument("--concurrency", type=int, default=1,
+                    help="τ²: episodes played at once, their agent outputs batched (τ²'s own runner uses 3)")
 parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="τ²: the agent's vLLM share of the GPU, when the user model is served on the same GPU")
 parser.add_argument("--compare", nargs="+", metavar="RUN", help="print the scores of these run folders")

@@ -35,6 +35,7 @@ episode. τ²'s evaluator scores that trajectory like any other.
 import contextlib
 import json
 import os
+import queue
 import random
 import shlex
 import signal
@@ -42,10 +43,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from common import calls as calls_api
 from common.jsonl import RecordError, write_json, write_jsonl
@@ -82,6 +85,8 @@ def evaluate(args, error):
             check_endpoint(args.user_base_url.rstrip("/"), args.user_model_name)
     if args.limit is not None and args.limit < 1:
         error("--limit must be at least 1")
+    if args.concurrency < 1:
+        error("--concurrency must be at least 1")
 
     tau2 = import_tau2()
     tasks = {d: tau2.tasks(d, args.limit) for d in domains}
@@ -100,16 +105,28 @@ def evaluate(args, error):
                 user_sim = {"kind": "endpoint", "name": name, "base_url": url}
             user_sim["llm_args"] = user_llm_args(args, url)
             engine = stack.enter_context(make_agent_engine(args))  # loads while the server starts
+            if args.concurrency > 1:
+                engine = stack.enter_context(Batcher(engine))
             if local:
                 server.ready()
             players = tau2.model_players(engine, args, user_sim)
-        results = []
         started = time.perf_counter()
-        for d in domains:
-            for task in tasks[d]:
-                results.append(tau2.play(d, task, players, args.max_episode_steps, args.call_format))
-                print(f"  {d} {task.id}: reward {results[-1]['reward']:.2f} ({results[-1]['termination']})",
-                      file=sys.stderr)
+
+        def play(job):
+            row = tau2.play(*job, players, args.max_episode_steps, args.call_format)
+            print(f"  {row['domain']} {row['task_id']}: reward {row['reward']:.2f} ({row['termination']})",
+                  file=sys.stderr)
+            return row
+
+        jobs = [(d, task) for d in domains for task in tasks[d]]
+        if args.concurrency == 1:
+            results = [play(job) for job in jobs]
+        else:
+            pool = ThreadPoolExecutor(args.concurrency)
+            try:
+                results = list(pool.map(play, jobs))
+            finally:  # on an error or Ctrl-C, start no more episodes; running ones fail once
+                pool.shutdown(wait=False, cancel_futures=True)  # the engine and the server are gone
     scores = domain_scores(results, domains)
     scores.update(user_simulator=user_sim, policy=args.policy if oracle else os.path.abspath(args.policy),
                   limit=args.limit, tau2_version=tau2.version, call_format=args.call_format,
@@ -431,6 +448,60 @@ class OracleScript:
 
 
 # ----------------------------------------------------------------------------- engines and the user simulator
+
+
+class Batcher:
+    """The engine for concurrent episodes: one thread owns it, and whatever prompts the episodes'
+    threads have handed in by the time it is free go to the engine as one batch."""
+
+    def __init__(self, engine):
+        self.engine, self.tokenizer, self.queue = engine, engine.tokenizer, queue.Queue()
+        self.lock, self.closed = threading.Lock(), False
+        self.thread = threading.Thread(target=self._run, name="tau2-engine", daemon=True)
+        self.thread.start()
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        futures = []
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the engine is closed")
+            for p, m in zip(prompts, max_new_tokens, strict=True):
+                futures.append(Future())
+                self.queue.put((p, m, temperature, futures[-1]))
+        return [f.result() for f in futures]
+
+    def _run(self):
+        while (item := self.queue.get()) is not None:
+            batch = [item]
+            with contextlib.suppress(queue.Empty):
+                while (more := self.queue.get_nowait()) is not None:
+                    batch.append(more)
+                self.queue.put(None)  # the stop marker came with this batch: stop after it
+            by_temperature = {}
+            for job in batch:
+                by_temperature.setdefault(job[2], []).append(job)
+            for temperature, jobs in by_temperature.items():
+                try:
+                    gens = self.engine.generate([j[0] for j in jobs], [j[1] for j in jobs], temperature)
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting episodes
+                    for j in jobs:
+                        j[3].set_exception(e)
+                    continue
+                for j, gen in zip(jobs, gens, strict=True):
+                    j[3].set_result(gen)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.closed = True
+            self.queue.put(None)
+        self.thread.join()
+        with contextlib.suppress(queue.Empty):
+            while True:  # requests that came with or after the stop marker
+                if (job := self.queue.get_nowait()) is not None:
+                    job[3].set_exception(RuntimeError("the engine is closed"))
 
 
 @contextlib.contextmanager
