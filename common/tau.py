@@ -287,8 +287,13 @@ def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
                 out, state = super().generate_next_message(message, state)
             except (ValueError, TypeError, litellm.BadRequestError) as e:
                 # arguments that are not JSON, a conversation longer than its context: this
-                # episode's simulator failed; connection errors and timeouts still stop the stage
+                # episode's simulator failed, the episode ends
                 raise UserError(f"user simulator failed: {type(e).__name__}: {e}") from None
+            except (litellm.APIConnectionError, litellm.Timeout, litellm.ServiceUnavailableError,
+                    litellm.InternalServerError, litellm.NotFoundError, litellm.AuthenticationError) as e:
+                # an endpoint that stopped answering fails the stage: no score from absent users
+                raise RecordError(f"user simulator {self.llm} at {self.llm_args.get('api_base')} "
+                                  f"failed: {type(e).__name__}: {str(e)[:300]}") from None
             if not (out.has_text_content() or out.is_tool_call()):
                 raise UserError("the user simulator's message is empty")
             return out, state

@@ -166,3 +166,14 @@ def test_bad_input_clear_error_and_no_output(tmp_path, tiny_model):
     res = evaluate("--policy", "oracle", "--user-model", tiny_model, "--out", str(out))
     assert res.returncode != 0 and "takes no user simulator" in res.stderr
     assert not out.exists()
+
+
+def test_user_endpoint_that_stops_answering_fails_the_stage(tau2):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    user = tau2.classes[2](tools=None, instructions="x", llm="openai/u",
+                           llm_args={"api_base": f"http://127.0.0.1:{port}/v1", "api_key": "EMPTY", "num_retries": 0})
+    greeting = tau2.msg.AssistantMessage(role="assistant", content="Hi! How can I help you today?")
+    with pytest.raises(tau.RecordError, match="user simulator openai/u at http://127.0.0.1:[0-9]+/v1 failed"):
+        user.generate_next_message(greeting, user.get_init_state())
