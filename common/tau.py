@@ -447,7 +447,12 @@ class OracleScript:
             if action.requestor == "assistant":
                 self.cursor += 1
                 return calls_api.format_calls([{"name": action.name, "arguments": action.arguments}], self.fmt)
-            return f"Please do this on your side: {action.get_func_format()}."
+            asks = []  # every user action due before the agent's next one, in one request
+            for a in self.actions[self.cursor:]:
+                if a.requestor != "user":
+                    break
+                asks.append(a.get_func_format())
+            return f"Please do this on your side: {'; then '.join(asks)}."
         self.told = True
         return "\n".join(self.info) if self.info else "Your request is complete."
 
