@@ -160,7 +160,8 @@ def compare_ood(runs):
         for bench, key, _ in OOD_COLUMNS:
             v = benches.get(bench, {}).get(key)
             cells.append(f"{v:>13.2f}" if isinstance(v, (int, float)) else f"{'—' if v is None else v:>13}")
-        print(f"{name:{width}}" + "".join(cells) + f"  {benches.get('tau2', {}).get('user_simulator', '—')}")
+        sim = benches.get("tau2", {}).get("user_simulator") or {}
+        print(f"{name:{width}}" + "".join(cells) + f"  {sim.get('model') or sim.get('name') or sim.get('kind', '—')}")
     return rows
 
 
