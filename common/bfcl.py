@@ -237,6 +237,14 @@ class Environment:
         self.tools = []
         self.methods = methods(task["involved_classes"])
         self.decoded = []  # what the checker gets: per turn, per step with calls, rendered strings
+        self.memory = None
+        if any(cls.startswith("MemoryAPI_") for cls in task["involved_classes"]):
+            # BFCL V4 memory (common/memory.py): bfcl-eval's harness creates the instance, which
+            # loads the scenario's memory snapshot, before the first turn (not under the deadline:
+            # the vector backend re-embeds the snapshot), and writes it back when a prerequisite
+            # conversation ends.
+            _, instances = _bare_execute([], task["initial_config"], task["involved_classes"], self.name, task["id"])
+            self.memory = next(iter(instances.values()))
         if task["long_context"]:
             # Long-context instances hold references to module-level scenario data
             # (credit cards, bookings, transactions): create them now and give them
@@ -252,6 +260,9 @@ class Environment:
         self.close()
 
     def close(self):
+        if self.memory is not None and "prereq" in self.task["id"]:  # bfcl-eval's is_memory_prereq
+            self.memory._flush_memory_to_local_file()
+        self.memory = None
         _forget(self.name)
 
     def start_turn(self, turn):
