@@ -152,14 +152,22 @@ def load_category(category, snapshot_root, scenario=None, limit=None):
     return questions, chains
 
 
-def to_task(entry):
+def to_task(entry, loaded=None):
     """A task record for common.bfcl.Environment and common.play, the memory instruction added as
-    bfcl-eval adds it when the conversation starts (with the core memory of the snapshot it loads)."""
+    bfcl-eval adds it when the conversation starts (with the core memory of the snapshot it loads).
+
+    `loaded` caches the instance per (backend, scenario) for questions, which all load the same
+    final snapshot (the vector backend embeds the whole snapshot on loading)."""
     prompts = copy.deepcopy(entry["question"])
     if U.is_memory(entry["id"]):
         cls = entry["involved_classes"][0]
-        instance = getattr(backend_module(cls), cls)()
-        instance._load_scenario(copy.deepcopy(entry["initial_config"][cls]), long_context=False)
+        key = (cls, entry["scenario"])
+        instance = loaded.get(key) if loaded is not None else None
+        if instance is None:
+            instance = getattr(backend_module(cls), cls)()
+            instance._load_scenario(copy.deepcopy(entry["initial_config"][cls]), long_context=False)
+            if loaded is not None:
+                loaded[key] = instance
         prompts = add_memory_instruction_system_prompt(prompts, entry["id"].rsplit("_", 1)[0],
                                                        entry["scenario"], instance)
     return {"id": entry["id"], "category": entry["id"].rsplit("_", 1)[0], "questions": prompts,
@@ -221,7 +229,7 @@ def model_player(args, error):
     engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
                          tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
 
-    def run(tasks):
+    def run(tasks, entries):
         records, _ = play.play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=0.0,
                                max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,
                                max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy),
@@ -242,6 +250,9 @@ def evaluate(args, error):
     """evaluate.py --bench bfcl-memory | bfcl-web: DIR/results.jsonl, DIR/prereqs.jsonl,
     DIR/memory_snapshot/ and DIR/scores.json (written last)."""
     start = time.perf_counter()
+    if args.policy != "oracle":
+        from common.engines import resolve_model
+        resolve_model(args.policy)  # a clear error before anything loads
     if args.bench == "bfcl-web":
         if not os.environ.get(SEARCH_KEY):
             error(f"--bench bfcl-web needs a SerpAPI key in {SEARCH_KEY}: BFCL V4 web search queries Google "
@@ -255,38 +266,30 @@ def evaluate(args, error):
         categories = [f"memory_{b}" for b in args.memory_backend]
         for cat in categories:
             backend_module(f"MemoryAPI_{cat[len('memory_'):]}")
-    if args.policy != "oracle":
-        from common.engines import resolve_model
-        resolve_model(args.policy)  # a clear error before anything runs
 
     scratch = tempfile.mkdtemp(prefix="seal-memory-")  # bfcl-eval's model_result_dir: snapshots
     engine = None
     try:
         loaded = [load_category(cat, scratch, args.memory_scenario, args.limit) for cat in categories]
         if args.policy == "oracle":
-            def run_prereqs(tasks, entries):
-                return [oracle_prereq(t, e, args.call_format) for t, e in zip(tasks, entries, strict=True)]
-
-            def run_questions(tasks, entries):
-                return [oracle_question(t, e, args.call_format) for t, e in zip(tasks, entries, strict=True)]
+            def play_batch(tasks, entries):
+                return [(oracle_prereq if U.is_memory_prereq(e["id"]) else oracle_question)(t, e, args.call_format)
+                        for t, e in zip(tasks, entries, strict=True)]
         else:
-            run, engine = model_player(args, error)
-
-            def run_prereqs(tasks, entries):
-                return run(tasks)
-            run_questions = run_prereqs
+            play_batch, engine = model_player(args, error)
 
         # Chains side by side (all backends and scenarios), conversation k of each after k-1 of each.
         chains = [c for _, cs in loaded for c in cs]
         prereqs = []
         for k in range(max((len(c) for c in chains), default=0)):
             entries = [c[k] for c in chains if k < len(c)]
-            records = run_prereqs([to_task(e) for e in entries], entries)
+            records = play_batch([to_task(e) for e in entries], entries)
             prereqs += [{"task_id": e["id"], "scenario": e["scenario"], "topic": e["topic"], **transcript(r)}
                         for e, r in zip(entries, records, strict=True)]
         entries = [q for qs, _ in loaded for q in qs]
-        tasks = [to_task(q) for q in entries]
-        records = run_questions(tasks, entries) if tasks else []
+        final = {}  # every question of a scenario loads its final snapshot
+        tasks = [to_task(q, final) for q in entries]
+        records = play_batch(tasks, entries) if tasks else []
 
         results = []
         for q, task, rec in zip(entries, tasks, records, strict=True):
