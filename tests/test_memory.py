@@ -5,7 +5,9 @@ The oracle and the tiny model run through evaluate.py as a command. The notetake
 cheapest (5 short prerequisite conversations), so the end-to-end runs use it.
 """
 
+import ast
 import copy
+import importlib.util
 import json
 import os
 import subprocess
@@ -82,6 +84,57 @@ def test_verdict_is_on_the_last_output_without_calls():
     assert memory.verdict(quit_, ["Seattle"], "json") == {"valid": False, "error_type": "agentic:no_last_message",
                                                           "answer": None}
     assert memory.verdict({"turns": [{"steps": [{"text": "", "calls": []}]}]}, ["x"], "json")["answer"] is None
+
+
+AGENTIC_RUNS = [  # the outputs of a question's one turn, in order; the last has no calls (or all do)
+    ["{'answer': 'Seattle', 'context': 'from memory'}"],
+    ['<tool_call>\n{"name": "archival_memory_key_search", "arguments": {"query": "home"}}\n</tool_call>',
+     "{'answer': 'Seattle', 'context': 'from memory'}"],
+    ["<think>Maybe Seattle.</think>\n{'answer': 'Portland', 'context': 'guess'}"],
+    ["<think>Maybe Portland.</think>\n\n{'answer': 'Seattle', 'context': 'guess'}"],
+    ['<tool_call>\n{"name": "core_memory_retrieve", "arguments": {"key": "Seattle"'],  # unclosed: no calls
+    ['<tool_call>\n{"name": "memory_retrieve", "arguments": {}}\n</tool_call>\n<tool_call>\n{bad}\n</tool_call>',
+     "It is Seattle."],
+    ['<tool_call>\n{"name": "memory_retrieve", "arguments": {}}\n</tool_call>'] * 2,  # force-quit: no answer
+    [""],
+    ["Seattle, Washington"],
+    ["I live in seattle-ish places"],
+]
+
+
+@pytest.mark.parametrize("texts", AGENTIC_RUNS)
+def test_verdict_equals_bfcl_evals_agentic_runner(texts):
+    """Our verdict against bfcl-eval's _evaluate_single_agentic_entry, compiled from its installed
+    source, with its Qwen handler's response parsing and decoder (tests/trajectories.py)."""
+    import types
+
+    from bfcl_eval.eval_checker.agentic_eval.agentic_checker import agentic_checker
+    from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import is_empty_execute_response
+
+    from common import calls as C
+    from tests.trajectories import _QWEN, bfcl_eval_decode
+
+    # its module imports half of bfcl-eval (tree_sitter among it): compile the one function
+    path = importlib.util.find_spec("bfcl_eval.eval_checker.eval_runner").origin
+    with open(path) as f:
+        [fn] = [n for n in ast.parse(f.read()).body
+                if isinstance(n, ast.FunctionDef) and n.name == "_evaluate_single_agentic_entry"]
+    for arg in fn.args.args:
+        arg.annotation = None  # `handler: BaseHandler`
+    runner = {"agentic_checker": agentic_checker, "is_empty_execute_response": is_empty_execute_response}
+    exec(compile(ast.Module([fn], type_ignores=[]), path, "exec"), runner)  # noqa: S102 (bfcl-eval's code)
+    handler = types.SimpleNamespace(_extract_tool_calls=_QWEN["_extract_tool_calls"])
+    # what its inference loop stores per step: the Qwen handler's model_responses
+    stored = [_QWEN["_parse_query_response_prompting"](handler, types.SimpleNamespace(
+        choices=[types.SimpleNamespace(text=t)], usage=types.SimpleNamespace(prompt_tokens=0, completion_tokens=0))
+    )["model_responses"] for t in texts]
+    judge = types.SimpleNamespace(decode_execute=lambda r, has_tool_call_tag: bfcl_eval_decode(r))
+    theirs = runner["_evaluate_single_agentic_entry"](judge, "memory_kv_1-customer-1", [stored], ["Seattle"],
+                                                       {"question": []}, "m", "memory_kv")
+    record = {"turns": [{"steps": [{"text": t, "calls": C.parse(t, "json")[0]} for t in texts]}]}
+    ours = memory.verdict(record, ["Seattle"], "json")
+    assert ours["valid"] == theirs["valid"]
+    assert ours["error_type"] == (None if theirs["valid"] else theirs["error"]["error_type"])
 
 
 def test_oracle_scores_100_on_every_backend(tmp_path):
