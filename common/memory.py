@@ -254,6 +254,8 @@ def evaluate(args, error):
         from common.engines import resolve_model
         resolve_model(args.policy)  # a clear error before anything loads
     if args.bench == "bfcl-web":
+        if args.memory_scenario:
+            error("--memory-scenario is for --bench bfcl-memory")
         if not os.environ.get(SEARCH_KEY):
             error(f"--bench bfcl-web needs a SerpAPI key in {SEARCH_KEY}: BFCL V4 web search queries Google "
                   "through SerpAPI and fetches live pages (not run; --bench bfcl-memory runs offline)")

@@ -44,10 +44,15 @@ def test_questions_line_up_with_answers_and_prerequisites_chain(tmp_path):
     assert [q["id"] for q in questions] == [f"memory_rec_sum_{i}-customer-{i}" for i in range(3)]
     assert [c[0]["scenario"] for c in chains] == ["customer"]
     questions, chains = memory.load_category("memory_kv", tmp_path, scenario="notetaker", limit=2)
+    cfg = questions[0]["initial_config"]["MemoryAPI_kv"]
     assert {q["scenario"] for q in questions} == {"notetaker"} and len(questions) == 2
     assert len(chains) == 1 and len(chains[0]) == NOTETAKER_PREREQS
+    # web search (not runnable here) loads through the same path: no conversations, snapshot unused
+    questions, chains = memory.load_category("web_search_no_snippet", tmp_path, limit=2)
+    assert [q["id"] for q in questions] == ["web_search_no_snippet_0", "web_search_no_snippet_1"] and chains == []
+    assert questions[0]["initial_config"] == {"WebSearchAPI": {"show_snippet": False}}
+    assert questions[0]["answers"] == ["Zhang Yiming"]
     # the snapshot folder is ours, never bfcl-eval's package folder
-    cfg = questions[0]["initial_config"]["MemoryAPI_kv"]
     assert str(cfg["model_result_dir"]) == str(tmp_path)
 
 
