@@ -54,7 +54,6 @@ from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPIN
 from bfcl_eval.eval_checker.agentic_eval.agentic_checker import agentic_checker  # noqa: E402
 
 BACKENDS = ["kv", "vector", "rec_sum"]
-SCENARIOS = sorted(MEMORY_AGENT_SETTINGS)
 WEB_CATEGORIES = ["web_search_base", "web_search_no_snippet"]
 EMBEDDER = "all-MiniLM-L6-v2"  # the name memory_vector.py gives SentenceTransformer
 SEARCH_KEY = "SERPAPI_API_KEY"  # what web_search.py's search_engine_query reads
