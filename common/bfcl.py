@@ -52,6 +52,8 @@ TASK_FIELDS = ["id", "category", "questions", "initial_config", "involved_classe
                "missed_function", "long_context", "ground_truth"]
 EXEC_ERROR_PREFIX = "Error during execution:"
 EXEC_DEADLINE_S = 2.0  # for one batch of calls; real tool calls take milliseconds
+# BFCL V4 memory calls are bounded, but memory_vector embeds on the CPU: seconds on a busy machine.
+MEMORY_DEADLINE_S = 60.0
 # Names execute_multi_turn_func_call refuses before its eval(), whatever they name.
 DENY_LIST = ("kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run")
 # What the checker gets for a refused call: the executor refuses it unrun (a deny-list
@@ -77,10 +79,6 @@ def load_tasks(path):
     return tasks
 
 
-def _overrun(signum, frame):
-    raise TimeoutError(f"tool call exceeded {EXEC_DEADLINE_S:g} s")
-
-
 @contextlib.contextmanager
 def deadline(seconds=EXEC_DEADLINE_S):
     """Raise TimeoutError inside the block after `seconds` (main thread only: SIGALRM).
@@ -91,7 +89,10 @@ def deadline(seconds=EXEC_DEADLINE_S):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGALRM, _overrun)
+    def overrun(signum, frame):
+        raise TimeoutError(f"tool call exceeded {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, overrun)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
@@ -294,9 +295,10 @@ class Environment:
         return results, [r if is_error_result(r) else None for r in results]
 
     def _execute(self, call_strings):
-        return execute(
-            call_strings, self.task["initial_config"], self.task["involved_classes"],
-            self.name, self.task["id"], long_context=self.task["long_context"])
+        with deadline(MEMORY_DEADLINE_S if self.memory is not None else EXEC_DEADLINE_S):
+            return _bare_execute(
+                call_strings, self.task["initial_config"], self.task["involved_classes"],
+                self.name, self.task["id"], long_context=self.task["long_context"])
 
 
 def official_verdict(task, decoded):
