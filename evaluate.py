@@ -116,24 +116,29 @@ def print_table(scores, title):
 
 
 def compare(runs):
-    """Rows of (name, scores): each run's base model once, then its evaluated rounds."""
-    rows, bases = [], set()
+    """Print Table 1 (held-in) and, for runs scored with loop.sh --ood, Table 2: each preset's base
+    model once, then every evaluated round. Returns Table 1's rows of (name, scores)."""
+    rows, ood, bases = [], [], set()
     for run in runs:
         if not os.path.isdir(run):
             raise RecordError(f"{run}: no such run folder")
-        settings = read_json(os.path.join(run, "config.json"))["settings"]
-        base = os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{settings['preset']}", "eval", "scores.json")
-        if os.path.isfile(base) and base not in bases:
+        preset = read_json(os.path.join(run, "config.json"))["settings"]["preset"]
+        base = os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{preset}")
+        if base not in bases:
             bases.add(base)
-            rows.append((f"{settings['preset']} base", read_json(base)))
+            if os.path.isfile(path := os.path.join(base, "eval", "scores.json")):
+                rows.append((f"{preset} base", read_json(path)))
+            ood.append((f"{preset} base", os.path.join(base, "ood")))
+        name = os.path.basename(os.path.normpath(run))
         for path in sorted(glob.glob(os.path.join(run, "eval", "round_*", "scores.json"))):
-            tag = os.path.basename(os.path.dirname(path)).replace("round_", "r")
-            rows.append((f"{os.path.basename(os.path.normpath(run))} {tag}", read_json(path)))
+            rows.append((f"{name} {os.path.basename(os.path.dirname(path)).replace('round_', 'r')}", read_json(path)))
+        ood += [(f"{name} {os.path.basename(d).replace('round_', 'r')}", d)
+                for d in sorted(glob.glob(os.path.join(run, "ood", "round_*")))]
     width = max(len(name) for name, _ in rows) if rows else 10
     print(f"{'':{width}}" + "".join(f"{c:>14}" for c in bfcl.CATEGORIES + ["average"]))
     for name, sc in rows:
         print(f"{name:{width}}" + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in bfcl.CATEGORIES + ["average"]))
-    compare_ood(runs)
+    print_ood(ood)
     return rows
 
 
@@ -145,23 +150,16 @@ OOD_COLUMNS = [("bfcl-memory", "memory_kv", "mem kv"), ("bfcl-memory", "memory_v
                ("tau2", "airline", "τ² airline"), ("tau2", "telecom", "τ² telecom"), ("tau2", "average", "τ² avg")]
 
 
-def compare_ood(runs):
-    """Print the Table-2 block for the runs that have OOD scores (loop.sh --ood); rows of (name, {column: value})."""
-    rows, bases = [], set()
-    for run in runs:
-        preset = read_json(os.path.join(run, "config.json"))["settings"]["preset"]
-        base = os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{preset}", "ood")
-        found = [(f"{preset} base", base)] if base not in bases else []
-        bases.add(base)
-        found += [(f"{os.path.basename(os.path.normpath(run))} {os.path.basename(d).replace('round_', 'r')}", d)
-                  for d in sorted(glob.glob(os.path.join(run, "ood", "round_*")))]
-        for name, folder in found:
-            benches = {b: read_json(p) for b in ("bfcl-memory", "bfcl-web", "tau2")
-                       if os.path.isfile(p := os.path.join(folder, b, "scores.json"))}
-            if benches:
-                rows.append((name, benches))
+def print_ood(places):
+    """The Table-2 block for the (name, folder) places that hold OOD scores (loop.sh --ood)."""
+    rows = []
+    for name, folder in places:
+        benches = {b: read_json(p) for b in ("bfcl-memory", "bfcl-web", "tau2")
+                   if os.path.isfile(p := os.path.join(folder, b, "scores.json"))}
+        if benches:
+            rows.append((name, benches))
     if not rows:
-        return rows
+        return
     width = max(len(name) for name, _ in rows)
     print("\nOut of distribution (Table 2): BFCL V4 memory (web search where it ran) and τ²-bench")
     print(f"{'':{width}}" + "".join(f"{label:>13}" for _, _, label in OOD_COLUMNS) + "  τ² user simulator")
@@ -172,7 +170,6 @@ def compare_ood(runs):
             cells.append(f"{v:>13.2f}" if isinstance(v, (int, float)) else f"{'—' if v is None else v:>13}")
         sim = benches.get("tau2", {}).get("user_simulator") or {}
         print(f"{name:{width}}" + "".join(cells) + f"  {sim.get('model') or sim.get('name') or sim.get('kind', '—')}")
-    return rows
 
 
 def main(args):
