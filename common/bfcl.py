@@ -104,9 +104,9 @@ def deadline(seconds=EXEC_DEADLINE_S):
 _bare_execute = _utils.execute_multi_turn_func_call
 
 
-def execute(*args, **kwargs):
-    """bfcl-eval's execute_multi_turn_func_call, under a deadline."""
-    with deadline():
+def execute(*args, seconds=EXEC_DEADLINE_S, **kwargs):
+    """bfcl-eval's execute_multi_turn_func_call, under a deadline of `seconds`."""
+    with deadline(seconds):
         return _bare_execute(*args, **kwargs)
 
 
@@ -295,10 +295,10 @@ class Environment:
         return results, [r if is_error_result(r) else None for r in results]
 
     def _execute(self, call_strings):
-        with deadline(MEMORY_DEADLINE_S if self.memory is not None else EXEC_DEADLINE_S):
-            return _bare_execute(
-                call_strings, self.task["initial_config"], self.task["involved_classes"],
-                self.name, self.task["id"], long_context=self.task["long_context"])
+        return execute(
+            call_strings, self.task["initial_config"], self.task["involved_classes"], self.name, self.task["id"],
+            long_context=self.task["long_context"],
+            seconds=MEMORY_DEADLINE_S if self.memory is not None else EXEC_DEADLINE_S)
 
 
 def official_verdict(task, decoded):
