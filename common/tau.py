@@ -373,13 +373,7 @@ def to_assistant_message(msg, text, fmt, index):
 
 def chat_messages(messages):
     """τ² messages as the chat-template dicts our Renderer takes (assistant text stays raw)."""
-    out = []
-    for m in messages:
-        if m.role == "tool":
-            out.append({"role": "tool", "content": m.content or ""})
-        else:
-            out.append({"role": m.role, "content": m.content or ""})
-    return out
+    return [{"role": m.role, "content": m.content or ""} for m in messages]
 
 
 class ModelPolicy:
