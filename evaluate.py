@@ -191,16 +191,9 @@ def main(args):
     if args.policy == "oracle":
         decoded = [oracle_trajectory(t) for t in tqdm(tasks, desc="oracle", unit="task")]
     else:
-        from common.engines import make_engine  # imports torch: only for model policies
-
-        schedule = play.schedule_for(args.engine, args.schedule, parser.error, args.data_parallel_size)
-        engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
-                             tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+        run, engine = play.greedy_player(args, parser.error)
         try:
-            records, _ = play.play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=0.0,
-                                max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,
-                                max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy),
-                                schedule=schedule)
+            records = run(tasks)
         finally:
             engine.close()
         write_jsonl(os.path.join(args.out, "rollouts.jsonl"), records)

@@ -220,23 +220,6 @@ def oracle_question(task, entry, fmt):
     return oracle_play(task, [[str({"answer": entry["answers"][0], "context": "the ground truth"})]], fmt)
 
 
-def model_player(args, error):
-    """A function playing a batch of tasks with the policy (greedy, no Ω), and the engine to close."""
-    from common.engines import make_engine  # imports torch: only for model policies
-
-    schedule = play.schedule_for(args.engine, args.schedule, error, args.data_parallel_size)
-    engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
-                         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
-
-    def run(tasks, entries):
-        records, _ = play.play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=0.0,
-                               max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,
-                               max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy),
-                               schedule=schedule)
-        return records
-    return run, engine
-
-
 def transcript(record):
     """The record without its token ids (results stay readable; the texts are what was generated)."""
     return {k: record[k] for k in ("turns", "stop", "stats") if k in record}
@@ -277,7 +260,10 @@ def evaluate(args, error):
                 return [(oracle_prereq if U.is_memory_prereq(e["id"]) else oracle_question)(t, e, args.call_format)
                         for t, e in zip(tasks, entries, strict=True)]
         else:
-            play_batch, engine = model_player(args, error)
+            run, engine = play.greedy_player(args, error)
+
+            def play_batch(tasks, entries):
+                return run(tasks)
 
         # Chains side by side (all backends and scenarios), conversation k of each after k-1 of each.
         chains = [c for _, cs in loaded for c in cs]

@@ -27,6 +27,7 @@ command lines around `play`.
 """
 
 import collections
+import os
 import time
 
 from tqdm import tqdm
@@ -167,6 +168,23 @@ def schedule_for(engine_kind, schedule, error, data_parallel_size=1):
     if data_parallel_size > 1 and (engine_kind == "hf" or schedule == "lockstep"):
         error("--data-parallel-size > 1 needs --engine vllm and --schedule async")
     return schedule or ("async" if engine_kind == "vllm" else "lockstep")
+
+
+def greedy_player(args, error):
+    """evaluate.py's model policy on one engine opened here: (run, engine), where run(tasks) plays
+    each task once, greedily, Ω removed, within evaluate.py's engine and length arguments, and
+    returns the records. The caller closes the engine."""
+    from common.engines import make_engine  # imports torch: only for model policies
+
+    schedule = schedule_for(args.engine, args.schedule, error, args.data_parallel_size)
+    engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
+                         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+
+    def run(tasks):
+        return play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=0.0,
+                    max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,
+                    max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy), schedule=schedule)[0]
+    return run, engine
 
 
 class TrajectoryFailed(RuntimeError):
