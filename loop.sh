@@ -157,7 +157,7 @@ ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR
     if [ "$b" = tau2 ]; then extra=("${USER_ARGS[@]}"); fi
     run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" $PY evaluate.py --bench "$b" --policy "$1" \
       $(limit_args "$OOD_LIMIT") --engine "$ENGINE" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
-      --call-format "$CALL_FORMAT" --data-parallel-size "$DP" --tensor-parallel-size "$TP" \
+      --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT" --data-parallel-size "$DP" --tensor-parallel-size "$TP" \
       "${extra[@]+"${extra[@]}"}" --out "$3/$b"
   done
 }
