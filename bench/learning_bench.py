@@ -57,6 +57,15 @@ def greedy_success(policy, out, settings):
     return sum(r["valid"] for r in rows) / len(rows)
 
 
+def task_successes(run, t):
+    """Successes per training task among round t's sampled rollouts (the official verdict)."""
+    wins = {}
+    with open(os.path.join(run, f"round_{t:03d}", "diagnoses.jsonl")) as f:
+        for d in map(json.loads, filter(str.strip, f)):
+            wins[d["task_id"]] = wins.get(d["task_id"], 0) + d["reward"]
+    return wins
+
+
 def zero_var_share(run, t):
     path = os.path.join(run, f"round_{t:03d}", "train_metrics.jsonl")
     with open(path) as f:
@@ -92,6 +101,8 @@ for seed in [int(s) for s in args.seeds.split(",")]:
             "rounds": [{"round": r["round"], "reward": r["reward"], "pass": r["label_share"].get("pass", 0.0),
                         "greedy": greedy[r["round"]], "w_mean": r["w_mean"], "steps": r["steps"],
                         "zero_var": zero_var_share(run, r["round"])} for r in rounds],
+            "tasks_first": task_successes(run, 0),
+            "tasks_last": task_successes(run, args.rounds - 1),
             "greedy_last": greedy[-1],
             "heldin_first": base["average"] if base else None,
             "heldin_last": evals.get(f"round_{args.rounds - 1:03d}", {}).get("average"),
@@ -109,6 +120,12 @@ print("zero-var = share of GRPO groups with equal rewards; steps = optimiser ste
 print(HEADER)
 for name, res in results.items():
     rows(name, res)
+# where a gain or a loss comes from: the same tasks, first and last round (successes of N samples)
+tasks = sorted({t for res in results.values() for t in res["tasks_first"]})
+short = [t.removeprefix("multi_turn_").removesuffix("_1turn") for t in tasks]
+print(f"\nsuccesses per task, round 0 -> last round\n{'run':<12}" + "".join(f"{s:>18}" for s in short))
+for name, res in results.items():
+    print(f"{name:<12}" + "".join(f"{res['tasks_first'].get(t, 0):>13g} ->{res['tasks_last'].get(t, 0):>3g}" for t in tasks))
 print(f"\n{'run':<12}{'gain':>7}{'target':>8}{'greedy first->last':>20}{'held-in first->last':>21}")
 for name, res in results.items():
     gain = res["rounds"][-1]["reward"] - res["rounds"][0]["reward"]
