@@ -143,11 +143,13 @@ run() {
 
 limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
 
+# every evaluation (held-in and OOD) plays with the preset's engine and limits
+PLAY_ARGS=(--engine "$ENGINE" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" --max-steps-per-turn "$MAX_STEPS"
+  --call-format "$CALL_FORMAT" --data-parallel-size "$DP" --tensor-parallel-size "$TP")
+
 evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
   run eval "$2" "$3/scores.json" $PY evaluate.py --policy "$1" --split heldin \
-    $(limit_args "$EVAL_LIMIT") --engine "$ENGINE" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
-    --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT" --data-parallel-size "$DP" --tensor-parallel-size "$TP" \
-    --out "$3"
+    $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" --out "$3"
 }
 
 ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR/<bench>/
@@ -156,9 +158,7 @@ ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR
     extra=()
     if [ "$b" = tau2 ]; then extra=("${USER_ARGS[@]}"); fi
     run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" $PY evaluate.py --bench "$b" --policy "$1" \
-      $(limit_args "$OOD_LIMIT") --engine "$ENGINE" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
-      --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT" --data-parallel-size "$DP" --tensor-parallel-size "$TP" \
-      "${extra[@]+"${extra[@]}"}" --out "$3/$b"
+      $(limit_args "$OOD_LIMIT") "${PLAY_ARGS[@]}" "${extra[@]+"${extra[@]}"}" --out "$3/$b"
   done
 }
 
