@@ -14,7 +14,9 @@ greedy success of the last policy and the held-in score of the first (base) and 
 
 Target: in every mode and seed, the last round's sampled reward >= round 0's + 0.15.
 A sampled reward is a mean over 8 tasks x N samples: its standard error is about
-sqrt(p (1 - p) / (8 N)) (0.08 at p = 0.4, N = 4), besides the seed-to-seed spread printed here.
+sqrt(p (1 - p) / (8 N)) (0.08 at p = 0.4, N = 4), besides the seed-to-seed spread printed here;
+the last table gives each run's gain with that error of the difference (se: about 0.12 at N = 4,
+0.085 at N = 8), so a gain of 0.15 is one or two standard errors.
 """
 
 import argparse
@@ -58,12 +60,14 @@ def greedy_success(policy, out, settings):
 
 
 def task_successes(run, t):
-    """Successes per training task among round t's sampled rollouts (the official verdict)."""
-    wins = {}
+    """Successes per training task among round t's sampled rollouts (the official verdict), and
+    how many rollouts the round had."""
+    wins, n = {}, 0
     with open(os.path.join(run, f"round_{t:03d}", "diagnoses.jsonl")) as f:
         for d in map(json.loads, filter(str.strip, f)):
             wins[d["task_id"]] = wins.get(d["task_id"], 0) + d["reward"]
-    return wins
+            n += 1
+    return wins, n
 
 
 def zero_var_share(run, t):
@@ -101,8 +105,9 @@ for seed in [int(s) for s in args.seeds.split(",")]:
             "rounds": [{"round": r["round"], "reward": r["reward"], "pass": r["label_share"].get("pass", 0.0),
                         "greedy": greedy[r["round"]], "w_mean": r["w_mean"], "steps": r["steps"],
                         "zero_var": zero_var_share(run, r["round"])} for r in rounds],
-            "tasks_first": task_successes(run, 0),
-            "tasks_last": task_successes(run, args.rounds - 1),
+            "tasks_first": task_successes(run, 0)[0],
+            "tasks_last": task_successes(run, args.rounds - 1)[0],
+            "samples": [task_successes(run, 0)[1], task_successes(run, args.rounds - 1)[1]],
             "greedy_last": greedy[-1],
             "heldin_first": base["average"] if base else None,
             "heldin_last": evals.get(f"round_{args.rounds - 1:03d}", {}).get("average"),
@@ -126,9 +131,11 @@ short = [t.removeprefix("multi_turn_").removesuffix("_1turn") for t in tasks]
 print(f"\nsuccesses per task, round 0 -> last round\n{'run':<12}" + "".join(f"{s:>18}" for s in short))
 for name, res in results.items():
     print(f"{name:<12}" + "".join(f"{res['tasks_first'].get(t, 0):>13g} ->{res['tasks_last'].get(t, 0):>3g}" for t in tasks))
-print(f"\n{'run':<12}{'gain':>7}{'target':>8}{'greedy first->last':>20}{'held-in first->last':>21}")
+# se: the standard error of the gain from sampling alone (two independent binomial means)
+print(f"\n{'run':<12}{'gain':>7}{'se':>7}{'target':>8}{'greedy first->last':>20}{'held-in first->last':>21}")
 for name, res in results.items():
-    gain = res["rounds"][-1]["reward"] - res["rounds"][0]["reward"]
+    (p0, p1), (n0, n1) = (res["rounds"][0]["reward"], res["rounds"][-1]["reward"]), res["samples"]
+    gain, se = p1 - p0, (p0 * (1 - p0) / n0 + p1 * (1 - p1) / n1) ** 0.5
     held = f"{res['heldin_first']} -> {res['heldin_last']}"
-    print(f"{name:<12}{gain:>+7.3f}{'met' if gain >= 0.15 else 'NOT met':>8}"
+    print(f"{name:<12}{gain:>+7.3f}{se:>7.3f}{'met' if gain >= 0.15 else 'NOT met':>8}"
           f"{res['rounds'][0]['greedy']:>10.3f} -> {res['greedy_last']:.3f}{held:>21}")
