@@ -101,13 +101,12 @@ for seed in [int(s) for s in args.seeds.split(",")]:
         policies = [settings["model"]] + [os.path.join(run, f"round_{t:03d}", "policy") for t in range(args.rounds)]
         greedy = [greedy_success(p, os.path.join(run, "train_eval", f"policy_{k}"), settings)
                   for k, p in enumerate(policies)]
+        first, last = task_successes(run, 0), task_successes(run, args.rounds - 1)
         results[name] = {
             "rounds": [{"round": r["round"], "reward": r["reward"], "pass": r["label_share"].get("pass", 0.0),
                         "greedy": greedy[r["round"]], "w_mean": r["w_mean"], "steps": r["steps"],
                         "zero_var": zero_var_share(run, r["round"])} for r in rounds],
-            "tasks_first": task_successes(run, 0)[0],
-            "tasks_last": task_successes(run, args.rounds - 1)[0],
-            "samples": [task_successes(run, 0)[1], task_successes(run, args.rounds - 1)[1]],
+            "tasks_first": first[0], "tasks_last": last[0], "samples": [first[1], last[1]],
             "greedy_last": greedy[-1],
             "heldin_first": base["average"] if base else None,
             "heldin_last": evals.get(f"round_{args.rounds - 1:03d}", {}).get("average"),
