@@ -113,6 +113,14 @@ case $MODE in
   *) echo "loop: unknown mode $MODE" >&2; usage ;;
 esac
 
+# The base model's scores are shared by every run of the preset under $RUNS, so they must come
+# from one model and one set of evaluation limits: a run with others stops here.
+BASE=$RUNS/base-$PRESET
+if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" engine="$ENGINE" call_format="$CALL_FORMAT" \
+    eval_limit="$EVAL_LIMIT" max_steps="$MAX_STEPS" max_model_len="$MAX_LEN" max_new_tokens="$MAX_NEW"; then
+  echo "loop: $BASE holds the base model's scores for the settings above; use another --runs, or remove it" >&2
+  exit 2
+fi
 RUN=$RUNS/$NAME
 mkdir -p "$RUN/logs"
 $PY -m common.runinfo "$RUN/config.json" preset="$PRESET" mode="$MODE" rounds="$ROUNDS" name="$NAME" \
@@ -122,7 +130,7 @@ $PY -m common.runinfo "$RUN/config.json" preset="$PRESET" mode="$MODE" rounds="$
   max_new_tokens="$MAX_NEW" train_limit="$TRAIN_LIMIT" eval_limit="$EVAL_LIMIT" omega="$OMEGA" \
   reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN" keep="$KEEP" tasks="$TASKS" seed="$SEED" \
   ood="$OOD" ood_limit="$OOD_LIMIT" user_model="$USER_MODEL" user_base_url="$USER_BASE_URL" \
-  user_model_name="$USER_MODEL_NAME"
+  user_model_name="$USER_MODEL_NAME" || { echo "loop: $RUN was run with the settings above; use another --name, or remove it" >&2; exit 2; }
 
 # run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists (or was deleted by KEEP after a
 # later round used it), else run with a log and a timing line.
@@ -189,8 +197,8 @@ prune() {  # prune ROUND: what KEEP lets go once round ROUND's policy exists (ne
   done
 }
 
-# The base model is scored once per preset and shared by every run (and mode) of it.
-evaluate "$MODEL" 0 "$RUNS/base-$PRESET/eval"
+# The base model is scored once per preset and shared by every run (and mode) of it (BASE above).
+evaluate "$MODEL" 0 "$BASE/eval"
 policy=$MODEL
 for ((t = 0; t < ROUNDS; t++)); do
   R=$RUN/round_$(printf %03d "$t")
@@ -215,7 +223,7 @@ for ((t = 0; t < ROUNDS; t++)); do
   $PY -m common.report "$RUN" > /dev/null
 done
 if [ -n "$OOD" ]; then
-  ood "$MODEL" base "$RUNS/base-$PRESET/ood"
+  ood "$MODEL" base "$BASE/ood"
   ood "$policy" final "$RUN/ood/round_$(printf %03d $((ROUNDS - 1)))"
 fi
 $PY -m common.report "$RUN"

@@ -4,8 +4,9 @@
 
 Records every setting loop.sh runs with, the package versions and the git
 commit. Rerunning the same command finds the same settings and continues;
-different settings under the same run name stop with a message, because mixing
-them would make the run's artifacts incomparable. Settings in MAY_CHANGE (what stays
+different settings under the same run name stop with a message (the caller says
+what to do about it), because mixing them would make the run's artifacts incomparable.
+loop.sh also keeps one for the base model's scores, which every run of a preset shares. Settings in MAY_CHANGE (what stays
 on disk, and which OOD benches run after the last round) do not change the loop's
 results: a rerun may change them, and config.json follows.
 """
@@ -49,7 +50,7 @@ def main(path, pairs):
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if set(changed) - MAY_CHANGE:
             lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in MAY_CHANGE)
-            sys.exit(f"error: {path} was written with other settings; use another --name or remove the run\n{lines}")
+            sys.exit(f"error: {path} was written with other settings (written -> now):\n{lines}")
         if changed:
             write_json(path, config | {"settings": old | settings})
         return

@@ -25,7 +25,7 @@ ARTIFACTS = ["config.json", "timing.jsonl", "report.md", "curves.png", "eval/rou
                      "train_metrics.jsonl")] + [
                  f"round_001/policy/{f}" for f in ("config.json", "model.safetensors", "tokenizer.json")]
 # The seal run keeps the default KEEP=evaluated, the vanilla run KEEP=all.
-KEEP = {"seal": [], "vanilla": ["--set", "KEEP=all"], "resumed": []}
+KEEP = {"seal": [], "vanilla": ["--set", "KEEP=all"], "resumed": [], "other": []}
 
 
 def loop(runs, name, mode, *extra, **kw):
@@ -171,6 +171,16 @@ def test_finished_loop_reruns_nothing_after_deletions(runs):
     bad = loop(runs, "seal", "seal", "--set", "LR=7e-7")
     out, _ = bad.communicate(timeout=300)
     assert bad.returncode != 0 and "-> '7e-7'" in out
+
+
+def test_base_scores_are_shared_only_under_the_same_settings(runs):
+    """Every run of a preset under one --runs reuses base-tiny's held-in scores, so a run that
+    would score the base model with other limits stops before writing anything."""
+    bad = loop(runs, "other", "seal", "--set", "EVAL_LIMIT=2")
+    out, _ = bad.communicate(timeout=300)
+    assert bad.returncode == 2 and "eval_limit: '1' -> '2'" in out and "use another --runs" in out, out[-2000:]
+    assert not (runs / "other").exists()
+    assert json.loads((runs / "base-tiny" / "config.json").read_text())["settings"]["eval_limit"] == "1"
 
 
 def test_ood_without_a_user_simulator_stops_before_round_0(tmp_path, tiny_model):
