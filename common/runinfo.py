@@ -6,9 +6,9 @@ Records every setting loop.sh runs with, the package versions and the git
 commit. Rerunning the same command finds the same settings and continues;
 different settings under the same run name stop with a message (the caller says
 what to do about it), because mixing them would make the run's artifacts incomparable.
-loop.sh also keeps one for the base model's scores, which every run of a preset shares. Settings in MAY_CHANGE (what stays
-on disk, and which OOD benches run after the last round) do not change the loop's
-results: a rerun may change them, and config.json follows.
+loop.sh keeps one more for the base model's scores, which every run of a preset shares.
+Settings in MAY_CHANGE (what stays on disk, and which OOD benches run after the last
+round) do not change the loop's results: a rerun may change them, and config.json follows.
 """
 
 import importlib.metadata
