@@ -113,11 +113,15 @@ case $MODE in
   *) echo "loop: unknown mode $MODE" >&2; usage ;;
 esac
 
+# Every evaluation (held-in and OOD) plays with the preset's engine and limits (SCORE_ARGS, which
+# decide the scores) on DP replicas of TP GPUs each (which only decide how fast they come).
+SCORE_ARGS=(--engine "$ENGINE" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" --max-steps-per-turn "$MAX_STEPS"
+  --call-format "$CALL_FORMAT")
+PLAY_ARGS=("${SCORE_ARGS[@]}" --data-parallel-size "$DP" --tensor-parallel-size "$TP")
 # The base model's scores are shared by every run of the preset under $RUNS, so they must come
-# from one model and one set of evaluation limits: a run with others stops here.
+# from one model and one set of evaluation settings: a run with others stops here.
 BASE=$RUNS/base-$PRESET
-if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" engine="$ENGINE" call_format="$CALL_FORMAT" \
-    eval_limit="$EVAL_LIMIT" max_steps="$MAX_STEPS" max_model_len="$MAX_LEN" max_new_tokens="$MAX_NEW"; then
+if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" eval_limit="$EVAL_LIMIT" play="${SCORE_ARGS[*]}"; then
   echo "loop: $BASE holds the base model's scores for the settings above; use another --runs, or remove it" >&2
   exit 2
 fi
@@ -150,10 +154,6 @@ run() {
 }
 
 limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
-
-# every evaluation (held-in and OOD) plays with the preset's engine and limits
-PLAY_ARGS=(--engine "$ENGINE" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" --max-steps-per-turn "$MAX_STEPS"
-  --call-format "$CALL_FORMAT" --data-parallel-size "$DP" --tensor-parallel-size "$TP")
 
 evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
   run eval "$2" "$3/scores.json" $PY evaluate.py --policy "$1" --split heldin \
