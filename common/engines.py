@@ -1,7 +1,7 @@
 """Generation engines: token ids in, token ids and per-token log-probabilities out.
 
     engine = make_engine("vllm" | "hf", model_dir, max_model_len=16384, seed=0)
-    gens = engine.generate(prompts, max_new_tokens, temperature)   # list[Generation]
+    gens = engine.generate(prompts, max_new_tokens, sampling)      # list[Generation]
     engine.tokenizer                                               # the policy's HF tokenizer
     engine.close()
 
@@ -17,9 +17,11 @@ Common contract of both engines:
   the latter by itself; the HF engine is told the same set, `engine.stop_ids`).
 - `max_new_tokens[i]` is clamped to `max_model_len - len(prompts[i])`; a prompt
   that leaves no room raises ValueError (the caller decides what a full context means).
-- `temperature == 0` is greedy decoding; otherwise plain sampling from
-  softmax(logits / temperature) with no top-k, top-p or penalties (model
-  generation_config defaults such as Qwen's top_k=20 are overridden).
+- `sampling` is a temperature (plain sampling: no top-k, top-p or penalties, model
+  generation_config defaults such as Qwen's top_k=20 overridden) or a dict of
+  SAMPLING_KEYS over those plain values: evaluation passes bfcl-eval's temperature
+  with `model_sampling(model_dir)`, the defaults its vLLM server takes from the
+  model's generation_config.json. `temperature == 0` is greedy decoding.
 - `Generation.logprobs[t]` is the log-probability of `ids[t]` under the
   distribution it was drawn from: log_softmax(logits / temperature)[id] when
   sampling, log_softmax(logits)[id] when greedy. At temperature 1 this is the
@@ -32,7 +34,7 @@ Common contract of both engines:
   (per-request seeds fail on CPU).
 
 The vLLM engine also runs request by request, for per-trajectory scheduling
-(common/play.py): `submit(key, prompt, max_new_tokens, temperature)` queues one
+(common/play.py): `submit(key, prompt, max_new_tokens, sampling)` queues one
 generation, `poll()` runs one engine step and returns the `(key, Generation)`
 pairs that finished in it, `abort()` drops whatever is still queued. Requests
 join the running batch at the next step (continuous batching), so nothing waits
@@ -54,6 +56,35 @@ from common.jsonl import RecordError
 # vLLM's max_lora_rank must be one of these.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM on CPU: KV cache size unless VLLM_CPU_KVCACHE_SPACE or kwargs say
+
+
+# What a request's sampling may set, with the values of plain sampling.
+PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
+SAMPLING_KEYS = ("temperature", *PLAIN_SAMPLING)
+
+
+def sampling_params(sampling):
+    """{temperature, top_p, ...} for a temperature or a partial dict (see the module docstring)."""
+    if isinstance(sampling, (int, float)):
+        return {"temperature": float(sampling), **PLAIN_SAMPLING}
+    unknown = set(sampling) - set(SAMPLING_KEYS)
+    if unknown or "temperature" not in sampling:
+        raise ValueError(f"sampling needs a temperature and takes only {SAMPLING_KEYS}: {sampling}")
+    return {**PLAIN_SAMPLING, **sampling}
+
+
+def model_sampling(model_dir):
+    """The sampling defaults in the model's generation_config.json, as vLLM's server applies them
+    by default (`--generation-config auto`: the keys of vLLM's get_diff_sampling_param; the
+    request's own temperature wins). {} when the model has no generation_config.json."""
+    base, _, _ = resolve_model(model_dir)
+    path = os.path.join(base, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    return {k: cfg[k] for k in PLAIN_SAMPLING if cfg.get(k) is not None}
 
 
 @dataclass
@@ -81,6 +112,17 @@ def resolve_model(model_dir):
     if not os.path.isabs(base) and os.path.isdir(os.path.join(model_dir, base)):
         base = os.path.join(model_dir, base)  # a path relative to the adapter folder
     return base, model_dir, cfg
+
+
+def model_context(model_dir):
+    """The model's context as bfcl-eval's local inference takes it: max_position_embeddings."""
+    base, _, _ = resolve_model(model_dir)
+    with open(os.path.join(base, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    n = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+    if not n:
+        raise RecordError(f"{base}/config.json: no max_position_embeddings")
+    return int(n)
 
 
 def load_tokenizer(model_dir):
@@ -131,7 +173,7 @@ class Engine:
     stop_ids: list[int] = []
     max_model_len: int = 0
 
-    def generate(self, prompts, max_new_tokens, temperature):
+    def generate(self, prompts, max_new_tokens, sampling):
         raise NotImplementedError
 
     def close(self):
@@ -223,9 +265,12 @@ class HFEngine(Engine):
             model = PeftModel.from_pretrained(model, self.adapter).merge_and_unload()
         self.model = model.to(self.device).eval()
 
-    def generate(self, prompts, max_new_tokens, temperature):
+    def generate(self, prompts, max_new_tokens, sampling):
         import torch
         limits = self._limits(prompts, max_new_tokens)
+        sampling = sampling_params(sampling)
+        if sampling["presence_penalty"] or sampling["frequency_penalty"]:
+            raise ValueError("the HF engine has no presence or frequency penalty (use --engine vllm)")
         if not prompts:
             return []
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -247,10 +292,10 @@ class HFEngine(Engine):
             torch.manual_seed(self.seed * 1_000_003 + self.calls)
             self.calls += 1
             for batch in batches:
-                self._run(batch, prompts, limits, temperature, results)
+                self._run(batch, prompts, limits, sampling, results)
         return results
 
-    def _run(self, batch, prompts, limits, temperature, results):
+    def _run(self, batch, prompts, limits, sampling, results):
         import torch
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
@@ -261,14 +306,18 @@ class HFEngine(Engine):
             ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
             mask[r, width - len(prompts[i]):] = 1
         row_limits = torch.tensor([limits[i] for i in batch], device=self.device)
+        temperature = sampling["temperature"]
         sample = temperature > 0
-        # plain sampling: override generation_config defaults (e.g. Qwen's top_k=20, top_p=0.8)
-        # (the temperature itself is applied by the recorder, see LogprobRecorder)
-        sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0} if sample else {}
+        # Exactly the request's sampling, never the model's generation_config defaults (e.g.
+        # Qwen's top_k=20, top_p=0.8) unless the request carries them. The temperature itself is
+        # applied by the recorder (see LogprobRecorder), after the repetition penalty and before
+        # top-k/top-p, the order vLLM applies them in.
+        warpers = {"temperature": 1.0, "top_k": sampling["top_k"] if sampling["top_k"] > 0 else 0,
+                   "top_p": sampling["top_p"], "min_p": sampling["min_p"] or None, "typical_p": 1.0} if sample else {}
         config = GenerationConfig(
-            max_new_tokens=int(row_limits.max()), do_sample=sample, repetition_penalty=1.0,
+            max_new_tokens=int(row_limits.max()), do_sample=sample, repetition_penalty=sampling["repetition_penalty"],
             no_repeat_ngram_size=0, num_beams=1, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
-            bos_token_id=None, return_dict_in_generate=True, **sampling)
+            bos_token_id=None, return_dict_in_generate=True, **warpers)
         recorder_cls, row_limit_cls = _hf_helpers()
         recorder = recorder_cls(temperature if sample else 1.0)
         with torch.no_grad():
@@ -394,12 +443,10 @@ class VLLMEngine(Engine):
         self.request_counter = 0
         self.prompt_tokens = self.cached_tokens = 0
 
-    def _params(self, limit, temperature):
+    def _params(self, limit, sampling):
         from vllm import SamplingParams
-        return SamplingParams(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
-                              repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                              max_tokens=limit, logprobs=0, stop_token_ids=list(self.stop_ids),
-                              detokenize=False)
+        return SamplingParams(**sampling_params(sampling), max_tokens=limit, logprobs=0,
+                              stop_token_ids=list(self.stop_ids), detokenize=False)
 
     def _result(self, out, limit):
         self.prompt_tokens += len(out.prompt_token_ids or [])
@@ -409,7 +456,7 @@ class VLLMEngine(Engine):
         lps = [o.logprobs[t][i].logprob for t, i in enumerate(ids)]
         return self._finish(ids, lps, limit)
 
-    def generate(self, prompts, max_new_tokens, temperature):
+    def generate(self, prompts, max_new_tokens, sampling):
         from vllm.inputs import TokensPrompt
 
         limits = self._limits(prompts, max_new_tokens)
@@ -418,11 +465,11 @@ class VLLMEngine(Engine):
         if self.pending:
             raise RuntimeError("generate() while submitted requests are pending")
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                 [self._params(m, temperature) for m in limits],
+                                 [self._params(m, sampling) for m in limits],
                                  use_tqdm=False, lora_request=self.lora)
         return [self._result(out, limit) for out, limit in zip(outs, limits, strict=True)]
 
-    def submit(self, key, prompt, max_new_tokens, temperature):
+    def submit(self, key, prompt, max_new_tokens, sampling):
         """Queue one generation; its result comes back from poll() under `key`."""
         from vllm.inputs import TokensPrompt
 
@@ -430,7 +477,7 @@ class VLLMEngine(Engine):
         self.request_counter += 1
         rid = f"r{self.request_counter}"
         self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)),
-                                        self._params(limit, temperature), lora_request=self.lora)
+                                        self._params(limit, sampling), lora_request=self.lora)
         self.pending[rid] = (key, limit)
 
     def poll(self):
@@ -548,16 +595,16 @@ class Replicas(Engine):
     def cached_tokens(self):
         return sum(e.cached_tokens for e in self.replicas)
 
-    def generate(self, prompts, max_new_tokens, temperature):
+    def generate(self, prompts, max_new_tokens, sampling):
         raise ValueError("data-parallel replicas run per-trajectory scheduling only (schedule 'async')")
 
-    def submit(self, key, prompt, max_new_tokens, temperature):
+    def submit(self, key, prompt, max_new_tokens, sampling):
         if key not in self.pins:
             load = [0] * len(self.replicas)
             for r in self.pins.values():
                 load[r] += 1
             self.pins[key] = load.index(min(load))
-        self.replicas[self.pins[key]].submit(key, prompt, max_new_tokens, temperature)
+        self.replicas[self.pins[key]].submit(key, prompt, max_new_tokens, sampling)
 
     def release(self, key):
         """The trajectory of `key` is over: its replica may take a new one."""
