@@ -34,42 +34,85 @@ from tqdm import tqdm
 
 from common import bfcl
 from common import interface as omega_api
-from common.chat import Renderer, tool_messages
+from common.chat import Renderer, after_stop, kept_output, tool_messages
+from common.prompts import Conversation, announced, first_prompt
 
 
 class Trajectory:
-    def __init__(self, task, sample_index, omega, tokenizer, fmt):
+    """One sample of one task: its environment, what the model is shown, and the record.
+
+    `prompts` "bfcl" shows the model what bfcl-eval's handler `handler` builds
+    (common/prompts.py); "template" renders with the model's own chat template
+    (`tools=`, verl's convention; common/chat.py). With `rerender` (evaluation,
+    "bfcl" only) every prompt is the handler's rendering of the whole history, as
+    bfcl-eval's harness sends it; otherwise the generated ids stay in the context
+    (token-in/token-out) and only what follows them is rendered.
+    """
+
+    def __init__(self, task, sample_index, omega, tokenizer, fmt, prompts="bfcl", handler="QwenFCHandler",
+                 rerender=False, stop_ids=()):
+        if prompts not in ("bfcl", "template"):
+            raise ValueError(f"unknown prompt format {prompts!r} (bfcl or template)")
+        if rerender and prompts != "bfcl":
+            raise ValueError("re-rendered prompts are bfcl-eval's (prompts='bfcl')")
         self.task, self.sample_index, self.omega, self.fmt = task, sample_index, omega, fmt
+        self.tok, self.rerender, self.stop_ids = tokenizer, rerender, set(stop_ids)
         self.decode_failure = "feedback" if omega and omega["error_feedback"] else "end_turn"
         self.env = bfcl.Environment(task)
         self.start = time.perf_counter()
         self.cue_tokens = 0
         self.turns = []
         self.stop = None
+        self.error = None  # bfcl-eval's inference error: the entry failed as a whole
         tools = bfcl.tools_at(task, 0)
         shown, system = omega_api.tool_view(tools, omega), omega_api.system_cue(omega)
-        self.renderer = Renderer(tokenizer, shown, system)
-        self.history = []
         self.ids, self.mask, self.logprobs = [], [], []
-        self.prompt_ids = self.renderer.prompt(self._enter_turn(0))
+        self.step_prompts = []  # rerender: the prompt text of every step, for bfcl-eval's result files
+        if prompts == "template":
+            self.conv, self.renderer, self.history = None, Renderer(tokenizer, shown, system), []
+            self.prompt_ids = self.renderer.prompt(self._enter_turn(0))
+            plain = lambda: Renderer(tokenizer, tools).prompt(self.history)  # noqa: E731
+        else:
+            self.conv, self.renderer = Conversation(handler, task, shown, system), None
+            self._enter_turn(0)
+            self.step_prompts.append(self.conv.prompt())
+            self.prompt_ids = self._encode(self.step_prompts[0])
+            def plain():
+                return self._encode(first_prompt(task, tools, handler_name=handler))
+        self.next_prompt = self.prompt_ids
         if shown is not tools or system:
             # Schema-cue annotations and capability cues: what the prompt has beyond the plain one.
-            plain = Renderer(tokenizer, tools).prompt(self.history)
-            self.cue_tokens += max(0, len(self.prompt_ids) - len(plain))
+            self.cue_tokens += max(0, len(self.prompt_ids) - len(plain()))
+
+    def _encode(self, text):
+        """Ids of a whole prompt, as vLLM's server tokenises a completion request's text."""
+        return self.tok(text)["input_ids"]
 
     def _enter_turn(self, turn):
         """Start `turn` in the environment; returns its user messages (new tools announced)."""
-        revealed = self.env.start_turn(turn)
-        shown = omega_api.tool_view(revealed, self.omega) if revealed else None
-        msgs = bfcl.turn_messages(self.task, turn, new_tools=shown)
-        if revealed and shown is not revealed:
+        self.env.start_turn(turn)
+        # bfcl-eval announces a held-out turn's tools (in the task's order) whatever came before
+        revealed = announced(self.task, turn)
+        is_announced = revealed is not None
+        shown = omega_api.tool_view(revealed, self.omega) if is_announced else None
+        if self.conv is None:
+            msgs = bfcl.turn_messages(self.task, turn, new_tools=shown)
+            plain = bfcl.turn_messages(self.task, turn) if is_announced else msgs
+            self.history += msgs
+        else:
+            msgs = self.conv.turn_messages(turn, shown)
+            plain = self.conv.turn_messages(turn, revealed if is_announced else None)
+            self.conv.add_user(turn, msgs)
+        if msgs is not plain:
             # Schema-cue annotations of revealed tools are cue tokens too.
-            plain = bfcl.turn_messages(self.task, turn)
-            self.cue_tokens += max(0, len(self.renderer.ids(msgs[0]["content"]))
-                                   - len(self.renderer.ids(plain[0]["content"])))
-        self.history += msgs
+            self.cue_tokens += max(0, len(self.tok(msgs[0]["content"], add_special_tokens=False)["input_ids"])
+                                   - len(self.tok(plain[0]["content"], add_special_tokens=False)["input_ids"]))
         self.turns.append({"steps": [], "end": None})
         return msgs
+
+    def context(self):
+        """The ids the engine gets for this trajectory's next output."""
+        return self.next_prompt if self.rerender else self.prompt_ids + self.ids
 
     def context_len(self):
         return len(self.prompt_ids) + len(self.ids)
@@ -85,19 +128,48 @@ class Trajectory:
             self.turns[-1]["end"] = end
         self.env.close()
 
+    def fail(self, error):
+        """bfcl-eval's inference error (its next prompt could not be built or sent): the
+        harness records the exception and the entry is scored as failed."""
+        self.error = error
+        self.finish("inference_error", "inference_error")
+
+    def limit(self, max_model_len, max_new_tokens):
+        """The generation limit of the next call, or None once the trajectory has stopped on it.
+
+        Re-rendered (bfcl-eval's local inference): `min(max_new_tokens, ctx - input - 2)` with the
+        input counted by `tokenizer.tokenize`; a prompt with no room fails the entry (its server
+        rejects the request). Token-in/token-out: what is left of the context.
+        """
+        if self.rerender:
+            n = len(self.next_prompt) - self.tok.num_special_tokens_to_add()  # = len(tokenize(prompt))
+            if max_model_len < n + 2:
+                self.fail(f"the prompt ({n} tokens) does not fit the model's context ({max_model_len})")
+                return None
+            return min(max_new_tokens, max_model_len - n - 2)
+        room = max_model_len - self.context_len()
+        if room > 0:
+            return min(max_new_tokens, room)
+        self.finish("context_limit", "context_limit")
+        return None
+
     def advance(self, gen, text, max_steps_per_turn, max_model_len):
         """Take one model output: execute its calls and add what the model sees next."""
-        self._append(gen.ids, 1, gen.logprobs)
+        stop_text = self._take_output(gen)
+        parsed = self.conv.add_assistant(text, len(self.next_prompt), len(gen.ids)) if self.conv else None
         step = {"text": text, **self.env.step(text, self.fmt), "feedback": None}
+        if self.rerender:
+            step["formatted_prompt"] = self.step_prompts[-1]
         turn = self.turns[-1]
         turn["steps"].append(step)
-        eos = gen.finish == "stop"
-        history = list(self.history)
-        self.history.append({"role": "assistant", "content": text})
+        history = list(self.history) if self.conv is None else None
+        if self.conv is None:
+            self.history.append({"role": "assistant", "content": text})
 
         action = turn_action(step, len(turn["steps"]), self.decode_failure, max_steps_per_turn)
         if action == "force_quit":
             return self.finish("step_limit", "step_limit")
+        results, names, turn_msgs = None, (), None
         if action == "continue":
             contents = list(step["results"])
             # bfcl-eval shows only the results of the calls it decoded (a skipped <tool_call>
@@ -110,23 +182,53 @@ class Trajectory:
                 if hint:
                     contents[i] = f"{contents[i]}\n{hint}"
                     hints.append(hint)
-                    self.cue_tokens += len(self.renderer.ids(hint))
+                    self.cue_tokens += len(self.tok(hint, add_special_tokens=False)["input_ids"])
             step["feedback"] = "\n".join(hints) or None
-            new = tool_messages(contents)
-            self.history += new
+            results = contents
+            names = self.env.decoded[-1][-1] if step["calls"] else []
+            names = list(names) + [""] * (len(contents) - len(names))  # the handler zips results with them
+            if self.conv is None:
+                self.history += tool_messages(contents)
+            else:
+                self.conv.add_results(contents, parsed, names)
         else:
             turn["end"] = "decode_error" if step["parse_error"] else "answer"
             if len(self.turns) == len(self.task["questions"]):
                 return self.finish("done")
-            new = self._enter_turn(len(self.turns))
-        more = self.renderer.continuation(history, text, eos, new)
+            turn_msgs = self._enter_turn(len(self.turns))
+
+        if self.rerender:
+            try:  # bfcl-eval renders the next prompt from what its handler kept; this can raise
+                prompt = self.conv.prompt()
+            except Exception as e:
+                return self.fail(str(e))
+            self.step_prompts.append(prompt)
+            self.next_prompt = self._encode(prompt)
+            return None
+        if self.conv is None:
+            new = (tool_messages(results) if results is not None else []) + (turn_msgs or [])
+            more_text = self.renderer.continuation_text(history, text, new)
+        else:
+            more_text = self.conv.continuation(results, names, turn_msgs)
+        more = self.tok(after_stop(more_text, stop_text), add_special_tokens=False)["input_ids"]
         if self.context_len() + len(more) >= max_model_len:
             # What the model would see next does not fit (with room for one token).
             return self.finish("context_limit", "context_limit")
         self._append(more, 0)
+        return None
+
+    def _take_output(self, gen):
+        """Append the generated ids as the context keeps them; returns the stop text kept."""
+        if self.rerender:  # the next prompt is rendered anew: the ids are only recorded
+            self._append(list(gen.ids), 1, list(gen.logprobs))
+            return ""
+        closing = self.renderer.closing() if self.conv is None else self.conv.continuation()
+        ids, logprobs, stop_text = kept_output(self.tok, gen, self.stop_ids, closing)
+        self._append(ids, 1, logprobs)
+        return stop_text
 
     def record(self, round_, policy):
-        return {
+        rec = {
             "task_id": self.task["id"], "category": self.task["category"], "sample_index": self.sample_index,
             "round": round_, "policy": policy,
             "interface_version": self.omega.get("version") if self.omega else None,
@@ -135,6 +237,9 @@ class Trajectory:
             "stats": {"gen_tokens": sum(self.mask), "cue_tokens": self.cue_tokens,
                       "seconds": round(time.perf_counter() - self.start, 3)},
         }
+        if self.error is not None:
+            rec["inference_error"] = self.error
+        return rec
 
 
 def turn_action(step, steps_in_turn, decode_failure, max_steps_per_turn):
@@ -172,18 +277,23 @@ def schedule_for(engine_kind, schedule, error, data_parallel_size=1):
 
 def greedy_player(args, error):
     """evaluate.py's model policy on one engine opened here: (run, engine), where run(tasks) plays
-    each task once, greedily, Ω removed, within evaluate.py's engine and length arguments, and
+    each task once as bfcl-eval's harness does (Ω removed, the handler's prompts re-rendered
+    every step, bfcl-eval's decoding) within evaluate.py's engine and length arguments, and
     returns the records. The caller closes the engine."""
-    from common.engines import make_engine  # imports torch: only for model policies
+    from common.engines import make_engine, model_sampling  # imports torch: only for model policies
 
     schedule = schedule_for(args.engine, args.schedule, error, args.data_parallel_size)
     engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
                          tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+    # bfcl-eval asks its vLLM server for temperature 0.001; the server fills in the rest from the
+    # model's generation_config.json (vLLM's default --generation-config auto).
+    sampling = ({"temperature": 0.001, **model_sampling(args.policy)} if args.decoding == "bfcl" else 0.0)
 
     def run(tasks):
-        return play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=0.0,
+        return play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=sampling,
                     max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,
-                    max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy), schedule=schedule)[0]
+                    max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy), schedule=schedule,
+                    prompts="bfcl", handler=args.handler, rerender=True)[0]
     return run, engine
 
 
@@ -192,16 +302,22 @@ class TrajectoryFailed(RuntimeError):
 
 
 def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps_per_turn=20,
-         max_model_len=16384, max_new_tokens=512, round_=0, policy="", progress=True, schedule="lockstep"):
+         max_model_len=16384, max_new_tokens=512, round_=0, policy="", progress=True, schedule="lockstep",
+         prompts="bfcl", handler="QwenFCHandler", rerender=False):
     """Rollout records for `n` samples of every task, in (task, sample) order, and the wall
     time of the loop with the part spent inside the engine (and, when the engine counts
-    them, the prompt tokens sent and those served from its prefix cache)."""
+    them, the prompt tokens sent and those served from its prefix cache).
+
+    `temperature` is what the engine samples with (a temperature, or a dict of
+    common.engines.SAMPLING_KEYS); `prompts`, `handler` and `rerender` say what the model
+    is shown (Trajectory)."""
     if schedule not in ("lockstep", "async"):
         raise ValueError(f"unknown schedule {schedule!r} (lockstep or async)")
     if schedule == "async" and not hasattr(engine, "submit"):
         raise ValueError(f"{type(engine).__name__} runs lock-step only (schedule 'async' needs the vLLM engine)")
     tok = engine.tokenizer
-    trajs = [Trajectory(task, k, omega, tok, fmt) for task in tasks for k in range(n)]
+    trajs = [Trajectory(task, k, omega, tok, fmt, prompts, handler, rerender, engine.stop_ids)
+             for task in tasks for k in range(n)]
     bar = tqdm(total=len(trajs), desc="trajectories", unit="traj", disable=not progress)
     counts = {"start": time.perf_counter(), "engine_seconds": 0.0, "generated": 0}
     before = {k: getattr(engine, k) for k in ("prompt_tokens", "cached_tokens") if hasattr(engine, k)}
@@ -221,19 +337,17 @@ def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps
 
 
 def _room(t, max_model_len, max_new_tokens, bar):
-    """The generation limit of a trajectory's next call, or None once its context is full."""
-    room = max_model_len - t.context_len()
-    if room > 0:
-        return min(max_new_tokens, room)
-    t.finish("context_limit", "context_limit")
-    bar.update(1)
-    return None
+    """The generation limit of a trajectory's next call, or None once it stopped on it."""
+    limit = t.limit(max_model_len, max_new_tokens)
+    if limit is None:
+        bar.update(1)
+    return limit
 
 
 def _handle(t, gen, tok, counts, bar, max_steps_per_turn, max_model_len):
     counts["generated"] += len(gen.ids)
     try:
-        t.advance(gen, decode(tok, gen), max_steps_per_turn, max_model_len)
+        t.advance(gen, decode(tok, gen, t.stop_ids), max_steps_per_turn, max_model_len)
     except Exception as e:
         raise TrajectoryFailed(f"task {t.task['id']} sample {t.sample_index}: {type(e).__name__}: {e}") from e
     if t.stop is not None:
@@ -250,7 +364,7 @@ def _lockstep(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_m
         if not waiting:
             return
         t_gen = time.perf_counter()
-        gens = engine.generate([t.prompt_ids + t.ids for t, _ in waiting], [m for _, m in waiting], temperature)
+        gens = engine.generate([t.context() for t, _ in waiting], [m for _, m in waiting], temperature)
         counts["engine_seconds"] += time.perf_counter() - t_gen
         for (t, _), gen in zip(waiting, gens, strict=True):
             _handle(t, gen, engine.tokenizer, counts, bar, max_steps_per_turn, max_model_len)
@@ -266,7 +380,7 @@ def _async(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_mode
             return
         t_gen = time.perf_counter()
         try:
-            engine.submit(i, t.prompt_ids + t.ids, limit, temperature)
+            engine.submit(i, t.context(), limit, temperature)
         except Exception as e:
             raise TrajectoryFailed(f"task {t.task['id']} sample {t.sample_index}: "
                                    f"engine request failed: {type(e).__name__}: {e}") from e
@@ -293,10 +407,11 @@ def _async(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_mode
         raise
 
 
-def decode(tok, gen):
-    """The model's text: every token as written (tool-call tags included), minus a final eos."""
-    ids = gen.ids[:-1] if gen.finish == "stop" and gen.ids and gen.ids[-1] == tok.eos_token_id else gen.ids
-    return tok.decode(ids, skip_special_tokens=False)
+def decode(tok, gen, stop_ids):
+    """The model's text as bfcl-eval's vLLM server returns it: without the stop id it ended on,
+    special tokens skipped (tool-call tags are ordinary added tokens, and stay)."""
+    ids = gen.ids[:-1] if gen.finish == "stop" and gen.ids and gen.ids[-1] in stop_ids else gen.ids
+    return tok.decode(ids, skip_special_tokens=True)
 
 
 def summary(records):

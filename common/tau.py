@@ -51,7 +51,9 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from common import calls as calls_api
+from common.chat import after_stop, kept_output
 from common.jsonl import RecordError, write_json, write_jsonl
+from common.play import decode
 
 DOMAINS = ("retail", "airline", "telecom")
 SPLITS = {"telecom": "base"}  # without it, telecom's task set has 2,285 tasks; the paper's is base (114)
@@ -382,12 +384,11 @@ class ModelPolicy:
 
     def __init__(self, engine, tools, system, args):
         from common.chat import Renderer
-        from common.play import decode
 
-        self.engine, self.decode = engine, decode
+        self.engine = engine
         self.renderer = Renderer(engine.tokenizer, [t.openai_schema["function"] for t in tools], system)
         self.max_model_len, self.max_new_tokens = args.max_model_len, args.max_new_tokens
-        self.ids, self.history, self.last = None, [], None  # last: (history before it, text, ended with eos)
+        self.ids, self.history, self.last = None, [], None  # last: (history before it, text, stop text kept)
         self.counts = {"prompt_tokens": 0, "generated_tokens": 0, "generations": 0}
 
     def __call__(self, history, new):
@@ -396,19 +397,20 @@ class ModelPolicy:
             self.ids = self.renderer.prompt(self.history)
             self.counts["prompt_tokens"] = len(self.ids)
         else:
-            before, text, eos = self.last
+            before, text, stop_text = self.last
             more = chat_messages(new)
-            self.ids += self.renderer.continuation(before, text, eos, more)
+            self.ids += self.renderer.ids(after_stop(self.renderer.continuation_text(before, text, more), stop_text))
             self.history += more
         room = self.max_model_len - len(self.ids)
         if room <= 0:
             raise GiveUp(f"the conversation fills the context ({len(self.ids)} of {self.max_model_len} tokens)")
         gen = self.engine.generate([self.ids], [min(self.max_new_tokens, room)], 0.0)[0]
-        text = self.decode(self.engine.tokenizer, gen)
-        self.ids += gen.ids
+        text = decode(self.engine.tokenizer, gen, self.engine.stop_ids)
+        ids, _, stop_text = kept_output(self.engine.tokenizer, gen, self.engine.stop_ids, self.renderer.closing())
+        self.ids += ids
         self.counts["generated_tokens"] += len(gen.ids)
         self.counts["generations"] += 1
-        self.last = (list(self.history), text, gen.finish == "stop")
+        self.last = (list(self.history), text, stop_text)
         self.history.append({"role": "assistant", "content": text})
         return text
 

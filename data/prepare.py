@@ -64,11 +64,12 @@ def build_tasks(data_dir):
         answers = {a["id"]: a["ground_truth"] for a in read_lines(os.path.join(data_dir, "possible_answer", name))}
         for entry in read_lines(os.path.join(data_dir, name)):
             # Same tool list as bfcl-eval's populate_test_cases_with_predefined_functions:
-            # every function of the involved classes, minus the held-out ones until their turn.
+            # every function of the involved classes, minus the held-out ones until their turn,
+            # which are listed in the entry's order (bfcl-eval announces them in that order).
             tools = [doc for cls in entry["involved_classes"] for doc in docs[cls]]
             missed = {}
             for turn, names in entry.get("missed_function", {}).items():
-                missed[turn] = [t for t in tools if t["name"] in names]
+                missed[turn] = [next(t for t in tools if t["name"] == name) for name in names]
                 tools = [t for t in tools if t["name"] not in names]
             tasks[entry["id"]] = {
                 "id": entry["id"],
