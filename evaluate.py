@@ -41,10 +41,11 @@ import sys
 
 from tqdm import tqdm
 
-from common import bfcl, play
+from common import bfcl, play, prompts
 from common.jsonl import RecordError, read_json, write_json, write_jsonl
 from common.replay import read_turns
 
+BFCL_MAX_NEW_TOKENS = 4096  # bfcl-eval's OSSHandler._query_prompting cap
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--policy", help="policy folder, or 'oracle' (ground truth)")
 parser.add_argument("--bench", default="bfcl", choices=["bfcl", "bfcl-memory", "bfcl-web", "tau2"],
@@ -76,10 +77,18 @@ parser.add_argument("--tasks", default=None, help="task file (default: data/<spl
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per category (τ²-bench: per domain)")
 parser.add_argument("--out", help="output folder")
 parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
-parser.add_argument("--max-model-len", type=int, default=16384)
-parser.add_argument("--max-new-tokens", type=int, default=512)
+parser.add_argument("--handler", default="QwenFCHandler",
+                    help="the bfcl-eval handler whose prompts the model is shown (common/prompts.py HANDLERS)")
+parser.add_argument("--max-model-len", type=int, default=None,
+                    help="context (default: the model's max_position_embeddings, as bfcl-eval's local inference)")
+parser.add_argument("--max-new-tokens", type=int, default=BFCL_MAX_NEW_TOKENS,
+                    help="cap on new tokens per call (bfcl-eval: min(4096, context - prompt - 2))")
+parser.add_argument("--decoding", default="bfcl", choices=["bfcl", "greedy"],
+                    help="bfcl: temperature 0.001 with the model's generation_config defaults (bfcl-eval's "
+                         "vLLM server); greedy: argmax")
 parser.add_argument("--max-steps-per-turn", type=int, default=20)
-parser.add_argument("--call-format", default="json", choices=["json", "python"])
+parser.add_argument("--call-format", default=None, choices=["json", "python"],
+                    help="how calls are decoded (default: the handler's)")
 parser.add_argument("--tensor-parallel-size", type=int, default=1)
 parser.add_argument("--data-parallel-size", type=int, default=1,
                     help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
@@ -137,7 +146,9 @@ def compare(runs):
     width = max(len(name) for name, _ in rows) if rows else 10
     print(f"{'':{width}}" + "".join(f"{c:>14}" for c in bfcl.CATEGORIES + ["average"]))
     for name, sc in rows:
-        print(f"{name:{width}}" + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in bfcl.CATEGORIES + ["average"]))
+        same = sc.get("bfcl_eval", {}).get("same_settings", True)
+        print(f"{name:{width}}" + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in bfcl.CATEGORIES + ["average"])
+              + ("" if same else "  * not bfcl-eval's settings: " + "; ".join(sc["bfcl_eval"]["differs"])))
     print_ood(ood)
     return rows
 
@@ -172,11 +183,37 @@ def print_ood(places):
         print(f"{name:{width}}" + "".join(cells) + f"  {sim.get('model') or sim.get('name') or sim.get('kind', '—')}")
 
 
+def bfcl_settings(args, model_context):
+    """What of this run differs from bfcl-eval's own local inference (empty: scores are bfcl-eval's)."""
+    differs = []
+    if args.max_model_len != model_context:
+        differs.append(f"context {args.max_model_len} (the model's is {model_context})")
+    if args.max_new_tokens != BFCL_MAX_NEW_TOKENS:
+        differs.append(f"at most {args.max_new_tokens} new tokens per call (bfcl-eval: {BFCL_MAX_NEW_TOKENS})")
+    if args.decoding != "bfcl":
+        differs.append(f"{args.decoding} decoding (bfcl-eval: temperature 0.001 and the model's generation_config)")
+    if args.max_steps_per_turn != 20:
+        differs.append(f"{args.max_steps_per_turn} steps per turn (bfcl-eval: 20)")
+    return differs
+
+
 def main(args):
     if args.compare:
         return compare(args.compare)
     if not args.policy or not args.out:
         parser.error("--policy and --out are required (or --compare RUN ...)")
+    try:
+        args.call_format = args.call_format or prompts.call_format(args.handler)
+    except prompts.HandlerError as e:
+        parser.error(f"--handler: {e}")
+    differs = []
+    if args.policy != "oracle":
+        from common.engines import model_context
+        context = model_context(args.policy)
+        args.max_model_len = args.max_model_len or context
+        if args.max_model_len > context:
+            parser.error(f"--max-model-len {args.max_model_len} exceeds the model's context ({context})")
+        differs = bfcl_settings(args, context)
     if args.bench in ("bfcl-memory", "bfcl-web"):
         from common import memory
         return memory.evaluate(args, parser.error)
@@ -204,9 +241,14 @@ def main(args):
     for task, dec in zip(tasks, decoded, strict=True):
         results.append({"task_id": task["id"], "category": task["category"], **bfcl.official_verdict(task, dec)})
     scores = category_scores(results)
+    if args.policy != "oracle":
+        scores["bfcl_eval"] = {"handler": args.handler, "registry": prompts.registry_name(args.handler),
+                               "context": args.max_model_len, "same_settings": not differs, "differs": differs}
     write_jsonl(os.path.join(args.out, "results.jsonl"), results)
     write_json(os.path.join(args.out, "scores.json"), scores)
     print_table(scores, f"{args.policy} on {os.path.relpath(path)} (BFCL multi-turn @ bfcl-eval 2026.3.23)")
+    if differs:
+        print("  not bfcl-eval's settings: " + "; ".join(differs))
     if args.policy == "oracle":
         for r in results:
             if not r["valid"]:

@@ -43,6 +43,11 @@ PY=.venv/bin/python
 # lr 1e-6, KL 0.001, clip 0.2, temperature 1.0, 16k context; MAX_STEPS=20 is bfcl-eval's
 # step limit: a turn's 21st step with calls force-quits the task.
 ENGINE=vllm; DP=1; TP=1; NPROC=1; ACCEL_CONFIG=""; LORA=""; CALL_FORMAT=json
+# What the model is shown: the prompts of bfcl-eval's handler BFCL_HANDLER, in training too
+# (PROMPTS=template: the model's chat template, verl's convention). Evaluation runs as
+# bfcl-eval's local inference: the model's own context and up to 4096 new tokens per call,
+# unless EVAL_LEN / EVAL_NEW lower them (scores.json then says they are not bfcl-eval's).
+BFCL_HANDLER=QwenFCHandler; PROMPTS=bfcl; EVAL_LEN=""; EVAL_NEW=""
 TASKS_PER_ROUND=32; N=8; MINI_BATCH=8; LR=1e-6; KL=0.001; TEMP=1.0
 MAX_STEPS=20; MAX_LEN=16384; MAX_NEW=1024; DEFAULT_ROUNDS=18; DEFAULT_EVAL_EVERY=6
 TRAIN_LIMIT=""; EVAL_LIMIT=""; MICRO_TOKENS=32768; EXTRA_TRAIN=""; TASKS=data/train.jsonl; SEED=0
@@ -56,6 +61,7 @@ case $PRESET in
     MODEL=offline-tiny  # built (once, cached) below, unless --set MODEL=... names another
     TASKS=data/tiny.jsonl; EVAL_LIMIT=1; TASKS_PER_ROUND=8; N=4; MINI_BATCH=2
     LR=1e-4; MAX_STEPS=3; MAX_NEW=96; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2; OOD_LIMIT=1
+    EVAL_NEW=256  # CPU minutes: a tiny model that misses its stop would write 4096 tokens a call
     EXTRA_TRAIN="--cpu" ;;
   # GPU presets: 4 vLLM replicas x TP 1 for rollouts (a 3-8B model and its KV cache fit one
   # 80 GB GPU; README "Presets and hardware"), then FSDP over the same 4 GPUs for training.
@@ -66,12 +72,12 @@ case $PRESET in
     EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
   toolace8b)  # 4 GPUs (80GB); ToolACE writes calls as a Python list [f(a=1)]
     MODEL=Team-ACE/ToolACE-2-Llama-3.1-8B; NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
-    CALL_FORMAT=python; EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
+    BFCL_HANDLER=LlamaHandler; CALL_FORMAT=python; EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
   *) echo "loop: unknown preset $PRESET (tiny, qwen3b, qwen7b, toolace8b)" >&2; exit 2 ;;
 esac
 OVERRIDABLE=" MODEL ENGINE DP TP NPROC ACCEL_CONFIG LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH LR KL TEMP "
 OVERRIDABLE+="MAX_STEPS MAX_LEN MAX_NEW TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS EXTRA_TRAIN KEEP TASKS SEED "
-OVERRIDABLE+="OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME "
+OVERRIDABLE+="OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME BFCL_HANDLER PROMPTS EVAL_LEN EVAL_NEW "
 for kv in "${SETS[@]+"${SETS[@]}"}"; do
   var=${kv%%=*}
   case $OVERRIDABLE in *" $var "*) printf -v "$var" '%s' "${kv#*=}" ;;
@@ -84,6 +90,10 @@ elif [ ! -d "$MODEL" ]; then
   MODEL=$($PY -c "import sys; from huggingface_hub import snapshot_download; print(snapshot_download(sys.argv[1]))" "$MODEL")
 fi
 case $KEEP in evaluated|latest|all) ;; *) echo "loop: KEEP=$KEEP: use evaluated, latest or all" >&2; exit 2 ;; esac
+case $PROMPTS in bfcl|template) ;; *) echo "loop: PROMPTS=$PROMPTS: use bfcl or template" >&2; exit 2 ;; esac
+$PY -c "import sys; from common.prompts import check_handler; check_handler(sys.argv[1])" "$BFCL_HANDLER" 2>/dev/null \
+  || { $PY -c "import sys; from common.prompts import HANDLERS; print(f'loop: BFCL_HANDLER={sys.argv[1]}: not a handler'
+       f' this project drives; choices: {\", \".join(HANDLERS)}', file=sys.stderr)" "$BFCL_HANDLER"; exit 2; }
 USER_ARGS=()  # the τ²-bench user simulator, checked before any round runs
 for b in $OOD; do
   case $b in
@@ -115,8 +125,8 @@ esac
 
 # Every evaluation (held-in and OOD) plays with the preset's engine and limits (SCORE_ARGS, which
 # decide the scores) on DP replicas of TP GPUs each (which only decide how fast they come).
-SCORE_ARGS=(--engine "$ENGINE" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" --max-steps-per-turn "$MAX_STEPS"
-  --call-format "$CALL_FORMAT")
+SCORE_ARGS=(--engine "$ENGINE" --handler "$BFCL_HANDLER" --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT"
+  ${EVAL_LEN:+--max-model-len "$EVAL_LEN"} ${EVAL_NEW:+--max-new-tokens "$EVAL_NEW"})
 PLAY_ARGS=("${SCORE_ARGS[@]}" --data-parallel-size "$DP" --tensor-parallel-size "$TP")
 # The base model's scores are shared by every run of the preset under $RUNS, so they must come
 # from one model and one set of evaluation settings: a run with others stops here.
@@ -129,7 +139,7 @@ RUN=$RUNS/$NAME
 mkdir -p "$RUN/logs"
 $PY -m common.runinfo "$RUN/config.json" preset="$PRESET" mode="$MODE" rounds="$ROUNDS" name="$NAME" \
   eval_every="$EVAL_EVERY" model="$MODEL" engine="$ENGINE" dp="$DP" tp="$TP" nproc="$NPROC" accelerate_config="$ACCEL_CONFIG" \
-  lora="$LORA" call_format="$CALL_FORMAT" tasks_per_round="$TASKS_PER_ROUND" n="$N" mini_batch="$MINI_BATCH" \
+  lora="$LORA" call_format="$CALL_FORMAT" bfcl_handler="$BFCL_HANDLER" prompts="$PROMPTS" eval_len="$EVAL_LEN" eval_new="$EVAL_NEW" tasks_per_round="$TASKS_PER_ROUND" n="$N" mini_batch="$MINI_BATCH" \
   lr="$LR" kl="$KL" temperature="$TEMP" max_steps="$MAX_STEPS" max_model_len="$MAX_LEN" \
   max_new_tokens="$MAX_NEW" train_limit="$TRAIN_LIMIT" eval_limit="$EVAL_LIMIT" omega="$OMEGA" \
   reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN" keep="$KEEP" tasks="$TASKS" seed="$SEED" \
@@ -209,6 +219,7 @@ for ((t = 0; t < ROUNDS; t++)); do
     $(limit_args "$TRAIN_LIMIT") --batch "$TASKS_PER_ROUND" --round "$t" --n "$N" --interface "$R/interface.json" \
     --engine "$ENGINE" --temperature "$TEMP" --seed $((SEED * 1000 + t)) --max-steps-per-turn "$MAX_STEPS" \
     --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" --call-format "$CALL_FORMAT" \
+    --prompts "$PROMPTS" --handler "$BFCL_HANDLER" \
     --data-parallel-size "$DP" --tensor-parallel-size "$TP" --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
   run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks "$TASKS" \
     --rollouts "$R/rollouts.jsonl" --out "$R/diagnoses.jsonl"

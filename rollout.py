@@ -2,13 +2,18 @@
 
     python rollout.py --model DIR --tasks data/train.jsonl --n 8 --out rollouts.jsonl \
         [--interface interface.json] [--engine vllm|hf] [--limit K] [--temperature 1.0] \
-        [--seed S] [--max-steps-per-turn 20] [--max-model-len 16384] [--schedule async|lockstep]
+        [--seed S] [--max-steps-per-turn 20] [--max-model-len 16384] [--schedule async|lockstep] \
+        [--prompts bfcl|template] [--handler QwenFCHandler]
 
 Each task is played `--n` times against the real bfcl-eval environment; every
 trajectory is one JSONL record (DESIGN §3) holding the transcript, the parsed
 calls and what the environment returned, and the exact token ids the engine
 consumed and produced with a mask that is 1 only on model-generated tokens.
-Turns follow bfcl-eval's inference loop (common/play.py): an output that does
+What the model is shown is what bfcl-eval's handler for it builds (common/prompts.py),
+token-in/token-out: its own generated ids stay in the context, where bfcl-eval's
+harness would re-render its decoded calls (`--prompts template` renders with the
+model's chat template instead). Turns follow bfcl-eval's inference loop
+(common/play.py): an output that does
 not decode into calls ends the turn, unless Ω's error feedback is on, which
 answers it with the parse error and a hint; the record's `decode_failure` says
 which. `--model` is a HF model folder or a LoRA adapter folder. On vLLM each
@@ -24,7 +29,7 @@ import os
 import random
 import sys
 
-from common import bfcl, play
+from common import bfcl, play, prompts
 from common import interface as omega_api
 from common.engines import make_engine
 from common.jsonl import RecordError, write_json, write_jsonl
@@ -45,8 +50,12 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--max-steps-per-turn", type=int, default=20)
 parser.add_argument("--max-model-len", type=int, default=16384)
 parser.add_argument("--max-new-tokens", type=int, default=512, help="per model call")
-parser.add_argument("--call-format", default="json", choices=["json", "python"],
-                    help="json: Qwen <tool_call> blocks; python: [f(a=1)] lists (ToolACE)")
+parser.add_argument("--prompts", default="bfcl", choices=["bfcl", "template"],
+                    help="bfcl: the prompts bfcl-eval's --handler builds (evaluation's); template: the "
+                         "model's chat template with tools= (verl's convention)")
+parser.add_argument("--handler", default="QwenFCHandler", help="bfcl-eval handler (common/prompts.py HANDLERS)")
+parser.add_argument("--call-format", default=None, choices=["json", "python"],
+                    help="json: Qwen <tool_call> blocks; python: [f(a=1)] lists (ToolACE); default: the handler's")
 parser.add_argument("--round", type=int, default=0)
 parser.add_argument("--tensor-parallel-size", type=int, default=1)
 parser.add_argument("--data-parallel-size", type=int, default=1,
@@ -77,6 +86,10 @@ def select_tasks(path, limit=None, ids=None, batch=None, round_=0):
 
 
 def main(args):
+    try:
+        args.call_format = args.call_format or prompts.call_format(args.handler)
+    except prompts.HandlerError as e:
+        parser.error(f"--handler: {e}")
     schedule = play.schedule_for(args.engine, args.schedule, parser.error, args.data_parallel_size)
     tasks = select_tasks(args.tasks, args.limit, args.task_ids, args.batch, args.round)
     omega = omega_api.load(args.interface)
@@ -86,7 +99,8 @@ def main(args):
         records, timing = play.play(tasks, args.n, engine, omega=omega, fmt=args.call_format,
                             temperature=args.temperature, max_steps_per_turn=args.max_steps_per_turn,
                             max_model_len=args.max_model_len, max_new_tokens=args.max_new_tokens,
-                            round_=args.round, policy=os.path.abspath(args.model), schedule=schedule)
+                            round_=args.round, policy=os.path.abspath(args.model), schedule=schedule,
+                            prompts=args.prompts, handler=args.handler)
     finally:
         engine.close()
     write_jsonl(args.out, records)

@@ -28,8 +28,9 @@ Builds a normal Hugging Face model folder in three steps (about 2 minutes on 2 i
    32k positions work, and the KV cache stays small. transformers and vLLM both
    implement Qwen2's window (vLLM's CPU attention too); their log-probabilities agree.
 3. Warm start: a short supervised fine-tune (AdamW, fp32) on ground-truth
-   conversations of the task file, rendered with the chat template and real tool
-   results from common.bfcl.Environment (see `conversation`). Loss only on assistant
+   conversations of the task file with real tool results from common.bfcl.Environment
+   (see `conversation`), rendered as rollouts show them: bfcl-eval's QwenFCHandler
+   prompts, token-in/token-out (`render`, common/prompts.py). Loss only on assistant
    tokens (their content and the closing `<|im_end|>`), averaged per message, then
    over the batch (so the few 30-call turns do not teach "one more call" to all).
 
@@ -41,7 +42,8 @@ Builds a normal Hugging Face model folder in three steps (about 2 minutes on 2 i
    user message (tool calls, or "something is missing" on empty-ground-truth turns)
    are sampled 4x as often as the closing answers after tool results.
 
-The build ends by measuring, on `eval_tasks` tasks with their full turn-0 prompt and
+The chat template is kept for `--prompts template`. The build ends by measuring, on
+`eval_tasks` tasks with their full turn-0 prompt (bfcl-eval's) and
 greedy decoding, how often the first output parses as at least one tool call
 (common.calls.parse(text, "json")); the rate is printed and kept in build_info.json.
 
@@ -58,8 +60,6 @@ import random
 import sys
 import time
 
-from common.chat import to_chat_tools
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TASKS = os.path.join(REPO, "data", "train.jsonl")
 PRESET_TASKS = os.path.join(REPO, "data", "tiny.jsonl")  # the tiny preset's tasks (data/prepare.py)
@@ -67,6 +67,7 @@ PRESET_TASKS = os.path.join(REPO, "data", "tiny.jsonl")  # the tiny preset's tas
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
+GENERATION_PROMPT = "<|im_start|>assistant\n"
 # Qwen2's pre-tokenizer split (as imposed by transformers' Qwen2Tokenizer).
 QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
                      r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -199,6 +200,40 @@ def pick_eval_tasks(tasks, n):
     return picked[:n]
 
 
+def render(task, msgs, omega=None):
+    """A conversation from `conversation` as a rollout's context spells it: bfcl-eval's
+    QwenFCHandler prompt (tools and cues as the interface `omega` shows them), each assistant message as
+    written followed by what the handler adds after it (common/prompts.py, token-in/token-out)."""
+    from common.interface import system_cue, tool_view
+    from common.prompts import Conversation, announced
+
+    def announce(turn):
+        docs = announced(task, turn)
+        return tool_view(docs, omega) if docs is not None else None
+
+    conv = Conversation("QwenFCHandler", task, tool_view(task["tools"], omega), system_cue(omega))
+    i, turn = 0, 0
+    while i < len(msgs) and msgs[i]["role"] == "user":
+        i += 1
+    conv.add_user(0, conv.turn_messages(0, announce(0)))
+    text = conv.prompt()
+    while i < len(msgs):
+        content = msgs[i]["content"]
+        i += 1
+        results = []
+        while i < len(msgs) and msgs[i]["role"] == "tool":
+            results.append(msgs[i]["content"])
+            i += 1
+        nxt = None
+        if i < len(msgs) and msgs[i]["role"] == "user":
+            while i < len(msgs) and msgs[i]["role"] == "user":
+                i += 1
+            turn += 1
+            nxt = conv.turn_messages(turn, announce(turn))
+        text += content + conv.continuation(results or None, [""] * len(results), nxt)
+    return text.removesuffix(GENERATION_PROMPT)
+
+
 def first_prompt_messages(task):
     """The messages of turn 0 before the first model step (the evaluation prompt)."""
     from common import bfcl
@@ -257,9 +292,14 @@ def tokenizer_texts(tasks, conversations):
             seen.add(s)
             texts.append(s)
 
+    from common import prompts
+
     for task in tasks:
-        for tool in to_chat_tools(task["tools"] + [s for v in task["missed_function"].values() for s in v]):
-            add(json.dumps(tool, ensure_ascii=False))
+        # the tool docs and held-out-tool messages as bfcl-eval's QwenFCHandler shows them
+        for tool in prompts.hinted(task["id"], task["tools"]) + [s for v in task["missed_function"].values() for s in v]:
+            add(json.dumps(tool))
+        for docs in task["missed_function"].values():
+            add(prompts.new_tools_message(docs)[0]["content"])
         for msgs in task["questions"]:
             for m in msgs:
                 add(m["content"])
@@ -311,11 +351,9 @@ def warm_start_examples(tok, bpe, tasks, convs, context, omega=None):
     """
     import torch
 
-    from common.interface import tool_view
-
     sys_cache, sys_ids, conv_texts = {}, [], []
     for task, msgs in zip(tasks, convs, strict=True):
-        text = tok.apply_chat_template(msgs, tools=to_chat_tools(tool_view(task["tools"], omega)), tokenize=False)
+        text = render(task, msgs, omega)
         cut = text.index(EOS + "\n") + len(EOS) + 1
         if text[cut:].find("<|im_start|>") != 0:
             raise RuntimeError("the chat template's system block is not followed by <|im_start|>")
@@ -534,15 +572,14 @@ def first_step_parse_rate(model_dir, tasks, max_new_tokens, engine=None):
     """Fraction of tasks whose greedy first output (full turn-0 prompt) parses as >= 1 tool call."""
     from common import calls as C
     from common.engines import make_engine
+    from common.prompts import first_prompt
 
     own = engine is None
     if own:
         engine = make_engine("hf", model_dir, max_model_len=DEFAULTS["max_positions"], seed=0)
     try:
         tok = engine.tokenizer
-        prompts = [tok.apply_chat_template(first_prompt_messages(t), tools=to_chat_tools(t["tools"]),
-                                           add_generation_prompt=True, tokenize=True, return_dict=False)
-                   for t in tasks]
+        prompts = [tok(first_prompt(t))["input_ids"] for t in tasks]
         gens = engine.generate(prompts, [max_new_tokens] * len(prompts), 0.0)
     finally:
         if own:
