@@ -15,7 +15,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from common import bfcl, play
+from common import bfcl, play, prompts, tiny
 from common import interface as omega_api
 from common.chat import Renderer
 from common.engines import Generation, make_engine
@@ -40,6 +40,7 @@ class Scripted:
 
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script = tokenizer, script
+        self.stop_ids = [tokenizer.eos_token_id]
 
     def generate(self, prompts, max_new_tokens, temperature):
         out = []
@@ -100,15 +101,13 @@ def check_record(task, rec, tokenizer, omega=None):
     steps = [s for turn in rec["turns"] for s in turn["steps"]]
     assert len(runs) == len(steps)
     for run, step in zip(runs, steps, strict=True):
-        assert play.decode(tokenizer, Generation(run, [], "stop")) == step["text"]
-    # No drift: the prompt is the chat template's own rendering, and the whole context
-    # decodes to what the template renders for the conversation rebuilt from the transcript.
-    r = Renderer(tokenizer, omega_api.tool_view(bfcl.tools_at(task, 0), omega), omega_api.system_cue(omega))
-    msgs = conversation(task, rec, omega)
-    first_turn = bfcl.turn_messages(task, 0)
-    assert toks["prompt_ids"] == tokenizer.apply_chat_template(
-        r.head + first_turn, tools=r.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
-    full = r.text(msgs, False)
+        assert play.decode(tokenizer, Generation(run, [], "stop"), {tokenizer.eos_token_id}) == step["text"]
+    # No drift: the prompt is bfcl-eval's QwenFCHandler prompt, and the whole context decodes
+    # to what that handler adds around the model's own outputs for the conversation rebuilt
+    # from the transcript (token-in/token-out).
+    shown, system = omega_api.tool_view(bfcl.tools_at(task, 0), omega), omega_api.system_cue(omega)
+    assert toks["prompt_ids"] == tokenizer(prompts.first_prompt(task, shown, system))["input_ids"]
+    full = tiny.render(task, conversation(task, rec, omega), omega)
     decoded = tokenizer.decode(toks["prompt_ids"] + toks["ids"], skip_special_tokens=False)
     assert full.startswith(decoded) and full[len(decoded):] in ("\n", tokenizer.eos_token + "\n")
 
@@ -262,3 +261,40 @@ def test_missing_model_folder_is_a_clear_error(tmp_path):
                          cwd=ROOT, capture_output=True, text=True)
     assert res.returncode != 0 and "not a model or adapter folder" in res.stderr
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_template_prompts_stay_an_option(tasks, tokenizer):
+    """`--prompts template` (verl's convention): the chat template's own rendering, no drift."""
+    task = tasks["multi_turn_base_0"]
+    call = '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>'
+    rec = play.play([task], 1, Scripted(tokenizer, lambda p: call), max_steps_per_turn=1, progress=False,
+                    prompts="template")[0][0]
+    r = Renderer(tokenizer, bfcl.tools_at(task, 0))
+    assert rec["tokens"]["prompt_ids"] == tokenizer.apply_chat_template(
+        bfcl.turn_messages(task, 0), tools=r.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    full = r.text(conversation(task, rec), False)
+    decoded = tokenizer.decode(rec["tokens"]["prompt_ids"] + rec["tokens"]["ids"], skip_special_tokens=False)
+    assert full.startswith(decoded) and full[len(decoded):] in ("\n", tokenizer.eos_token + "\n")
+    assert prompts.first_prompt(task) != tokenizer.decode(rec["tokens"]["prompt_ids"])
+
+
+def test_a_stop_id_the_format_does_not_write_leaves_the_context(tasks, tokenizer):
+    """A model whose generation config stops on two ids (Qwen2.5: <|im_end|> and <|endoftext|>):
+    ending on the one the prompt format closes messages with keeps it; ending on the other drops
+    it, and the context gets exactly the format's closing; the parsed text has neither."""
+    task = tasks["multi_turn_base_0"]
+    im_end, eot = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    call = '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>'
+    for stop in (im_end, eot):
+        class TwoStops(Scripted):
+            def generate(self, prompts_, max_new_tokens, temperature, stop=stop):
+                out = super().generate(prompts_, max_new_tokens, temperature)
+                return [Generation(g.ids[:-1] + [stop], g.logprobs, "stop") for g in out]
+        engine = TwoStops(tokenizer, lambda p: call)
+        engine.stop_ids = [im_end, eot]
+        rec = play.play([task], 1, engine, max_steps_per_turn=1, progress=False)[0][0]
+        step = rec["turns"][0]["steps"][0]
+        assert step["text"] == call and step["calls"]
+        generated = [i for i, m in zip(rec["tokens"]["ids"], rec["tokens"]["mask"], strict=True) if m]
+        assert eot not in rec["tokens"]["ids"] and (im_end in generated) == (stop == im_end)
+        check_record(task, rec, tokenizer)

@@ -1,0 +1,224 @@
+"""Prompt parity with bfcl-eval's own harness, text for text.
+
+The reference is bfcl-eval's `inference_multi_turn_prompting` itself (its message flow,
+its executor, its handler's `_format_prompt`), run on a subclass of the handler whose
+`_query_prompting` answers with the texts our trajectory produced instead of asking a
+server: every prompt it formats is compared with the prompt our evaluation sent for
+that step. Its task entries come from bfcl-eval's own `load_dataset_entry` (tool docs
+with its language hint, held-out docs in its order), not from our data files.
+"""
+
+import contextlib
+import io
+import itertools
+import json
+import os
+
+import pytest
+from transformers import AutoTokenizer
+
+from common import bfcl, play, prompts
+from common import calls as C
+from common.engines import Generation
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def heldin():
+    return bfcl.load_tasks(os.path.join(ROOT, "data", "heldin.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def entries():
+    from bfcl_eval.utils import load_dataset_entry
+    return {e["id"]: e for cat in bfcl.CATEGORIES for e in load_dataset_entry(f"multi_turn_{cat}")}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+class Script:
+    """A policy that writes the texts `script(task_id, turn, step)` gives; real tokenizer, no model."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script = tokenizer, script
+        self.stop_ids = [tokenizer.eos_token_id]
+        self.traj = None
+
+    def generate(self, prompts_, max_new_tokens, temperature):
+        t = self.traj
+        text = self.script(t.task["id"], len(t.turns) - 1, len(t.turns[-1]["steps"]))
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return [Generation(ids=ids, logprobs=[-0.5] * len(ids), finish="stop")]
+
+
+def ours(task, engine, handler="QwenFCHandler", fmt="json"):
+    """Our evaluation's record of `task` under the scripted policy, with each step's prompt."""
+    traj = play.Trajectory(task, 0, None, engine.tokenizer, fmt, "bfcl", handler, rerender=True,
+                           stop_ids=engine.stop_ids)
+    engine.traj = traj
+    play._lockstep([traj], engine, {"start": 0.0, "engine_seconds": 0.0, "generated": 0},
+                   _NoBar(), 0.001, 20, 32768, 4096)
+    return traj.record(0, "script"), traj
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def set_postfix(self, **kw):
+        pass
+
+
+def theirs(entry, texts, handler="QwenFCHandler"):
+    """The prompts bfcl-eval's multi-turn loop formats when the model answers `texts` in order,
+    and the exception it raises, if any (an inference error: the entry fails as a whole)."""
+    seen, answers = [], iter(texts)
+    name = f"parity_{next(_names)}"
+    h = type(prompts.handler(handler))(model_name=prompts.handler(handler).model_name, temperature=0.001,
+                                       registry_name=name, is_fc_model=True)
+    h.model_name_underline_replaced = name  # its executor's instance-cache key: one per replay
+
+    def query(inference_data):  # the model's side of _query_prompting: the recorded answer
+        seen.append(h._format_prompt(inference_data["message"], inference_data["function"]))
+        return prompts.response(next(answers)), 0.0
+    h._query_prompting = query
+    error = None
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            h.inference_multi_turn_prompting(json.loads(json.dumps(entry)), include_input_log=False,
+                                             exclude_state_log=True)
+    except Exception as e:  # bfcl-eval's runner records it as the entry's result
+        error = e
+    finally:
+        bfcl.restore_shared_data()  # its executor mutates long_context's module data
+        from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+        for k in [k for k in vars(multi_turn_utils) if k.startswith(name)]:
+            delattr(multi_turn_utils, k)
+    return seen, error
+
+
+def oracle_script(task):
+    """Per (turn, step): the ground-truth calls, then a plain answer."""
+    def script(task_id, turn, step):
+        gt = bfcl.ground_truth_calls(task, turn)
+        return C.format_calls(gt, "json") if gt and step == 0 else "Done."
+    return script
+
+
+def check_parity(task, entry, engine, handler="QwenFCHandler", fmt="json"):
+    rec, traj = ours(task, engine, handler, fmt)
+    texts = [s["text"] for turn in rec["turns"] for s in turn["steps"]]
+    seen, error = theirs(entry, texts, handler)
+    mine = [s["formatted_prompt"] for turn in rec["turns"] for s in turn["steps"]]
+    assert len(seen) == len(mine), (task["id"], len(seen), len(mine))
+    for k, (a, b) in enumerate(zip(seen, mine, strict=True)):
+        if a != b:
+            at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            raise AssertionError(f"{task['id']} step {k}: bfcl-eval's {a[at - 60:at + 60]!r} vs ours {b[at - 60:at + 60]!r}")
+    return rec, error
+
+
+def test_oracle_prompts_are_bfcl_evals_on_every_heldin_task(heldin, entries, tokenizer):
+    """All 400 held-in tasks played by the oracle: every step's prompt is the one bfcl-eval's
+    harness builds from the same history, byte for byte (QwenFCHandler)."""
+    first = prompts.first_prompt(next(iter(heldin.values())))
+    # what the play loop counts as bfcl-eval's input length (its tokenizer.tokenize)
+    assert len(tokenizer.tokenize(first)) == len(tokenizer(first)["input_ids"]) - tokenizer.num_special_tokens_to_add()
+    steps = 0
+    for task in heldin.values():
+        engine = Script(tokenizer, oracle_script(task))
+        rec, error = check_parity(task, entries[task["id"]], engine)
+        assert error is None and rec["stop"] == "done"
+        steps += sum(len(t["steps"]) for t in rec["turns"])
+    assert steps >= 2 * sum(len(t["questions"]) for t in heldin.values())
+
+
+NON_ASCII = '<tool_call>\n{"name": "mkdir", "arguments": {"dir_name": "Résumé_数据"}}\n</tool_call>'
+OUTPUTS = {
+    "prose": 'Let me look first.\n<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>\nThen I will answer.',
+    "compact": '<tool_call>\n{"arguments":{"a":true},"name":"ls"}\n</tool_call>',
+    "reordered": '<tool_call>\n{"arguments": {"folder": "document"}, "name": "cd"}\n</tool_call>',
+    "non_ascii": NON_ASCII,
+    "one_bad_block": ('<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "cd", '
+                      '"arguments": {"folder": \n</tool_call>\n<tool_call>\n{"name": "pwd", "arguments": {}}\n</tool_call>'),
+    "think": '<think>\nplan\n</think>\n\n<tool_call>\n{"name": "pwd", "arguments": {}}\n</tool_call>',
+    "plain_answer": "I have done it.",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OUTPUTS))
+def test_model_outputs_are_re_rendered_as_bfcl_eval_does(heldin, entries, tokenizer, kind):
+    """Outputs with prose around calls, compact or reordered JSON, non-ASCII values, a bad block
+    among good ones, reasoning: the next prompts equal bfcl-eval's (it keeps the decoded calls,
+    not the text), on a base task and on a miss_func task's held-out turn."""
+    for task_id in ("multi_turn_base_100", "multi_turn_miss_func_100"):
+        task = heldin.get(task_id) or next(t for t in heldin.values() if t["id"].startswith(task_id[:-3]))
+        gt_script = oracle_script(task)
+
+        def script(tid, turn, step, gt_script=gt_script):
+            return OUTPUTS[kind] if step == 0 else gt_script(tid, turn, step)
+        rec, error = check_parity(task, entries[task["id"]], Script(tokenizer, script))
+        assert error is None
+        if task["missed_function"]:
+            turn = int(next(iter(task["missed_function"])))
+            prompt = rec["turns"][turn]["steps"][0]["formatted_prompt"]
+            assert repr(task["missed_function"][str(turn)])[:40] in prompt  # a Python repr, as bfcl-eval writes
+
+
+@pytest.mark.parametrize("block", ['{"name": "ls"}', '[{"name": "ls", "arguments": {}}]', '{"name": 7, "arguments": {}}'])
+def test_a_malformed_block_fails_the_entry_as_bfcl_eval_does(heldin, entries, tokenizer, block):
+    """A block whose JSON has no arguments, is a list, or has a non-string name: bfcl-eval keeps it
+    in the history and its next _format_prompt raises; the entry is an inference error there, and
+    here (scored as failed), with the same prompts up to that point."""
+    task = heldin["multi_turn_base_100"] if "multi_turn_base_100" in heldin else next(iter(heldin.values()))
+    gt_script = oracle_script(task)
+
+    def script(tid, turn, step):
+        return f"<tool_call>\n{block}\n</tool_call>" if turn == 0 and step == 0 else gt_script(tid, turn, step)
+    rec, error = check_parity(task, entries[task["id"]], Script(tokenizer, script))
+    assert error is not None
+    assert rec["stop"] == "inference_error" and rec["inference_error"] == str(error)
+    assert bfcl.official_verdict(task, [])["valid"] is False
+
+
+def test_llama_handler_prompts_on_the_tiny_model(heldin, entries, tiny_model):
+    """ToolACE-2-8B's handler (LlamaHandler, prompting, Python-list calls): the tiny model's own
+    outputs, re-rendered, give bfcl-eval's prompts (no ToolACE weights here: the format is tested)."""
+    from common.engines import make_engine
+    engine = make_engine("hf", tiny_model, max_model_len=32768, seed=0)
+    tasks = [t for t in heldin.values()][:1] + [t for t in heldin.values() if t["missed_function"]][:1]
+    try:
+        records, _ = play.play(tasks, 1, engine, fmt="python", temperature=0.0, max_new_tokens=24, max_model_len=32768,
+                               progress=False, prompts="bfcl", handler="LlamaHandler", rerender=True)
+    finally:
+        engine.close()
+    for task, rec in zip(tasks, records, strict=True):
+        texts = [s["text"] for turn in rec["turns"] for s in turn["steps"]]
+        seen, error = theirs(entries[task["id"]], texts, "LlamaHandler")
+        mine = [s["formatted_prompt"] for turn in rec["turns"] for s in turn["steps"]]
+        assert seen == mine and error is None
+        assert mine[0].startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>")
+
+
+def test_unknown_handler_is_a_clear_error():
+    with pytest.raises(prompts.HandlerError, match="choices: QwenFCHandler, LlamaHandler"):
+        prompts.check_handler("NoSuchHandler")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--handler", "NoSuchHandler"], "choices: QwenFCHandler, LlamaHandler"),
+    (["--max-model-len", "99999999"], "exceeds the model's context"),
+])
+def test_evaluate_refuses_bad_settings_before_any_output(tmp_path, tiny_model, args, message):
+    import subprocess
+    import sys
+    out = tmp_path / "eval"
+    res = subprocess.run([sys.executable, "evaluate.py", "--policy", tiny_model, "--engine", "hf", "--limit", "1",
+                          "--out", str(out), *args], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode != 0 and message in res.stderr
+    assert not out.exists()
