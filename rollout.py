@@ -5,7 +5,7 @@
         [--seed S] [--max-steps-per-turn 20] [--max-model-len 16384] [--schedule async|lockstep]
 
 Each task is played `--n` times against the real bfcl-eval environment; every
-trajectory is one JSONL record (DESIGN §3) holding the transcript, the parsed
+trajectory is one JSONL record (docs/design.md §3) holding the transcript, the parsed
 calls and what the environment returned, and the exact token ids the engine
 consumed and produced with a mask that is 1 only on model-generated tokens.
 Turns follow bfcl-eval's inference loop (common/play.py): an output that does

@@ -7,7 +7,7 @@ Builds a normal Hugging Face model folder in three steps (about 2 minutes on 2 i
 1. Tokenizer: a ~4k byte-level BPE trained with the `tokenizers` library on text of
    the task file (questions, tool documentation, rendered ground-truth turns). It uses
    exactly the normalizer (NFC) and pre-tokenizer (Qwen2's split regex + ByteLevel)
-   that transformers 5.x imposes on any folder whose config says `qwen2` (DESIGN §8),
+   that transformers 5.x imposes on any folder whose config says `qwen2` (docs/design.md §7),
    so AutoTokenizer gives the same ids as the trained tokenizer (kept as
    `bpe_tokenizer.json` for that check). Special tokens `<|endoftext|>` (pad),
    `<|im_start|>`, `<|im_end|>` (eos); added tokens `<tool_call>`, `</tool_call>`,
