@@ -5,7 +5,7 @@
 
 For every rollout record, replays the trajectory against the ground truth turn
 by turn with bfcl-eval's executor and official checks (common/replay.py), and
-writes one diagnosis record (DESIGN §3) per trajectory, in input order: the
+writes one diagnosis record (docs/design.md §3) per trajectory, in input order: the
 reward (the official multi_turn_checker verdict, 1 solved else 0), the official
 error type and turn, a label and a one-line evidence string for every turn
 (rules: common/taxonomy.py) and the profile p_j (fraction of turns per label,

@@ -31,7 +31,7 @@ required: `--user-model DIR` is served here with vLLM's OpenAI server and stoppe
 afterwards, or `--user-base-url`/`--user-model-name` name an endpoint you run. Its
 `--policy oracle` replays each task's gold actions with a scripted user (no model).
 scores.json holds percent per domain, their average, and the user simulator
-(common/tau.py, README "Out-of-distribution: τ²-bench").
+(common/tau.py, docs/ood.md §4).
 """
 
 import argparse
@@ -49,7 +49,7 @@ BFCL_MAX_NEW_TOKENS = 4096  # bfcl-eval's OSSHandler._query_prompting cap
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--policy", help="policy folder, or 'oracle' (ground truth)")
 parser.add_argument("--bench", default="bfcl", choices=["bfcl", "bfcl-memory", "bfcl-web", "tau2"],
-                    help="held-in BFCL multi-turn (default), or an out-of-distribution bench (README)")
+                    help="held-in BFCL multi-turn (default), or an out-of-distribution bench (docs/ood.md)")
 parser.add_argument("--memory-backend", nargs="+", default=["kv", "vector", "rec_sum"], choices=["kv", "vector", "rec_sum"],
                     help="bfcl-memory: the backends to run (default: all three; `memory` is their mean)")
 parser.add_argument("--memory-scenario", default=None,

@@ -1,4 +1,4 @@
-"""Evolve the training-time interface: Ω_{t+1} = Evolve(Ω_t, C_t) (DESIGN §5).
+"""Evolve the training-time interface: Ω_{t+1} = Evolve(Ω_t, C_t) (docs/design.md §5).
 
     python evolve.py --diagnoses runs/x/round_000/diagnoses.jsonl \
         --previous runs/x/round_000/interface.json --out runs/x/round_001/interface.json

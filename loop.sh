@@ -6,10 +6,10 @@
 #
 # PRESET is tiny (CPU, minutes), qwen3b, qwen7b or toolace8b (GPU nodes; see README).
 # --set overrides one preset variable (e.g. --set N=4 --set TASKS_PER_ROUND=8).
-# Every artifact lands in runs/NAME/ (DESIGN §3). Rerunning the same command resumes
+# Every artifact lands in runs/NAME/ (docs/design.md §3). Rerunning the same command resumes
 # from the first missing artifact: stages write atomically, so a file that exists is
 # complete, and complete artifacts are never recomputed. KEEP (a preset variable) says
-# which round policies stay on disk: evaluated (default), latest or all (see README, Disk).
+# which round policies stay on disk: evaluated (default), latest or all (docs/hardware.md §6).
 # --ood (or --set OOD="bfcl-memory tau2") also scores the base model and the final policy on
 # the out-of-distribution benches after the last round (the paper's Table 2); τ²-bench needs
 # a user simulator: --set USER_MODEL=DIR, or USER_BASE_URL=URL and USER_MODEL_NAME=NAME.
@@ -38,7 +38,7 @@ bash setup.sh
 PY=.venv/bin/python
 
 # ---------------------------------------------------------------------------- presets
-# Shared defaults are the paper's (DESIGN §1): GRPO groups of 8, 32 tasks per round,
+# Shared defaults are the paper's (docs/design.md §7): GRPO groups of 8, 32 tasks per round,
 # mini-batches of 8 tasks (4 optimiser steps a round; 18 rounds ~ 72 update steps),
 # lr 1e-6, KL 0.001, clip 0.2, temperature 1.0, 16k context; MAX_STEPS=20 is bfcl-eval's
 # step limit: a turn's 21st step with calls force-quits the task.
@@ -64,7 +64,7 @@ case $PRESET in
     EVAL_NEW=256  # CPU minutes: a tiny model that misses its stop would write 4096 tokens a call
     EXTRA_TRAIN="--cpu" ;;
   # GPU presets: 4 vLLM replicas x TP 1 for rollouts (a 3-8B model and its KV cache fit one
-  # 80 GB GPU; README "Presets and hardware"), then FSDP over the same 4 GPUs for training.
+  # 80 GB GPU; docs/hardware.md §4), then FSDP over the same 4 GPUs for training.
   qwen3b)  # 4 GPUs (e.g. 4x A100/H100 80GB): vLLM rollouts (4 replicas), FSDP full fine-tuning
     MODEL=Qwen/Qwen2.5-3B-Instruct; NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml ;;
   qwen7b)  # 4 GPUs (80GB): vLLM rollouts (4 replicas), FSDP full fine-tuning with gradient checkpointing

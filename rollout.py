@@ -6,7 +6,7 @@
         [--prompts bfcl|template] [--handler QwenFCHandler]
 
 Each task is played `--n` times against the real bfcl-eval environment; every
-trajectory is one JSONL record (DESIGN §3) holding the transcript, the parsed
+trajectory is one JSONL record (docs/design.md §3) holding the transcript, the parsed
 calls and what the environment returned, and the exact token ids the engine
 consumed and produced with a mask that is 1 only on model-generated tokens.
 What the model is shown is what bfcl-eval's handler for it builds (common/prompts.py),

@@ -1,7 +1,7 @@
 """The real BFCL multi-turn world: tasks, executable environment, official checker.
 
 Wraps bfcl-eval's executor and `multi_turn_checker` with the isolation they lack
-(DESIGN §2 pitfalls):
+(docs/design.md §2):
 
 - the executor caches instances in its module globals by (model name, task id):
   every trajectory and every checker call gets a unique `[A-Za-z0-9_]` name and

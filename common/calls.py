@@ -15,8 +15,8 @@ score, is what its harness would give), computed without its `eval()`s:
 
 Where bfcl-eval's decoder would compute something we must not (a nested call it
 would run) or pass a value our records cannot hold (tuple, bytes, complex, nan),
-or past our size bounds, the output is refused as a decode failure; the README
-("Where this differs from DESIGN.md") lists these. Ground-truth strings are read
+or past our size bounds, the output is refused as a decode failure; docs/differences.md
+(§3) lists these. Ground-truth strings are read
 as Python reads them (`parse_ground_truth`). A call is the dict
 `{"name": str, "arguments": {param: value}}`. `validate` checks a call against
 the schemas listed at that moment: its verdict labels the call and chooses a

@@ -430,7 +430,7 @@ class VLLMEngine(Engine):
             # per core (vLLM's own cut to one serving thread is skipped once its CPU worker has
             # patched torch.set_num_threads). On a shared machine every op then waits at a
             # barrier for a descheduled sibling thread: runs measured 2-17x slower under load
-            # on 2 cores (README "Benchmarks"). close() gives the process its threads back.
+            # on 2 cores (docs/benchmarks.md §3). close() gives the process its threads back.
             import torch
             self.torch_threads = torch.get_num_threads()
             torch._C.set_num_threads(1)  # not torch.set_num_threads: vLLM may have patched it

@@ -1,7 +1,7 @@
 """Diagnosis-guided GRPO: the numbers (advantages, SEAL weight, per-token loss) and the
 batching that feeds them to a causal LM.
 
-The SEAL weight of trajectory j (DESIGN §6):
+The SEAL weight of trajectory j (docs/design.md §6):
 
     w_j = clip( Σ_z p_j(z) · ρ(z), 0.5, 2.0 )        -> diagnosis_weight()
 

@@ -1,4 +1,4 @@
-"""The training-time observation interface Ω (DESIGN §5): what the agent sees while training.
+"""The training-time observation interface Ω (docs/design.md §5): what the agent sees while training.
 
 Ω never changes the environment, the tools, the tasks or the verifier; it only
 adds cue text to what the agent reads. Evaluation runs with Ω = None, and then
@@ -16,7 +16,7 @@ is byte-identical to the plain one. Three cue families:
 - capability cues (φ_cap): `system_cue` renders up to 3 fixed, reviewed
   guideline lines (CAPABILITY_TEXT, one per failure label) for the system prompt.
 
-The interface record (`interface.json`, DESIGN §3):
+The interface record (`interface.json`, docs/design.md §3):
 
     {"version": int, "round": int,
      "schema_cue": {"enabled": bool, "required": bool, "types": bool, "enums": bool},
@@ -61,7 +61,7 @@ CAPABILITY_TEXT = {
     "response_mismatch": "After the calls, answer the user with the information the tool results returned.",
 }
 
-# Which cue families a selected label switches on (DESIGN §5). Every selected
+# Which cue families a selected label switches on (docs/design.md §5). Every selected
 # label also gets its capability line.
 ACTIVATES = {
     "invalid_tool_call": ("schema_cue",),  # + its line, the format hint
@@ -405,7 +405,7 @@ def _pick(tools, keys, require=(), exclude=(), limit=4):
 # ----------------------------------------------------------------------------- leakage audit
 #
 # The cues may name schema facts and state the agent has already seen, never a
-# ground-truth value (DESIGN §5). `audit` checks that on one task, for every error
+# ground-truth value (docs/design.md §5). `audit` checks that on one task, for every error
 # case the hint rules cover, built from the task's ground-truth calls.
 #
 # A *literal* of a task is a value in its ground-truth call arguments (all turns),

@@ -19,7 +19,7 @@ constants and agentic_checker; our decoder, renderer, environment isolation and 
   its loader gives them, through the model's chat template as in rollouts.
 - Score: the last output of the question's turn that does not decode into calls, checked by
   agentic_checker against the possible answers, which line up with the questions by index.
-  Per backend the percent correct; `memory` is the mean of the three (DESIGN §9).
+  Per backend the percent correct; `memory` is the mean of the three (docs/design.md §9).
 
 `--policy oracle`: prerequisite conversations are played with one memory write per conversation
 (its topic) and a plain reply per turn, so snapshots are written, chained and read as with a

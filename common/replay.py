@@ -9,7 +9,7 @@ checks it skips past have no side effects and the turns it goes on executing com
 after the verdict's turn. tests/test_diagnose.py checks the equality against
 bfcl.official_verdict on perturbed trajectories of real tasks.
 
-Rollout files are not trusted (DESIGN §3): `read_turns()` re-derives what to
+Rollout files are not trusted (docs/design.md §3): `read_turns()` re-derives what to
 replay from each step's parsed `calls` with the environment's own gate
 (bfcl.to_executor: rendered here from literals, or refused), and re-derives each
 call's schema verdict against the tools listed at that turn.

@@ -1,4 +1,4 @@
-"""The failure taxonomy Ψ (DESIGN §4): one label per ground-truth user turn.
+"""The failure taxonomy Ψ (docs/design.md §4): one label per ground-truth user turn.
 
 Labels come only from executable evidence, gathered by common/replay.py into a
 `Turn`: the parser's and the schema validator's verdicts on the model's outputs
@@ -12,7 +12,7 @@ docstring is the exact rule. Reading order:
     passes                the other turns: pass, or else
     FAILURE_RULES         the first failure rule that applies, in priority order
     label_turn            applies the above to one turn
-    diagnose              one diagnosis record (DESIGN §3) per rollout record
+    diagnose              one diagnosis record (docs/design.md §3) per rollout record
 
 Rules return a one-line evidence string when they apply, None otherwise.
 tests/test_taxonomy.py has one real-task test per rule.
@@ -24,7 +24,7 @@ from common import bfcl, replay
 LABELS = ["pass", "correct_abstention", "invalid_tool_call", "argument_mismatch", "state_mismatch",
           "recovery_failure", "missing_tool_call", "response_mismatch"]
 
-# Default utility ρ(z) of each label for the GRPO weight (DESIGN §6); a file can replace it.
+# Default utility ρ(z) of each label for the GRPO weight (docs/design.md §6); a file can replace it.
 RHO = {
     "invalid_tool_call": 2.0,
     "correct_abstention": 1.8,
@@ -190,7 +190,7 @@ def profile(labels):
 
 
 def diagnose(task, rollout):
-    """The diagnosis record of one rollout record (DESIGN §3) against its task.
+    """The diagnosis record of one rollout record (docs/design.md §3) against its task.
 
     Raises common.jsonl.RecordError when the record's turns are not a rollout's.
     """

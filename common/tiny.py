@@ -7,7 +7,7 @@ Builds a normal Hugging Face model folder in three steps (about 2 minutes on 2 i
 1. Tokenizer: a ~4k byte-level BPE trained with the `tokenizers` library on text of
    the task file (questions, tool documentation, rendered ground-truth turns). It uses
    exactly the normalizer (NFC) and pre-tokenizer (Qwen2's split regex + ByteLevel)
-   that transformers 5.x imposes on any folder whose config says `qwen2` (DESIGN §8),
+   that transformers 5.x imposes on any folder whose config says `qwen2` (docs/design.md §7),
    so AutoTokenizer gives the same ids as the trained tokenizer (kept as
    `bpe_tokenizer.json` for that check). Special tokens `<|endoftext|>` (pad),
    `<|im_start|>`, `<|im_end|>` (eos); added tokens `<tool_call>`, `</tool_call>`,
@@ -476,13 +476,21 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
 
     # --- measure: first-step greedy output on full turn-0 prompts
     t0 = time.time()
+    # one batched generate call with nothing to report until it returns: say what is running
+    _log(f"measuring the first-step parse rate: greedy first output on {args['eval_tasks']} tasks")
     rate, samples = first_step_parse_rate(folder, pick_eval_tasks(tasks, args["eval_tasks"]),
                                           args["eval_max_new_tokens"])
     timings["eval_s"] = round(time.time() - t0, 2)
     # --- measure: sampled reward (official verdict) on the preset's tasks, as its round 0 plays them
     t0 = time.time()
-    reward = {"plain": preset_reward(folder, preset, args), "schema_cue": preset_reward(
-        folder, preset, args, omega=omega_api.initial())} if preset else None
+    reward = None
+    if preset:
+        reward = {}
+        for view, omega in (("plain", None), ("schema_cue", omega_api.initial())):
+            # the build's longest silent step otherwise: every trajectory played to its end
+            _log(f"measuring the sampled reward ({view} view): {args['check_samples']} samples "
+                 f"of each of {len(preset)} tasks")
+            reward[view] = preset_reward(folder, preset, args, omega=omega, progress=True)
     timings["reward_s"] = round(time.time() - t0, 2)
     timings["total_s"] = round(time.time() - t_start, 2)
     info = {"args": args, "tasks": os.path.relpath(os.path.abspath(tasks_path), REPO),
@@ -498,7 +506,7 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     return info
 
 
-def preset_reward(model_dir, tasks, args, engine=None, omega=None):
+def preset_reward(model_dir, tasks, args, engine=None, omega=None, progress=False):
     """Sampled reward on `tasks` as the preset's rollouts play them (under the interface `omega`):
     `check_samples` per task at `check_temperature`, scored by the official checker.
     {"mean", "per_task": {id: mean}}."""
@@ -511,7 +519,7 @@ def preset_reward(model_dir, tasks, args, engine=None, omega=None):
     try:
         records, _ = play.play(tasks, args["check_samples"], engine, omega=omega, temperature=args["check_temperature"],
                                max_steps_per_turn=args["check_max_steps"], max_model_len=DEFAULTS["max_positions"],
-                               max_new_tokens=args["check_max_new_tokens"], progress=False)
+                               max_new_tokens=args["check_max_new_tokens"], progress=progress)
     finally:
         if own:
             engine.close()

@@ -4,7 +4,7 @@
 
 Reads bfcl-eval's JSON files directly (importing bfcl_eval.utils would create
 folders in site-packages) and joins questions, ground truth and tool schemas
-into one record per task (DESIGN §3). Skips the work when the files are current.
+into one record per task (docs/design.md §3). Skips the work when the files are current.
 
 data/tiny.jsonl holds the `tiny` preset's tasks (see `tiny_tasks`): training tasks
 cut to their first turn, which the official checker scores like any task.

@@ -240,7 +240,7 @@ def test_decoded_calls_equal_bfcl_eval_decoder(fmt, text):
     assert err is None or fmt == "json"  # json: the skipped blocks are reported
 
 
-# Decodable by bfcl-eval, refused by us (README, "Where this differs from DESIGN.md"): a nested
+# Decodable by bfcl-eval, refused by us (docs/differences.md §3): a nested
 # call or arithmetic over calls would run model text; the other values our records cannot hold.
 KNOWN_REFUSALS = [
     ("python", "[mode(meta={'ls': {'a': True}})]"),

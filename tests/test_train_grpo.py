@@ -33,7 +33,7 @@ COMMON = ["--lr", "1e-3", "--mini-batch-tasks", "2", "--max-tokens-per-micro-bat
 
 
 def make_data(folder, rewards=REWARDS, seed=0):
-    """Rollout and diagnosis files in the DESIGN §3 format: a task prompt shared by its samples,
+    """Rollout and diagnosis files in the docs/design.md §3 format: a task prompt shared by its samples,
     then model tokens (mask 1), a tool response (mask 0), model tokens again."""
     rng = random.Random(seed)
     rollouts, diagnoses = [], []
