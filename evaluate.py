@@ -41,7 +41,8 @@ import sys
 
 from tqdm import tqdm
 
-from common import bfcl, play
+from common import bfcl, bfcl_results, play
+from common import calls as C
 from common.jsonl import RecordError, read_json, write_json, write_jsonl
 from common.replay import read_turns
 
@@ -85,16 +86,24 @@ parser.add_argument("--data-parallel-size", type=int, default=1,
                     help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
 parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
                     help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
+parser.add_argument("--bfcl-model", default=bfcl_results.DEFAULT_MODEL,
+                    help="bfcl-eval registry entry that names and decodes DIR/result/ (docs/bfcl-results.md); "
+                         "its handler must read the --call-format (default: %(default)s, Qwen's JSON blocks)")
 
 
-def oracle_trajectory(task):
-    """The ground truth, fed turn by turn through the same path as model text."""
+def oracle_trajectory(task, fmt="python"):
+    """The ground truth, fed turn by turn through the same path as model text written in `fmt`:
+    (decoded, turns), the checker's calls and the play as a model record's turns."""
+    turns = []
     with bfcl.Environment(task) as env:
         for turn, gt in enumerate(task["ground_truth"]):
             env.start_turn(turn)
+            steps = []
             if gt:
-                env.step(bfcl.ground_truth_text(task, turn), fmt="python")
-        return env.decoded
+                text = C.format_calls(bfcl.ground_truth_calls(task, turn), fmt)
+                steps.append({"text": text, **env.step(text, fmt=fmt)})
+            turns.append({"steps": steps, "end": "answer"})
+        return env.decoded, turns
 
 
 def category_scores(results):
@@ -183,13 +192,19 @@ def main(args):
     if args.bench == "tau2":
         from common import tau
         return tau.evaluate(args, parser.error)
+    try:
+        bfcl_results.handler(args.bfcl_model)  # before anything is played
+    except RecordError as e:
+        parser.error(f"--bfcl-model: {e}")
     path = args.tasks or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"{args.split}.jsonl")
     tasks = list(bfcl.load_tasks(path).values())
     if args.limit:
         tasks = bfcl.first_per_category(tasks, args.limit)
 
     if args.policy == "oracle":
-        decoded = [oracle_trajectory(t) for t in tqdm(tasks, desc="oracle", unit="task")]
+        played = [oracle_trajectory(t, args.call_format) for t in tqdm(tasks, desc="oracle", unit="task")]
+        decoded = [dec for dec, _ in played]
+        records = [{"task_id": t["id"], "turns": turns, "stop": "done"} for t, (_, turns) in zip(tasks, played, strict=True)]
     else:
         run, engine = play.greedy_player(args, parser.error)
         try:
@@ -206,6 +221,8 @@ def main(args):
     scores = category_scores(results)
     write_jsonl(os.path.join(args.out, "results.jsonl"), results)
     write_json(os.path.join(args.out, "scores.json"), scores)
+    # After our scores, so that a record bfcl's format cannot hold costs only these files.
+    bfcl_results.write_result_files(args.out, tasks, records, args.bfcl_model)
     print_table(scores, f"{args.policy} on {os.path.relpath(path)} (BFCL multi-turn @ bfcl-eval 2026.3.23)")
     if args.policy == "oracle":
         for r in results:
