@@ -39,10 +39,11 @@ def handler(registry_name):
     if registry_name not in MODEL_CONFIG_MAPPING:
         raise RecordError(f"{registry_name!r} is not in bfcl-eval's model registry "
                           "(bfcl_eval/constants/model_config.py)")
-    h = get_handler(registry_name)
-    if not isinstance(h, OSSHandler):
-        raise RecordError(f"{registry_name!r} is an API model in bfcl-eval's registry ({type(h).__name__}); "
+    cls = MODEL_CONFIG_MAPPING[registry_name].model_handler
+    if not issubclass(cls, OSSHandler):  # checked first: building an API handler wants its credentials
+        raise RecordError(f"{registry_name!r} is an API model in bfcl-eval's registry ({cls.__name__}); "
                           "choose a local-model entry, whose handler reads the model's text")
+    h = get_handler(registry_name)
     if h.registry_dir_name.replace("_", "/") != registry_name:
         # The runner finds a model by its folder name with every "_" read back as "/".
         raise RecordError(f"bfcl-eval's runner cannot map the folder {h.registry_dir_name!r} back to {registry_name!r}")
@@ -84,7 +85,7 @@ def result_entry(h, task, record):
             secs.append(step.get("latency", 0.0))
             thoughts.append(parsed.get("reasoning_content", ""))
             last = s == len(turn["steps"]) - 1 and t == len(record["turns"]) - 1
-            turn_log[f"step_{s}"] = _step_log(step, parsed, forced_quit=last and record.get("stop") == "step_limit",
+            turn_log[f"step_{s}"] = _step_log(h, step, parsed, forced_quit=last and record.get("stop") == "step_limit",
                                               steps=len(turn["steps"]))
         for acc, val in ((result, texts), (inputs, ins), (outputs, outs), (latency, secs), (reasoning, thoughts)):
             acc.append(val)
@@ -96,7 +97,7 @@ def result_entry(h, task, record):
     return entry
 
 
-def _step_log(step, parsed, forced_quit, steps):
+def _step_log(h, step, parsed, forced_quit, steps):
     """One step's inference_log entries, in the prompting loop's order."""
     from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import is_empty_execute_response
     from bfcl_eval.model_handler.utils import convert_to_function_call
@@ -108,8 +109,8 @@ def _step_log(step, parsed, forced_quit, steps):
     if parsed.get("reasoning_content"):
         assistant["reasoning_content"] = parsed["reasoning_content"]
     log.append(assistant)
-    if not step["calls"] and step["parse_error"]:
-        # bfcl-eval's decoder raised here; the error text is our parser's
+    if _decoder_raised(h, step, parsed["model_responses"]):
+        # the error text is our parser's
         log.append({"role": "handler_log", "content": "Error decoding the model response. Proceed to next turn.",
                     "error": step["parse_error"]})
         return log
@@ -124,6 +125,16 @@ def _step_log(step, parsed, forced_quit, steps):
     if forced_quit:
         log.append({"role": "handler_log", "content": f"Model has been forced to quit after {steps - 1} steps."})
     return log
+
+
+def _decoder_raised(h, step, text):
+    """Whether bfcl-eval's decode_execute fails on this output (its loop logs an error, not an empty
+    decode): our parser refused it, unless the handler's own block extraction (json.loads, no eval)
+    finds no call in it, as when every <tool_call> block is skipped."""
+    if step["calls"] or not step["parse_error"]:
+        return False
+    extract = getattr(h, "_extract_tool_calls", None)
+    return extract is None or bool(extract(text))
 
 
 def _step_tokens(record):
