@@ -34,7 +34,7 @@ def evaluate(out, *args):
 
 
 def bfcl_evaluate(out, tmp_path):
-    """bfcl-eval's runner on out/result: ({task id: valid}, {category: accuracy %}, overall %)."""
+    """bfcl-eval's runner on out/result: ({task id: error type, None if valid}, {category: accuracy %}, overall %)."""
     env = {**os.environ, "BFCL_PROJECT_ROOT": str(tmp_path / "bfcl-root")}
     res = subprocess.run([sys.executable, "-m", "bfcl_eval", "evaluate", "--model", MODEL, "--test-category",
                           "multi_turn", "--result-dir", str(out / "result"), "--score-dir", str(out / "score"),
@@ -42,17 +42,17 @@ def bfcl_evaluate(out, tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     played = [json.loads(line)["id"] for f in (out / "result" / DIR_NAME / "multi_turn").iterdir()
               for line in f.read_text().splitlines()]
-    valid, scores = dict.fromkeys(played, True), {}
+    errors, scores = dict.fromkeys(played), {}
     for cat in bfcl.CATEGORIES:
         path = out / "score" / DIR_NAME / "multi_turn" / f"BFCL_v4_multi_turn_{cat}_score.json"
         header, *failed = [json.loads(line) for line in path.read_text().splitlines()]
         scores[cat] = round(100 * header["accuracy"], 2)
         assert header["total_count"] == sum(i.startswith(f"multi_turn_{cat}_") for i in played)
         for entry in failed:
-            valid[entry["id"]] = False
+            errors[entry["id"]] = entry["error"]["error_type"]
     with open(out / "score" / "data_multi_turn.csv") as f:
         overall = float(next(csv.DictReader(f))["Multi Turn Overall Acc"].rstrip("%"))
-    return valid, scores, overall
+    return errors, scores, overall
 
 
 def ours(out):
@@ -63,8 +63,8 @@ def ours(out):
 
 def assert_same_verdicts(out, tmp_path):
     valid, scores = ours(out)
-    bfcl_valid, bfcl_scores, overall = bfcl_evaluate(out, tmp_path)
-    assert bfcl_valid == valid
+    bfcl_errors, bfcl_scores, overall = bfcl_evaluate(out, tmp_path)
+    assert {i: e is None for i, e in bfcl_errors.items()} == valid
     assert bfcl_scores == {c: scores[c] for c in bfcl.CATEGORIES}
     assert abs(overall - scores["average"]) <= 0.01  # both round to 2 decimals, at different points
 
@@ -99,8 +99,59 @@ def test_tiny_model_result_files_score_the_same_in_bfcl_evals_runner(tmp_path, t
 
 
 @pytest.fixture(scope="module")
-def task():
-    return bfcl.load_tasks(os.path.join(ROOT, "data", "heldin.jsonl"))["multi_turn_base_1"]
+def heldin():
+    return bfcl.load_tasks(os.path.join(ROOT, "data", "heldin.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def task(heldin):
+    return heldin["multi_turn_base_1"]
+
+
+def gt_text(task, turn):
+    return C.format_calls(bfcl.ground_truth_calls(task, turn), "json")
+
+
+# Ground-truth plays, each spoiled one way: per turn, the texts the "model" writes.
+SPOILERS = {
+    "ground truth": lambda task, t: [gt_text(task, t)] if task["ground_truth"][t] else ["Nothing to do."],
+    "reasoning first": lambda task, t: [f"<think>\nturn {t}\n</think>\n\n{gt_text(task, t)}"],
+    "last call dropped": lambda task, t: [C.format_calls(bfcl.ground_truth_calls(task, t)[:-1], "json")]
+    if t == 0 else [gt_text(task, t)],
+    "unknown tool first": lambda task, t: [C.format_calls([{"name": "wipe_disk", "arguments": {}}], "json"),
+                                           gt_text(task, t)],
+    "wrong argument type": lambda task, t: [C.format_calls([{**c, "arguments": {k: [v] for k, v in c["arguments"].items()}}
+                                                           for c in bfcl.ground_truth_calls(task, t)], "json")],
+    "broken block": lambda task, t: ["<tool_call>\n{\"name\": \"ls\", \"arguments\": {\n</tool_call>"]
+    if t == 1 else [gt_text(task, t)],
+    "answers only": lambda task, t: ["I did it."],
+}
+
+
+def test_spoiled_plays_get_bfcl_evals_verdicts(tmp_path, heldin):
+    """Valid and failing plays of several kinds, written as result files, get the same verdict
+    from bfcl-eval's runner (its decoder, executor and checker) as from bfcl.official_verdict."""
+    tasks = bfcl.first_per_category(list(heldin.values()), 2)
+    records, results = [], []
+    for i, task in enumerate(tasks):
+        spoil = list(SPOILERS.values())[i % len(SPOILERS)]
+        n = len(task["ground_truth"]) - (i == len(tasks) - 1)  # and the last play stops a turn early
+        turns = []
+        with bfcl.Environment(task) as env:
+            for t in range(n):
+                env.start_turn(t)
+                steps = [{"text": text, **env.step(text, "json")} for text in spoil(task, t)]
+                turns.append({"steps": steps, "end": "answer"})
+            decoded = env.decoded
+        records.append({"task_id": task["id"], "turns": turns, "stop": "done"})
+        results.append({"task_id": task["id"], "category": task["category"], **bfcl.official_verdict(task, decoded)})
+    bfcl_results.write_result_files(tmp_path / "out", tasks, records, MODEL)
+    errors, scores, _ = bfcl_evaluate(tmp_path / "out", tmp_path)
+    assert errors == {r["task_id"]: r["error_type"] for r in results}  # the same reason, too
+    assert 0 < sum(e is None for e in errors.values()) < len(errors)
+    for cat in bfcl.CATEGORIES:
+        rows = [r["valid"] for r in results if r["category"] == cat]
+        assert scores[cat] == round(100 * sum(rows) / len(rows), 2)
 
 
 def test_an_entry_is_what_the_handler_parses_and_the_prompting_loop_logs(task):
