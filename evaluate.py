@@ -86,9 +86,10 @@ parser.add_argument("--data-parallel-size", type=int, default=1,
                     help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
 parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
                     help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
-parser.add_argument("--bfcl-model", default=bfcl_results.DEFAULT_MODEL,
-                    help="bfcl-eval registry entry that names and decodes DIR/result/ (docs/bfcl-results.md); "
-                         "its handler must read the --call-format (default: %(default)s, Qwen's JSON blocks)")
+parser.add_argument("--bfcl-model", default=None,
+                    help="bfcl-eval registry entry that names and decodes DIR/result/ (docs/bfcl-results.md), "
+                         "whose handler reads the --call-format (default: "
+                         + ", ".join(f"{v} for {k}" for k, v in bfcl_results.DEFAULT_MODELS.items()) + ")")
 
 
 def oracle_trajectory(task, fmt="python"):
@@ -192,6 +193,7 @@ def main(args):
     if args.bench == "tau2":
         from common import tau
         return tau.evaluate(args, parser.error)
+    args.bfcl_model = args.bfcl_model or bfcl_results.DEFAULT_MODELS[args.call_format]
     try:
         bfcl_results.handler(args.bfcl_model)  # before anything is played
     except RecordError as e:

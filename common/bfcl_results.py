@@ -26,7 +26,11 @@ from types import SimpleNamespace
 from common import bfcl  # first: it sets BFCL_PROJECT_ROOT, which importing bfcl-eval needs
 from common.jsonl import RecordError
 
-DEFAULT_MODEL = "Qwen/Qwen3-8B-FC"  # QwenFCHandler: Qwen's <tool_call> JSON blocks, the "json" call format
+# The registry entry whose handler decodes each of our call formats: QwenFCHandler reads Qwen's
+# <tool_call> JSON blocks (the registry has no Qwen2.5 entry with it; the size only names the
+# results), the default prompting decoder of ToolACE's LlamaHandler a Python list of calls.
+DEFAULT_MODELS = {"json": "Qwen/Qwen3-8B-FC", "python": "Team-ACE/ToolACE-2-8B"}
+DEFAULT_MODEL = DEFAULT_MODELS["json"]
 
 
 @functools.cache

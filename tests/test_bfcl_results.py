@@ -24,7 +24,6 @@ from common import calls as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = bfcl_results.DEFAULT_MODEL
-DIR_NAME = MODEL.replace("/", "_")
 
 
 def evaluate(out, *args):
@@ -33,18 +32,18 @@ def evaluate(out, *args):
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def bfcl_evaluate(out, tmp_path):
+def bfcl_evaluate(out, tmp_path, model=MODEL):
     """bfcl-eval's runner on out/result: ({task id: error type, None if valid}, {category: accuracy %}, overall %)."""
     env = {**os.environ, "BFCL_PROJECT_ROOT": str(tmp_path / "bfcl-root")}
-    res = subprocess.run([sys.executable, "-m", "bfcl_eval", "evaluate", "--model", MODEL, "--test-category",
+    res = subprocess.run([sys.executable, "-m", "bfcl_eval", "evaluate", "--model", model, "--test-category",
                           "multi_turn", "--result-dir", str(out / "result"), "--score-dir", str(out / "score"),
                           "--partial-eval"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    played = [json.loads(line)["id"] for f in (out / "result" / DIR_NAME / "multi_turn").iterdir()
+    played = [json.loads(line)["id"] for f in (out / "result" / dir_name(model) / "multi_turn").iterdir()
               for line in f.read_text().splitlines()]
     errors, scores = dict.fromkeys(played), {}
     for cat in bfcl.CATEGORIES:
-        path = out / "score" / DIR_NAME / "multi_turn" / f"BFCL_v4_multi_turn_{cat}_score.json"
+        path = out / "score" / dir_name(model) / "multi_turn" / f"BFCL_v4_multi_turn_{cat}_score.json"
         header, *failed = [json.loads(line) for line in path.read_text().splitlines()]
         scores[cat] = round(100 * header["accuracy"], 2)
         assert header["total_count"] == sum(i.startswith(f"multi_turn_{cat}_") for i in played)
@@ -61,20 +60,27 @@ def ours(out):
     return valid, json.loads((out / "scores.json").read_text())
 
 
-def assert_same_verdicts(out, tmp_path):
+def dir_name(model):
+    return model.replace("/", "_")
+
+
+def assert_same_verdicts(out, tmp_path, model=MODEL):
     valid, scores = ours(out)
-    bfcl_errors, bfcl_scores, overall = bfcl_evaluate(out, tmp_path)
+    bfcl_errors, bfcl_scores, overall = bfcl_evaluate(out, tmp_path, model)
     assert {i: e is None for i, e in bfcl_errors.items()} == valid
     assert bfcl_scores == {c: scores[c] for c in bfcl.CATEGORIES}
     assert abs(overall - scores["average"]) <= 0.01  # both round to 2 decimals, at different points
 
 
-def test_oracle_result_files_score_the_same_in_bfcl_evals_runner(tmp_path):
-    out = tmp_path / "oracle"
-    evaluate(out, "--policy", "oracle", "--split", "heldin", "--limit", "2")
-    files = sorted(p.name for p in (out / "result" / DIR_NAME / "multi_turn").iterdir())
+@pytest.mark.parametrize("fmt", ["json", "python"])
+def test_oracle_result_files_score_the_same_in_bfcl_evals_runner(tmp_path, fmt):
+    """The ground truth written as Qwen's <tool_call> blocks (QwenFCHandler decodes them) and as
+    ToolACE's Python list (its LlamaHandler's default prompting decoder)."""
+    out, model = tmp_path / "oracle", bfcl_results.DEFAULT_MODELS[fmt]
+    evaluate(out, "--policy", "oracle", "--split", "heldin", "--limit", "2", "--call-format", fmt)
+    files = sorted(p.name for p in (out / "result" / dir_name(model) / "multi_turn").iterdir())
     assert files == sorted(f"BFCL_v4_multi_turn_{c}_result.json" for c in bfcl.CATEGORIES)
-    for f in (out / "result" / DIR_NAME / "multi_turn").iterdir():
+    for f in (out / "result" / dir_name(model) / "multi_turn").iterdir():
         entries = [json.loads(line) for line in f.read_text().splitlines()]
         assert [e["id"] for e in entries] == sorted((e["id"] for e in entries), key=lambda i: int(i.rsplit("_", 1)[1]))
         for e in entries:
@@ -82,7 +88,7 @@ def test_oracle_result_files_score_the_same_in_bfcl_evals_runner(tmp_path):
             for key in ("input_token_count", "output_token_count", "latency"):
                 assert [len(turn) for turn in e[key]] == shape
             assert [sum(k.startswith("step_") for k in turn) for turn in e["inference_log"]] == shape
-    assert_same_verdicts(out, tmp_path)
+    assert_same_verdicts(out, tmp_path, model)
 
 
 def test_tiny_model_result_files_score_the_same_in_bfcl_evals_runner(tmp_path, tiny_model):
@@ -90,7 +96,8 @@ def test_tiny_model_result_files_score_the_same_in_bfcl_evals_runner(tmp_path, t
     evaluate(out, "--policy", tiny_model, "--engine", "hf", "--limit", "1", "--max-new-tokens", "32")
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     entries = {json.loads(line)["id"]: json.loads(line)
-               for f in (out / "result" / DIR_NAME / "multi_turn").iterdir() for line in f.read_text().splitlines()}
+               for f in (out / "result" / dir_name(MODEL) / "multi_turn").iterdir()
+               for line in f.read_text().splitlines()}
     for rec in rollouts:
         e = entries[rec["task_id"]]
         assert e["result"] == [[s["text"] for s in turn["steps"]] for turn in rec["turns"]]  # no <think> part
