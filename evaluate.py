@@ -20,7 +20,8 @@ rendered, executed, turn by turn) and scores them with bfcl-eval's
 multi_turn_checker: a check of the whole pipeline. `--compare` prints the held-in scores of finished runs side by
 side (base model once, then every evaluated round), like the paper's Tables 1
 and 3. Writes DIR/results.jsonl (one verdict per task) and DIR/scores.json
-(percent per category and their average).
+(percent per category and their average), and DIR/result/, the same plays as
+bfcl-eval's own result files for its `bfcl evaluate` (`--bfcl-model`, docs/bfcl-results.md).
 
 `--bench bfcl-memory` plays BFCL V4 memory as bfcl-eval's harness does
 (common/memory.py), `--limit K` taking the first K questions per backend and the
