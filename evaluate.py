@@ -20,7 +20,8 @@ rendered, executed, turn by turn) and scores them with bfcl-eval's
 multi_turn_checker: a check of the whole pipeline. `--compare` prints the held-in scores of finished runs side by
 side (base model once, then every evaluated round), like the paper's Tables 1
 and 3. Writes DIR/results.jsonl (one verdict per task) and DIR/scores.json
-(percent per category and their average).
+(percent per category and their average), and DIR/result/, the same plays as
+bfcl-eval's own result files for its `bfcl evaluate` (`--bfcl-model`, docs/bfcl-results.md).
 
 `--bench bfcl-memory` plays BFCL V4 memory as bfcl-eval's harness does
 (common/memory.py), `--limit K` taking the first K questions per backend and the
@@ -41,7 +42,8 @@ import sys
 
 from tqdm import tqdm
 
-from common import bfcl, play, prompts
+from common import bfcl, bfcl_results, play, prompts
+from common import calls as C
 from common.jsonl import RecordError, read_json, write_json, write_jsonl
 from common.replay import read_turns
 
@@ -94,16 +96,29 @@ parser.add_argument("--data-parallel-size", type=int, default=1,
                     help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
 parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
                     help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
+parser.add_argument("--bfcl-model", default=None,
+                    help="bfcl-eval registry entry that names and decodes DIR/result/ (docs/bfcl-results.md; "
+                         "default: the --handler's, common/prompts.py HANDLERS)")
 
 
-def oracle_trajectory(task):
-    """The ground truth, fed turn by turn through the same path as model text."""
+def oracle_trajectory(task, fmt="python"):
+    """The ground truth, fed turn by turn through the same path as model text written in `fmt`:
+    (decoded, turns), the checker's calls and the play as a model record's turns."""
+    turns = []
     with bfcl.Environment(task) as env:
         for turn, gt in enumerate(task["ground_truth"]):
             env.start_turn(turn)
+            steps = []
             if gt:
-                env.step(bfcl.ground_truth_text(task, turn), fmt="python")
-        return env.decoded
+                text = C.format_calls(bfcl.ground_truth_calls(task, turn), fmt)
+                steps.append({"text": text, **env.step(text, fmt=fmt)})
+            turns.append({"steps": steps, "end": "answer"})
+        return env.decoded, turns
+
+
+def without_prompts(record):
+    return {**record, "turns": [{**turn, "steps": [{k: v for k, v in step.items() if k != "formatted_prompt"}
+                                                   for step in turn["steps"]]} for turn in record["turns"]]}
 
 
 def category_scores(results):
@@ -220,20 +235,28 @@ def main(args):
     if args.bench == "tau2":
         from common import tau
         return tau.evaluate(args, parser.error)
+    args.bfcl_model = args.bfcl_model or prompts.registry_name(args.handler)
+    try:
+        bfcl_results.handler(args.bfcl_model)  # before anything is played
+    except RecordError as e:
+        parser.error(f"--bfcl-model: {e}")
     path = args.tasks or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"{args.split}.jsonl")
     tasks = list(bfcl.load_tasks(path).values())
     if args.limit:
         tasks = bfcl.first_per_category(tasks, args.limit)
 
     if args.policy == "oracle":
-        decoded = [oracle_trajectory(t) for t in tqdm(tasks, desc="oracle", unit="task")]
+        played = [oracle_trajectory(t, args.call_format) for t in tqdm(tasks, desc="oracle", unit="task")]
+        decoded = [dec for dec, _ in played]
+        records = [{"task_id": t["id"], "turns": turns, "stop": "done"} for t, (_, turns) in zip(tasks, played, strict=True)]
     else:
         run, engine = play.greedy_player(args, parser.error)
         try:
             records = run(tasks)
         finally:
             engine.close()
-        write_jsonl(os.path.join(args.out, "rollouts.jsonl"), records)
+        # Each step's prompt text (~25k characters) goes only into bfcl-eval's result files.
+        write_jsonl(os.path.join(args.out, "rollouts.jsonl"), [without_prompts(r) for r in records])
         decoded = [[t.decoded for t in read_turns(task, rec["turns"]) if t.played]
                    for task, rec in zip(tasks, records, strict=True)]
 
@@ -246,6 +269,8 @@ def main(args):
                                "context": args.max_model_len, "same_settings": not differs, "differs": differs}
     write_jsonl(os.path.join(args.out, "results.jsonl"), results)
     write_json(os.path.join(args.out, "scores.json"), scores)
+    # After our scores, so that a record bfcl's format cannot hold costs only these files.
+    bfcl_results.write_result_files(args.out, tasks, records, args.bfcl_model)
     print_table(scores, f"{args.policy} on {os.path.relpath(path)} (BFCL multi-turn @ bfcl-eval 2026.3.23)")
     if differs:
         print("  not bfcl-eval's settings: " + "; ".join(differs))
