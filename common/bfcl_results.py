@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-from common import bfcl, prompts  # first: bfcl sets BFCL_PROJECT_ROOT, which importing bfcl-eval needs
+from common import prompts  # first: it imports common.bfcl, which sets BFCL_PROJECT_ROOT for bfcl-eval
 from common.jsonl import RecordError
 
 
