@@ -43,7 +43,10 @@ Semantics:
 - Loss = Σ over model tokens of the mini-batch / number of model tokens in the mini-batch
   (on all processes together), so 1 or N processes give the same update.
 - Precision: full fine-tuning keeps float32 weights and, on GPU, computes in bf16 (autocast):
-  a bf16 weight cannot absorb an lr-1e-6 update. The saved weights stay float32 (the next
+  a bf16 weight cannot absorb an lr-1e-6 update. Gradients are accumulated over micro-batches
+  and reduced across processes in float32 on every path (FSDP's reduce_dtype and DeepSpeed's
+  communication/accumulation dtypes are set in code, whatever the config file says; DDP's
+  follow the float32 weights); the log states them. The saved weights stay float32 (the next
   round resumes exactly); config.json keeps the input's dtype so engines load bf16. With
   LoRA the frozen base is bf16 on GPU and the adapter float32. CPU: float32 throughout.
 - --lr: 1e-6 is the paper's full fine-tuning value; LoRA usually needs about 1e-5.
@@ -67,6 +70,7 @@ Bad input stops with `error: file:line: ...`, a non-zero exit and no output.
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -77,7 +81,13 @@ from types import SimpleNamespace
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list, set_seed
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    broadcast_object_list,
+    set_seed,
+)
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
@@ -210,15 +220,69 @@ def read_inputs(args):
 
 
 def make_accelerator(args):
-    accelerator = Accelerator(
-        cpu=args.cpu, mixed_precision="bf16" if torch.cuda.is_available() and not args.cpu else "no"
+    mixed_precision = "bf16" if torch.cuda.is_available() and not args.cpu else "no"
+    return Accelerator(
+        cpu=args.cpu, mixed_precision=mixed_precision, **distributed_plugins(mixed_precision, args.grad_clip)
     )
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        # there is no DataLoader to infer it from; DeepSpeed only uses it for its logging
-        ds_config["train_micro_batch_size_per_gpu"] = 1
-        ds_config["gradient_clipping"] = args.grad_clip
-    return accelerator
+
+
+def distributed_plugins(mixed_precision, grad_clip):
+    """The FSDP or DeepSpeed plugin `accelerate launch` asked for (through its environment), as
+    Accelerate would build it, except that gradients are accumulated and reduced in float32.
+
+    Accelerate's bf16 policy reduces in bf16: FSDP2 would accumulate the no_sync micro-batches
+    and reduce-scatter in bf16, ZeRO-3 likewise; at lr 1e-6 and 7B that rounding is the size
+    of the update (verl reduces in float32). Set here, not in the config files, so that no
+    config can drop it. DDP needs nothing: its buckets take the float32 weights' dtype
+    (checked in gradient_dtypes)."""
+    plugins = {}
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        fsdp = FullyShardedDataParallelPlugin()
+        if mixed_precision != "no":
+            fsdp.set_mixed_precision(mixed_precision, override=True)
+            fsdp.mixed_precision_policy = dataclasses.replace(
+                fsdp.mixed_precision_policy, reduce_dtype=torch.float32
+            )
+        plugins["fsdp_plugin"] = fsdp
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        ds = DeepSpeedPlugin()
+        ds.set_mixed_precision(mixed_precision)
+        ds.gradient_clipping = grad_clip
+        ds.deepspeed_config.update({
+            # there is no DataLoader to infer it from; DeepSpeed only uses it for its logging
+            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": grad_clip,
+            "communication_data_type": "fp32",
+        })  # fmt: skip
+        # ZeRO's default accumulates in the model's dtype (bf16)
+        ds.deepspeed_config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
+        plugins["deepspeed_plugin"] = ds
+    return plugins
+
+
+def gradient_dtypes(accelerator, model, params):
+    """{"grad": dtype gradients are accumulated in, "reduce": dtype they are reduced in}; raises
+    if either is not float32 (what bench/gpu_check.sh prints from the log)."""
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        cfg = accelerator.state.deepspeed_plugin.deepspeed_config
+        found = {
+            "grad": cfg.get("data_types", {}).get("grad_accum_dtype"),
+            "reduce": cfg.get("communication_data_type"),
+        }
+        found = {k: {"fp32": torch.float32}.get(v, v) for k, v in found.items()}
+    elif kind == DistributedType.FSDP:
+        policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+        reduce = policy.reduce_dtype or policy.param_dtype if policy else None
+        found = {"grad": reduce or params[0].dtype, "reduce": reduce or params[0].dtype}
+    else:
+        # autocast computes in bf16 but a gradient takes its weight's dtype, and DDP's buckets
+        # the gradients' (a comm hook, none registered here, could compress them)
+        dtypes = {p.dtype for p in params}
+        grad = dtypes.pop() if len(dtypes) == 1 else dtypes
+        found = {"grad": grad, "reduce": None if getattr(model, "_comm_hooks", None) else grad}
+    if any(v != torch.float32 for v in found.values()):
+        raise RuntimeError(f"gradients must be accumulated and reduced in float32, got {found} ({kind})")
+    return found
 
 
 def plan_mini_batches(args, run, accelerator):
@@ -292,6 +356,8 @@ def load_policy(args, run, accelerator):
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them with sharded ones
+    dtypes = gradient_dtypes(accelerator, model, params)
+    accelerator.print(f"gradients accumulated in {dtypes['grad']}, reduced in {dtypes['reduce']}")
     # one-process and DDP state would also hold the weights, which the policy folder already has
     accelerator.register_save_state_pre_hook(lambda models, weights, out: weights.clear())
     accelerator.register_load_state_pre_hook(lambda models, inp: models.clear())

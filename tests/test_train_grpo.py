@@ -264,6 +264,68 @@ def test_accelerate_configs_parse(name, kind, procs):
     assert cfg.distributed_type == kind and cfg.num_processes == procs
 
 
+def launch_env(name):
+    """The environment `accelerate launch --config_file configs/accelerate/<name>.yaml` starts the script in."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    path = os.path.join(ROOT, "configs", "accelerate", f"{name}.yaml")
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", path, SCRIPT]))
+    if args.use_deepspeed:  # as accelerate's launch_command sets it before the DeepSpeed launcher
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        return prepare_deepspeed_cmd_env(args)[1]
+    return prepare_multi_gpu_env(args)
+
+
+def test_gradients_are_reduced_in_float32(monkeypatch):
+    """The plugins train_grpo.py hands Accelerate under each 7B config: bf16 compute, float32
+    gradient accumulation and reduction (Accelerate's own bf16 policy reduces in bf16)."""
+    import train_grpo
+
+    for name in ("fsdp_4gpu", "zero3_4gpu", "ddp_cpu2"):
+        with monkeypatch.context() as m:
+            for k, v in launch_env(name).items():
+                m.setenv(k, v)
+            plugins = train_grpo.distributed_plugins("bf16", 0.5)
+        if name == "fsdp_4gpu":
+            policy = plugins["fsdp_plugin"].mixed_precision_policy
+            assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+            assert plugins["fsdp_plugin"].fsdp_version == 2
+        elif name == "zero3_4gpu":
+            cfg = plugins["deepspeed_plugin"].deepspeed_config
+            assert cfg["bf16"]["enabled"] and cfg["zero_optimization"]["stage"] == 3
+            assert cfg["communication_data_type"] == "fp32" and cfg["data_types"]["grad_accum_dtype"] == "fp32"
+            assert cfg["gradient_clipping"] == 0.5
+        else:
+            assert plugins == {}
+
+
+def test_bf16_autocast_keeps_float32_gradients(tiny):
+    """The DDP (and one-process) path: Accelerate's bf16 autocast computes in bf16, and the
+    gradients DDP buckets and all-reduces keep the float32 weights' dtype."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    import train_grpo
+
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        model = accelerator.prepare(load(tiny).train())
+        params = [p for p in model.parameters() if p.requires_grad]
+        ids = torch.tensor([list(range(1, 30))])
+        seen = []
+        model.model.layers[0].mlp.down_proj.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+        accelerator.backward(model(input_ids=ids).logits.float().logsumexp(-1).sum())
+        assert seen == [torch.bfloat16]  # the matmuls ran in bf16
+        assert {p.grad.dtype for p in params} == {torch.float32}
+        assert train_grpo.gradient_dtypes(accelerator, model, params) == {"grad": torch.float32, "reduce": torch.float32}
+        with pytest.raises(RuntimeError, match="float32"):
+            train_grpo.gradient_dtypes(accelerator, model, [p.to(torch.bfloat16) for p in params])
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 # ---------------------------------------------------------------- one optimiser across rounds
 
 # lr 1e-5: the policy moves little in 2 steps, so the PPO ratio of steps 3-4 (old log-probs
