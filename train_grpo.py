@@ -4,7 +4,8 @@ Joins the rollouts (token ids, loss mask, engine log-probs) with their diagnoses
 label profile) on (task_id, sample_index), gives each trajectory the advantage
 Ã_j = w_j·A_j with the SEAL weight w_j = clip(Σ_z p_j(z)·ρ(z), 0.5, 2.0) (common/grpo.py),
 and takes one optimiser step per mini-batch of tasks with the PPO-clipped token-mean loss
-plus a k3 KL penalty to the initial policy. Writes the next policy to --out.
+(with verl's dual clip: for A < 0 the loss is at most -A·clip_ratio_c, --clip-ratio-c 3,
+0 off) plus a k3 KL penalty to the initial policy. Writes the next policy to --out.
 
     python train_grpo.py --model DIR --rollouts R.jsonl --diagnoses D.jsonl \\
         [--interface interface.json | --rho rho.json] --out round_001/policy \\
@@ -58,7 +59,8 @@ path; with --save-optimizer also <out>/optimizer/ (Accelerate state; trainer_sta
 holds global_step). Policy and optimiser state appear together or not at all.
 --metrics (default: train_metrics.jsonl next to --out) gets one line per optimiser step:
 step (in this round), global_step (across rounds, carried in the optimiser state), epoch,
-loss, pg_loss, kl, clip_frac, grad_norm (before clipping), w_mean, w_std, zero_var_share
+loss, pg_loss, kl, clip_frac (tokens where PPO's clip applied), dual_clip_frac (tokens with
+A < 0 whose loss the dual clip capped at -A·clip_ratio_c, as verl's pg_clipfrac_lower), grad_norm (before clipping), w_mean, w_std, zero_var_share
 (of the round's groups), reward_mean (of the step's trajectories: groups with differing
 rewards only), model_tokens, tokens_per_s (prompt + response tokens per second of the
 update step), seconds (of the update step), logprob_mismatch (mean |engine - trainer|
@@ -127,6 +129,12 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=1e-6, help="1e-6 for full fine-tuning; ~1e-5 with --lora")
     ap.add_argument("--kl-coef", type=float, default=0.001, help="0 disables the KL term and the reference")
     ap.add_argument("--clip", type=float, default=0.2)
+    ap.add_argument(
+        "--clip-ratio-c",
+        type=float,
+        default=3.0,
+        help="dual clip for A < 0 (verl's clip_ratio_c); 0 disables",
+    )
     ap.add_argument("--mini-batch-tasks", type=int, default=8, help="tasks (whole groups) per optimiser step")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="padded tokens per forward")
     ap.add_argument("--epochs", type=int, default=1)
@@ -142,6 +150,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.mini_batch_tasks < 1 or args.epochs < 1 or args.max_tokens_per_micro_batch < 1:
         ap.error("--mini-batch-tasks, --epochs and --max-tokens-per-micro-batch must be positive")
+    if args.clip_ratio_c != 0 and args.clip_ratio_c <= 1:
+        ap.error("--clip-ratio-c must be above 1 (or 0 to disable the dual clip)")
     return args
 
 
@@ -415,7 +425,9 @@ def optimise(args, run, mini_batches, model, optimizer, params, global_step, acc
         # drawn from the global step, so a run split into rounds keeps one run's order
         for mb in random.Random(f"{args.seed}/{global_step}").sample(mini_batches, len(mini_batches)):
             t0 = time.perf_counter()
-            sums = accumulate_gradients(model, accelerator, mb["mine"], mb["norm"], args.clip, args.kl_coef)
+            sums = accumulate_gradients(
+                model, accelerator, mb["mine"], mb["norm"], args.clip, args.kl_coef, args.clip_ratio_c
+            )
             grad_norm = accelerator.clip_grad_norm_(params, max_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -451,9 +463,9 @@ def weight_stats(trajs):
 
 
 def step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator):
-    keys = ("pg_sum", "kl_sum", "clip_count", "tokens")
+    keys = ("pg_sum", "kl_sum", "clip_count", "dual_clip_count", "tokens")
     local = [sums[k] for k in keys] + list(mb["mismatch"])
-    pg, kl, clipped, tokens, mm_sum, mm_count = accelerator.reduce(
+    pg, kl, clipped, dual, tokens, mm_sum, mm_count = accelerator.reduce(
         torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum"
     ).tolist()
     tokens = max(tokens, 1)
@@ -462,6 +474,7 @@ def step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator):
         "pg_loss": pg / tokens,
         "kl": kl / tokens,
         "clip_frac": clipped / tokens,
+        "dual_clip_frac": dual / tokens,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         **weight_stats(mb["trajs"]),
         "zero_var_share": run.zero_var_share,

@@ -106,12 +106,46 @@ def test_load_rho(tmp_path):
 )
 def test_clipped_surrogate(ratio, adv, loss, clipped, grad):
     logp = torch.tensor([math.log(ratio)], requires_grad=True)
-    value, was_clipped = clipped_surrogate(logp, torch.zeros(1), torch.tensor([adv]), clip=0.2)
+    value, was_clipped, dual = clipped_surrogate(logp, torch.zeros(1), torch.tensor([adv]), clip=0.2)
     value.sum().backward()
     assert value.item() == pytest.approx(loss, rel=1e-6)
-    assert was_clipped.item() is clipped
+    assert was_clipped.item() is clipped and not dual.item()  # ratios below the dual clip's 3
     # d/dlogp of -A·ratio is -A·ratio
     assert logp.grad.item() == pytest.approx(grad, rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "ratio, adv, c, loss, dual, grad",
+    [
+        # verl: A < 0 -> min(max(-A·r, -A·clip(r)), -A·c)
+        (4.0, -1.0, 3.0, 3.0, True, 0.0),  # max(4, 1.2) = 4 > 3: capped at -A·c, no gradient
+        (4.0, -1.0, 0.0, 4.0, False, 4.0),  # c = 0: off, the plain PPO loss and gradient -A·r
+        (2.5, -2.0, 3.0, 5.0, False, 5.0),  # max(5, 2.4) = 5 < 6: below the cap
+        (4.0, -1.0, 5.0, 4.0, False, 4.0),  # a looser cap
+        (4.0, 1.0, 3.0, -1.2, False, 0.0),  # A > 0: only PPO's clip (1 + 0.2)
+        (0.1, -1.0, 3.0, 0.8, False, 0.0),  # A < 0, ratio below 1 - c: PPO's clip, far from the cap
+    ],
+)
+def test_dual_clip(ratio, adv, c, loss, dual, grad):
+    logp = torch.tensor([math.log(ratio)], requires_grad=True)
+    value, _, was_dual = clipped_surrogate(
+        logp, torch.zeros(1), torch.tensor([adv]), clip=0.2, clip_ratio_c=c
+    )
+    value.sum().backward()
+    assert value.item() == pytest.approx(loss, rel=1e-6)
+    assert was_dual.item() is dual
+    assert logp.grad.item() == pytest.approx(grad, rel=1e-6, abs=1e-12)
+
+
+def test_token_loss_counts_both_clips():
+    # ratios 4, 1.5, 1 on A = -1, then 1.5 on A = +1; the last position is masked out
+    logp = torch.tensor([[math.log(4.0), math.log(1.5), 0.0, math.log(1.5), math.log(4.0)]])
+    adv = torch.tensor([[-1.0, -1.0, -1.0, 1.0, -1.0]])
+    mask = torch.tensor([[True, True, True, True, False]])
+    zeros = torch.zeros_like(logp)
+    loss, stats = token_loss(logp, zeros, zeros, adv, mask, norm=4, clip=0.2, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx((3.0 + 1.5 + 1.0 - 1.2) / 4)
+    assert (stats["clip_count"], stats["dual_clip_count"], stats["tokens"]) == (1, 1, 4)
 
 
 def test_kl_k3_value_and_gradient():

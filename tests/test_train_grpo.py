@@ -147,7 +147,8 @@ def test_learns_towards_weighted_advantage(tiny, data, weighted_run):
     assert [r["step"] for r in m] == [1, 2, 3, 4, 5, 6]
     assert all(r["zero_var_share"] == pytest.approx(0.25) for r in m)  # t2 of 4 groups
     assert all(r["w_mean"] == pytest.approx(W) and r["w_std"] == pytest.approx(0) for r in m)
-    assert m[0]["clip_frac"] == 0 and m[0]["kl"] == pytest.approx(0, abs=1e-6)  # step 1: policy = old = ref
+    # step 1: policy = old = ref
+    assert m[0]["clip_frac"] == m[0]["dual_clip_frac"] == 0 and m[0]["kl"] == pytest.approx(0, abs=1e-6)
     assert m[-1]["clip_frac"] > 0 and m[-1]["kl"] > 0
     # engine log-probs are made up, about 6 off the tiny model's ~ -ln(512)
     assert 0 < m[0]["logprob_mismatch"] < 3
