@@ -21,9 +21,20 @@ and --out on a filesystem all nodes share (each process writes its part of the o
 
 Semantics:
 - Group = all samples of one task_id in the rollouts file. A = (r - mean)/(std + 1e-6) with
-  the population std. Groups with equal rewards have A = 0 and are left out of the update
-  entirely (no forward/backward, so also no KL term); their share is logged. A round
-  whose groups all have equal rewards writes the input policy (and optimiser state) unchanged.
+  the population std. Groups with equal rewards have A = 0; their share is logged.
+  --zero-variance drop (default) leaves them out of the update entirely: no forward/backward,
+  no KL term, no tokens in the token-mean denominator; a round whose groups all have equal
+  rewards writes the input policy (and optimiser state) unchanged. --zero-variance keep is
+  verl's loss over every sample: their tokens carry no policy gradient but the KL term, and
+  count in the denominator. Drop is the default because it is DESIGN §6's rule (such groups
+  contribute nothing), and because with keep the step the informative groups take shrinks
+  with the share of tasks every sample solved or every sample failed, which changes from
+  round to round as the policy improves, and their forward/backward is compute spent for
+  a KL pull alone.
+- Mini-batches: the trained groups, shuffled (--seed), split into ⌊n/B⌋ mini-batches of
+  whole groups (B = --mini-batch-tasks; one when n < B) whose sizes differ by at most one:
+  a leftover that does not fill a mini-batch is spread over the others, never a step of
+  one or two groups.
 - ρ: the interface file's "rho" if it has one, else --rho FILE (a JSON object), else
   common.taxonomy.RHO. A profile label missing from ρ is an error. --no-reweight sets w = 1.
 - Old log-probs are recomputed by this trainer with the input weights before the first
@@ -61,8 +72,7 @@ holds global_step). Policy and optimiser state appear together or not at all.
 step (in this round), global_step (across rounds, carried in the optimiser state), epoch,
 loss, pg_loss, kl, clip_frac (tokens where PPO's clip applied), dual_clip_frac (tokens with
 A < 0 whose loss the dual clip capped at -A·clip_ratio_c, as verl's pg_clipfrac_lower), grad_norm (before clipping), w_mean, w_std, zero_var_share
-(of the round's groups), reward_mean (of the step's trajectories: groups with differing
-rewards only), model_tokens, tokens_per_s (prompt + response tokens per second of the
+(of the round's groups), reward_mean (of the step's trajectories), model_tokens, tokens_per_s (prompt + response tokens per second of the
 update step), seconds (of the update step), logprob_mismatch (mean |engine - trainer|
 log-prob over model tokens), lr, ref_model (absolute folder of the KL reference; null
 without KL). A round with nothing to learn writes one line with step 0, the global step so
@@ -97,6 +107,7 @@ from common.grpo import (
     accumulate_gradients,
     join_trajectories,
     load_rho,
+    mini_batch_slices,
     plan_micro_batches,
     score_trajectories,
 )
@@ -135,7 +146,13 @@ def parse_args(argv=None):
         default=3.0,
         help="dual clip for A < 0 (verl's clip_ratio_c); 0 disables",
     )
-    ap.add_argument("--mini-batch-tasks", type=int, default=8, help="tasks (whole groups) per optimiser step")
+    ap.add_argument(
+        "--mini-batch-tasks", type=int, default=8, help="tasks (whole groups) per optimiser step, at least"
+    )
+    ap.add_argument(
+        "--zero-variance", choices=("drop", "keep"), default="drop",
+        help="groups with equal rewards: left out (default), or kept in the loss as verl does",
+    )  # fmt: skip
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="padded tokens per forward")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables")
@@ -296,16 +313,18 @@ def gradient_dtypes(accelerator, model, params):
 
 
 def plan_mini_batches(args, run, accelerator):
-    """Whole tasks with differing rewards, shuffled into mini-batches: the same plan on every process."""
+    """Whole tasks (with --zero-variance drop, those with differing rewards only), shuffled into
+    balanced mini-batches of at least --mini-batch-tasks: the same plan on every process."""
     by_task = {}
     for t in run.trajectories:
         by_task.setdefault(t.task_id, []).append(t)
     live = [tid for tid, ts in by_task.items() if any(t.advantage != 0.0 for t in ts)]
     run.zero_var_share = 1 - len(live) / len(by_task) if by_task else 0.0
-    random.Random(args.seed).shuffle(live)
+    tasks = live if args.zero_variance == "drop" else list(by_task)
+    random.Random(args.seed).shuffle(tasks)
     mini_batches = []
-    for i in range(0, len(live), args.mini_batch_tasks):
-        trajs = [t for tid in live[i : i + args.mini_batch_tasks] for t in by_task[tid]]
+    for start, stop in mini_batch_slices(len(tasks), args.mini_batch_tasks):
+        trajs = [t for tid in tasks[start:stop] for t in by_task[tid]]
         plan = plan_micro_batches(
             [t.length for t in trajs], accelerator.num_processes, args.max_tokens_per_micro_batch
         )

@@ -290,6 +290,21 @@ def join_trajectories(
 # ---------------------------------------------------------------- batching
 
 
+def mini_batch_slices(n_groups, size):
+    """(start, stop) of each mini-batch over `n_groups` shuffled groups: ⌊n/size⌋ mini-batches
+    (one when n < size) whose sizes differ by at most one. A leftover that does not fill a
+    mini-batch is spread over the others: an optimiser step on one or two groups would weigh
+    their few trajectories like a full step's."""
+    if n_groups <= 0:
+        return []
+    k = max(1, n_groups // size)
+    base, extra = divmod(n_groups, k)
+    bounds = [0]
+    for i in range(k):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
 def plan_micro_batches(lengths, num_processes, max_tokens, group_by_length=True):
     """Split one mini-batch (sequence lengths) over processes and into micro-batches.
 

@@ -19,6 +19,7 @@ from common.grpo import (
     join_trajectories,
     kl_k3,
     load_rho,
+    mini_batch_slices,
     padding_share,
     plan_micro_batches,
     sequence_logprobs,
@@ -284,6 +285,17 @@ def test_plan_micro_batches():
     # one process: a sequence longer than the budget goes alone; idle slots are padded with []
     assert plan_micro_batches([150, 20], 1, 100) == [[[0], [1]]]
     assert plan_micro_batches([90, 30, 30, 30], 2, 60) == [[[0], []], [[1, 2], [3]]]
+
+
+@pytest.mark.parametrize(
+    "n, size, sizes",
+    [(3, 2, [3]), (10, 8, [10]), (16, 8, [8, 8]), (17, 8, [9, 8]), (23, 8, [12, 11]), (1, 8, [1]), (0, 8, []),
+     (5, 1, [1] * 5)],
+)  # fmt: skip
+def test_mini_batch_slices_spread_leftovers(n, size, sizes):
+    slices = mini_batch_slices(n, size)
+    assert [b - a for a, b in slices] == sizes
+    assert [i for a, b in slices for i in range(a, b)] == list(range(n))
 
 
 def test_length_grouping_reduces_padding():

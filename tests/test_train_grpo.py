@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,7 +30,8 @@ REWARDS = {"t0": [1, 0, 0, 1], "t1": [0, 0, 0, 1], "t2": [0, 0, 0, 0], "t3": [1,
 # every turn carries this label, so w_j = ρ(label) for all j; the weighted run takes ρ from an
 # interface file that sets it to 1.6 (the default table says 1.5)
 LABEL, W = "missing_tool_call", 1.6
-COMMON = ["--lr", "1e-3", "--mini-batch-tasks", "2", "--max-tokens-per-micro-batch", "100", "--cpu"]
+# one task per mini-batch: the 3 groups with differing rewards make 3 optimiser steps an epoch
+COMMON = ["--lr", "1e-3", "--mini-batch-tasks", "1", "--max-tokens-per-micro-batch", "100", "--cpu"]
 
 
 def make_data(folder, rewards=REWARDS, seed=0):
@@ -124,12 +126,12 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def weighted_run(tiny, data, tmp_path_factory):
-    """One process, w = 1.5 everywhere, 3 epochs of 2 mini-batches = 6 optimiser steps."""
+    """One process, w = 1.6 everywhere, 2 epochs of 3 mini-batches = 6 optimiser steps."""
     folder = tmp_path_factory.mktemp("weighted")
     interface = folder / "interface.json"
     interface.write_text(json.dumps({"version": 0, "round": 0, "rho": {LABEL: W, "pass": 1.0}}))
     out = str(folder / "policy")
-    ok(run_train(tiny, *data, out, *COMMON, "--epochs", "3", "--interface", str(interface)))
+    ok(run_train(tiny, *data, out, *COMMON, "--epochs", "2", "--interface", str(interface)))
     return out
 
 
@@ -186,7 +188,7 @@ def test_two_processes_match_one(tiny, data, weighted_run, tmp_path):
         "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
     ]  # fmt: skip
     interface = os.path.join(os.path.dirname(weighted_run), "interface.json")
-    args = [*COMMON, "--epochs", "3", "--interface", interface]
+    args = [*COMMON, "--epochs", "2", "--interface", interface]
     proc = ok(run_train(tiny, *data, out, *args, launcher=launcher))
     assert "policy written" in proc.stdout
     one, two = metrics_of(weighted_run), metrics_of(out)
@@ -327,9 +329,69 @@ def test_bf16_autocast_keeps_float32_gradients(tiny):
         AcceleratorState._reset_state(True)
 
 
+def test_zero_variance_keep_and_drop_gradients(tiny, data):
+    """keep (verl's loss over every sample): the equal-reward group t2 adds its tokens to the
+    token-mean denominator and its KL gradient, and no policy gradient; drop leaves it out.
+    So N_keep·g_keep = N_drop·g_drop + N_t2·g_t2, with g_t2 zero without KL."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    import train_grpo
+    from common.grpo import accumulate_gradients, score_trajectories
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(load(tiny))
+    run = SimpleNamespace(trajectories=join_trajectories(read_jsonl(data[0]), read_jsonl(data[1]), {LABEL: W}))
+    gen = torch.Generator().manual_seed(0)
+    for t in run.trajectories:
+        score_trajectories(model, [[t]], "cpu", "old_logprobs")
+        t.ref_logprobs = t.old_logprobs + 0.3 * torch.randn(len(t.ids), generator=gen)  # a reference elsewhere
+
+    def plan(mode):
+        args = SimpleNamespace(zero_variance=mode, seed=0, mini_batch_tasks=8, max_tokens_per_micro_batch=100)
+        (mb,) = train_grpo.plan_mini_batches(args, run, accelerator)  # 4 or 3 groups < 8: one mini-batch
+        return mb
+
+    def grad(mb, kl_coef):
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, accelerator, mb["mine"], mb["norm"], kl_coef=kl_coef)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    keep, drop = plan("keep"), plan("drop")
+    t2 = [t for t in run.trajectories if t.task_id == "t2"]
+    only_t2 = {"mine": [t2], "norm": sum(t.model_tokens for t in t2)}
+    assert {t.task_id for t in keep["trajs"]} == {"t0", "t1", "t2", "t3"}
+    assert {t.task_id for t in drop["trajs"]} == {"t0", "t1", "t3"}
+    assert keep["norm"] == drop["norm"] + only_t2["norm"]
+    for kl_coef in (0.0, 0.5):
+        g_keep, g_drop, g_t2 = grad(keep, kl_coef), grad(drop, kl_coef), grad(only_t2, kl_coef)
+        mixed = (drop["norm"] * g_drop + only_t2["norm"] * g_t2) / keep["norm"]
+        assert torch.allclose(g_keep, mixed, rtol=1e-4, atol=1e-7)
+        if kl_coef:
+            assert g_t2.norm() > 1e-3 * g_drop.norm()  # the KL term pulls t2 towards the reference
+        else:
+            assert g_t2.abs().max() == 0  # zero advantage, no policy gradient
+    AcceleratorState._reset_state(True)
+
+
+def test_mini_batch_leftovers_and_zero_variance_keep_end_to_end(tiny, data, tmp_path):
+    """3 groups with differing rewards at --mini-batch-tasks 2 make one step of 3, not 2 + 1;
+    keep trains on all 4 groups, over all their model tokens."""
+    rollouts = read_jsonl(data[0])
+    tokens = {tid: sum(sum(r["tokens"]["mask"]) for r in rollouts if r["task_id"] == tid) for tid in REWARDS}
+    base = [*COMMON[:2], "--mini-batch-tasks", "2", *COMMON[4:], "--epochs", "2"]
+    for mode, tids in (("drop", ("t0", "t1", "t3")), ("keep", tuple(REWARDS))):
+        out = str(tmp_path / mode / "policy")
+        ok(run_train(tiny, *data, out, *base, "--zero-variance", mode))
+        m = metrics_of(out)
+        assert [r["step"] for r in m] == ([1, 2] if mode == "drop" else [1, 2, 3, 4])
+        assert sum(r["model_tokens"] for r in m) == 2 * sum(tokens[t] for t in tids)
+
+
 # ---------------------------------------------------------------- one optimiser across rounds
 
-# lr 1e-5: the policy moves little in 2 steps, so the PPO ratio of steps 3-4 (old log-probs
+# lr 1e-5: the policy moves little in 3 steps, so the PPO ratio of steps 4-6 (old log-probs
 # recomputed by round B, the round-0 ones in the single run) is ~1 and the only difference
 # left between the runs is whether AdamW's moments and step count carried over
 CARRY = ["--lr", "1e-5", *COMMON[2:]]
@@ -337,7 +399,7 @@ CARRY = ["--lr", "1e-5", *COMMON[2:]]
 
 @pytest.fixture(scope="module")
 def carried(tiny, data, tmp_path_factory):
-    """One run of 2 epochs (4 steps) against round A (2 steps) + round B (2 steps, same
+    """One run of 2 epochs (6 steps) against round A (3 steps) + round B (3 steps, same
     rollouts) with the optimiser state carried, and round B with a fresh optimiser."""
     folder = tmp_path_factory.mktemp("carried")
     out = {k: str(folder / k / "policy") for k in ("single", "a", "b", "fresh")}
@@ -354,7 +416,7 @@ def distance(a, b):
 
 
 def assert_continues_single_run(single, a, b, fresh=None):
-    """Round B's weights are the single run's within 2 % of what steps 3-4 moved them (a
+    """Round B's weights are the single run's within 2 % of what steps 4-6 moved them (a
     fresh AdamW restarts its bias correction and lands about half that distance away)."""
     s, a, b = (load(x).state_dict() for x in (single, a, b))
     moved = distance(s, a)
@@ -367,14 +429,14 @@ def assert_continues_single_run(single, a, b, fresh=None):
 def test_optimizer_state_carries_across_rounds(tiny, carried):
     assert_continues_single_run(carried["single"], carried["a"], carried["b"], carried["fresh"])
     single, a, b = (metrics_of(carried[k]) for k in ("single", "a", "b"))
-    assert [(m["step"], m["global_step"]) for m in a + b] == [(1, 1), (2, 2), (1, 3), (2, 4)]
-    assert [m["global_step"] for m in metrics_of(carried["fresh"])] == [1, 2]
+    assert [(m["step"], m["global_step"]) for m in a + b] == [(1, 1), (2, 2), (3, 3), (1, 4), (2, 5), (3, 6)]
+    assert [m["global_step"] for m in metrics_of(carried["fresh"])] == [1, 2, 3]
     # KL to the initial policy in every row: round B's reference is --ref-model, not its input
     assert {m["ref_model"] for m in single + a + b} == {os.path.abspath(tiny)}
-    assert b[0]["kl"] == pytest.approx(single[2]["kl"], rel=1e-4) and b[0]["kl"] > 0
+    assert b[0]["kl"] == pytest.approx(single[3]["kl"], rel=1e-4) and b[0]["kl"] > 0
     state = torch.load(os.path.join(carried["b"], "optimizer", "optimizer.bin"), weights_only=False)
-    assert {float(s["step"]) for s in state["state"].values()} == {4.0}
-    assert json.load(open(os.path.join(carried["b"], "optimizer", "trainer_state.json"))) == {"global_step": 4}
+    assert {float(s["step"]) for s in state["state"].values()} == {6.0}
+    assert json.load(open(os.path.join(carried["b"], "optimizer", "trainer_state.json"))) == {"global_step": 6}
     # the optimiser folder holds no second copy of the weights (the policy folder has them)
     assert not [f for f in os.listdir(os.path.join(carried["b"], "optimizer")) if "model" in f]
 
@@ -388,7 +450,7 @@ def test_optimizer_state_carries_on_two_processes(tiny, data, carried, tmp_path)
     ok(run_train(tiny, *data, a, *CARRY, "--save-optimizer", launcher=launcher))
     state = os.path.join(a, "optimizer")
     ok(run_train(a, *data, b, *CARRY, "--ref-model", tiny, "--optimizer-state", state, launcher=launcher))
-    assert [m["global_step"] for m in metrics_of(b)] == [3, 4]
+    assert [m["global_step"] for m in metrics_of(b)] == [4, 5, 6]
     assert_continues_single_run(carried["single"], a, b)
 
 
@@ -417,5 +479,5 @@ def test_killed_round_reruns_to_the_same_weights_and_optimizer_state(tiny, data,
     assert s1["state"].keys() == s2["state"].keys()
     for k in s1["state"]:
         assert all(torch.equal(s1["state"][k][n], s2["state"][k][n]) for n in ("step", "exp_avg", "exp_avg_sq"))
-    assert [m["global_step"] for m in metrics_of(out)] == [3, 4]
+    assert [m["global_step"] for m in metrics_of(out)] == [4, 5, 6]
 
