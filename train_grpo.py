@@ -39,6 +39,14 @@ Semantics:
   common.taxonomy.RHO. A profile label missing from ρ is an error. --no-reweight sets w = 1.
 - Old log-probs are recomputed by this trainer with the input weights before the first
   step; the engine's log-probs only feed the logprob_mismatch metric.
+- Temperature: old, new and reference log-probs are those of softmax(logits / T), T the
+  sampling temperature the rollout records carry ("sampling": {"temperature", "top_p",
+  "top_k"}, written by common/play.py), as verl and TRL score them; there is no flag that
+  could disagree with the rollouts. A file that mixes temperatures is refused (file:line),
+  and so is T = 0: greedy samples of one task are one trajectory (nothing to compare) and
+  have no sampling distribution to take a ratio against. Records without the field (older
+  files) are read as T = 1, with a warning naming the file. top-p / top-k other than off
+  are refused: the trainer does not score a truncated distribution.
 - KL reference (the paper's: the initial policy in every round): --ref-model, which loop.sh
   sets to the round-0 model in every round; without it, the input policy. With LoRA it is
   the base model (adapter disabled) and --ref-model is ignored. Reference log-probs are
@@ -109,6 +117,7 @@ from common.grpo import (
     load_rho,
     mini_batch_slices,
     plan_micro_batches,
+    rollout_temperature,
     score_trajectories,
 )
 from common.jsonl import RecordError, atomic_dir, read_json, read_jsonl, write_json, write_jsonl
@@ -183,6 +192,9 @@ def main(argv=None):
 def train(args):
     run = read_inputs(args)
     accelerator = make_accelerator(args)
+    if accelerator.is_main_process:
+        for w in run.warnings:
+            print(w, file=sys.stderr)
     set_seed(args.seed)
     mini_batches = plan_mini_batches(args, run, accelerator)
     reference_logprobs(args, run, mini_batches, accelerator)
@@ -206,6 +218,7 @@ def read_inputs(args):
     )  # fmt: skip
     if not trajectories:
         raise RecordError(f"{args.rollouts}: no rollout records")
+    temperature, unsampled = rollout_temperature(rollouts, args.rollouts)
     adapter_in = os.path.isfile(os.path.join(args.model, "adapter_config.json"))
     if not adapter_in and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise RecordError(f"{args.model}: not a model or adapter folder (no config.json)")
@@ -242,7 +255,9 @@ def read_inputs(args):
     return SimpleNamespace(
         trajectories=trajectories, adapter_in=adapter_in, base_path=base_path, use_lora=use_lora,
         saved_dtype=config.get("dtype") or config.get("torch_dtype"), ref_source=ref_source,
-        ref_model=ref_model, metrics_path=metrics_path,
+        ref_model=ref_model, metrics_path=metrics_path, temperature=temperature,
+        warnings=[f"warning: {args.rollouts}: {unsampled} of {len(rollouts)} records carry no sampling temperature; "
+                  "read as temperature 1"] if unsampled else [],
     )  # fmt: skip
 
 
@@ -352,7 +367,7 @@ def reference_logprobs(args, run, mini_batches, accelerator):
     ref.eval()
     with accelerator.autocast():
         for mb in mini_batches:
-            score_trajectories(ref, mb["mine"], accelerator.device, "ref_logprobs")
+            score_trajectories(ref, mb["mine"], accelerator.device, "ref_logprobs", run.temperature)
     del ref
     accelerator.free_memory()
 
@@ -414,11 +429,11 @@ def old_logprobs(model, run, mini_batches, accelerator):
     where it is the input policy or the base under the adapter; engine mismatch per mini-batch."""
     model.eval()
     for mb in mini_batches:
-        score_trajectories(model, mb["mine"], accelerator.device, "old_logprobs")
+        score_trajectories(model, mb["mine"], accelerator.device, "old_logprobs", run.temperature)
         mine = [t for micro in mb["mine"] for t in micro]
         if run.ref_source == "base":
             with accelerator.unwrap_model(model).disable_adapter():
-                score_trajectories(model, mb["mine"], accelerator.device, "ref_logprobs")
+                score_trajectories(model, mb["mine"], accelerator.device, "ref_logprobs", run.temperature)
         elif run.ref_source == "input":
             for t in mine:
                 t.ref_logprobs = t.old_logprobs
@@ -445,8 +460,9 @@ def optimise(args, run, mini_batches, model, optimizer, params, global_step, acc
         for mb in random.Random(f"{args.seed}/{global_step}").sample(mini_batches, len(mini_batches)):
             t0 = time.perf_counter()
             sums = accumulate_gradients(
-                model, accelerator, mb["mine"], mb["norm"], args.clip, args.kl_coef, args.clip_ratio_c
-            )
+                model, accelerator, mb["mine"], mb["norm"], args.clip, args.kl_coef, args.clip_ratio_c,
+                run.temperature,
+            )  # fmt: skip
             grad_norm = accelerator.clip_grad_norm_(params, max_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -469,7 +485,8 @@ def optimise(args, run, mini_batches, model, optimizer, params, global_step, acc
         reward = sum(t.reward for t in run.trajectories) / len(run.trajectories)
         metrics.append({
             "step": 0, "global_step": global_step, **weight_stats(run.trajectories),
-            "zero_var_share": run.zero_var_share, "reward_mean": reward, "ref_model": run.ref_model,
+            "zero_var_share": run.zero_var_share, "reward_mean": reward, "temperature": run.temperature,
+            "ref_model": run.ref_model,
         })  # fmt: skip
     run.global_step = global_step
     return metrics
@@ -502,6 +519,7 @@ def step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator):
         "tokens_per_s": sum(t.length for t in mb["trajs"]) / seconds,
         "seconds": seconds,
         "logprob_mismatch": mm_sum / mm_count if mm_count else None,
+        "temperature": run.temperature,
         "ref_model": run.ref_model,
     }
 

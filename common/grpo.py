@@ -287,6 +287,43 @@ def join_trajectories(
     return trajectories
 
 
+def rollout_temperature(rollouts, path="rollouts"):
+    """(T, n): the one sampling temperature of a rollout file's records (their "sampling"
+    field) and how many records carry none, read as T = 1 (files older than the field).
+
+    Raises RecordError naming file:line for a record whose temperature differs from the
+    file's first, for temperature 0 (greedy: the samples of a group are one trajectory, and
+    no distribution to take a ratio against), and for top-p / top-k sampling (the trainer
+    scores the whole softmax(logits / T), not a truncated one).
+    """
+    temperature, first, missing = None, None, 0
+    for r in rollouts:
+        where = f"{path}:{r.get('_line', '?')}"
+        sampling = r.get("sampling")
+        if sampling is None:
+            missing += 1
+            t = 1.0
+        else:
+            t = sampling.get("temperature") if isinstance(sampling, dict) else None
+            if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+                raise RecordError(f"{where}: sampling.temperature must be a non-negative number")
+            if t == 0:
+                raise RecordError(
+                    f"{where}: temperature 0 (greedy) rollouts cannot be trained on; sample at T > 0"
+                )
+            if sampling.get("top_p") not in (None, 1) or sampling.get("top_k") not in (None, 0, -1):
+                raise RecordError(
+                    f"{where}: top-p / top-k sampling cannot be rescored (the trainer uses the full softmax)"
+                )
+        if temperature is None:
+            temperature, first = t, where
+        elif t != temperature:
+            raise RecordError(
+                f"{where}: temperature {t:g} differs from {temperature:g} at {first}: one file, one temperature"
+            )
+    return (1.0 if temperature is None else float(temperature)), missing
+
+
 # ---------------------------------------------------------------- batching
 
 

@@ -217,7 +217,8 @@ def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps
         bar.close()
     timing = {"seconds": time.perf_counter() - counts["start"], "engine_seconds": counts["engine_seconds"]}
     timing.update({k: getattr(engine, k) - v for k, v in before.items()})
-    return [t.record(round_, policy) for t in trajs], timing
+    sampling = {"temperature": temperature, "top_p": 1.0, "top_k": 0}  # the engines never truncate: top-p/k off
+    return [t.record(round_, policy) | {"sampling": sampling} for t in trajs], timing
 
 
 def _room(t, max_model_len, max_new_tokens, bar):

@@ -22,6 +22,7 @@ from common.grpo import (
     mini_batch_slices,
     padding_share,
     plan_micro_batches,
+    rollout_temperature,
     sequence_logprobs,
     token_logprobs,
     token_loss,
@@ -388,3 +389,36 @@ def test_bad_json_line_names_file_and_line(tmp_path):
     path.write_text(json.dumps(rollout("a", 0)) + "\n{not json\n")
     with pytest.raises(RecordError, match=r"r\.jsonl:2: not valid JSON"):
         read_jsonl(str(path), required=["task_id", "sample_index", "tokens"])
+
+
+def test_rollout_temperature():
+    def recs(*samplings):
+        return [
+            {"_line": i + 1} | ({"sampling": s} if s is not None else {}) for i, s in enumerate(samplings)
+        ]
+
+    at = {"temperature": 0.7, "top_p": 1.0, "top_k": 0}
+    assert rollout_temperature(recs(at, at), "r.jsonl") == (0.7, 0)
+    assert rollout_temperature(recs(None, None), "r.jsonl") == (1.0, 2)  # older files: T = 1
+    assert rollout_temperature(recs(None, {"temperature": 1}), "r.jsonl") == (1.0, 1)
+    assert rollout_temperature(recs({"temperature": 1.3, "top_p": None, "top_k": -1}), "r.jsonl") == (1.3, 0)
+    for bad, message in [
+        ((at, at | {"temperature": 1.0}), r"r\.jsonl:2: temperature 1 differs from 0\.7 at r\.jsonl:1"),
+        ((at, None), r"r\.jsonl:2: temperature 1 differs from 0\.7"),
+        ((at | {"temperature": 0},), r"r\.jsonl:1: temperature 0 \(greedy\)"),
+        ((at | {"top_p": 0.9},), r"r\.jsonl:1: top-p / top-k"),
+        ((at | {"top_k": 20},), r"r\.jsonl:1: top-p / top-k"),
+        (({"temperature": "hot"},), r"r\.jsonl:1: sampling\.temperature must be"),
+        (("0.7",), r"r\.jsonl:1: sampling\.temperature must be"),
+    ]:
+        with pytest.raises(RecordError, match=message):
+            rollout_temperature(recs(*bad), "r.jsonl")
+
+
+def test_token_logprobs_at_a_temperature():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11) * 3
+    targets = torch.randint(0, 11, (2, 5))
+    expect = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None])[..., 0]
+    assert torch.allclose(token_logprobs(logits, targets, 0.7), expect, atol=1e-6)
+    assert torch.allclose(token_logprobs(logits.bfloat16(), targets, 0.7), expect, atol=0.1)

@@ -34,7 +34,7 @@ LABEL, W = "missing_tool_call", 1.6
 COMMON = ["--lr", "1e-3", "--mini-batch-tasks", "1", "--max-tokens-per-micro-batch", "100", "--cpu"]
 
 
-def make_data(folder, rewards=REWARDS, seed=0):
+def make_data(folder, rewards=REWARDS, seed=0, temperature=1.0):
     """Rollout and diagnosis files in the DESIGN §3 format: a task prompt shared by its samples,
     then model tokens (mask 1), a tool response (mask 0), model tokens again."""
     rng = random.Random(seed)
@@ -50,10 +50,10 @@ def make_data(folder, rewards=REWARDS, seed=0):
             logprobs = [-rng.uniform(5, 7) if m else None for m in mask]
             rollouts.append({
                 "task_id": tid, "category": "base", "sample_index": k, "round": 0, "policy": "p0",
-                "interface_version": 0, "turns": [], "stop": "done",
+                "interface_version": 0, "turns": [{"steps": [], "end": "answer"}], "stop": "done",
                 "tokens": {"prompt_ids": prompt, "ids": ids, "mask": mask, "logprobs": logprobs},
                 "stats": {"gen_tokens": sum(mask), "cue_tokens": 0, "seconds": 0.1},
-            })  # fmt: skip
+            } | ({"sampling": {"temperature": temperature, "top_p": 1.0, "top_k": 0}} if temperature else {}))  # fmt: skip
             diagnoses.append({
                 "task_id": tid, "sample_index": k, "round": 0, "reward": r,
                 "official": {"valid": bool(r), "error_type": None, "turn": None},
@@ -254,6 +254,52 @@ def test_bad_input_stops_without_output(tiny, tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == f"error: {rollouts}:3: missing field(s) tokens"
     assert not os.path.exists(os.path.dirname(out))
+
+
+def test_temperature_comes_from_the_records(tiny, tmp_path):
+    """Old records without it: T = 1 and a warning naming the file; a file mixing
+    temperatures: refused with file:line and no output."""
+    rollouts, diagnoses = make_data(str(tmp_path / "old"), temperature=None)
+    out = str(tmp_path / "old" / "run" / "policy")
+    proc = ok(run_train(tiny, rollouts, diagnoses, out, *COMMON, "--mini-batch-tasks", "3"))
+    assert f"warning: {rollouts}: 16 of 16 records carry no sampling temperature; read as temperature 1" in proc.stderr
+    assert [m["temperature"] for m in metrics_of(out)] == [1.0]
+
+    rollouts, diagnoses = make_data(str(tmp_path / "mixed"), temperature=0.7)
+    lines = open(rollouts).read().splitlines()
+    rec = json.loads(lines[5])
+    rec["sampling"]["temperature"] = 1.0
+    lines[5] = json.dumps(rec)
+    open(rollouts, "w").write("\n".join(lines) + "\n")
+    out = str(tmp_path / "mixed" / "run" / "policy")
+    proc = run_train(tiny, rollouts, diagnoses, out, "--cpu")
+    assert proc.returncode != 0 and not os.path.exists(os.path.dirname(out))
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {rollouts}:6: temperature 1 differs from 0.7 at {rollouts}:1: one file, one temperature"
+    )
+
+
+def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_path):
+    """Real HF-engine rollouts of the tiny model at T = 0.7: the trainer's old log-probs, taken
+    at the records' temperature, are the engine's (which are log softmax(logits / 0.7))."""
+    from common import bfcl, play, taxonomy, tiny
+    from common.engines import make_engine
+    from common.jsonl import write_jsonl
+
+    task = next(t for t in bfcl.load_tasks(tiny.PRESET_TASKS).values() if t["ground_truth"][0])
+    engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
+    records, _ = play.play([task], 3, engine, temperature=0.7, max_steps_per_turn=1, max_new_tokens=24, progress=False)
+    engine.close()
+    assert {json.dumps(r["sampling"]) for r in records} == {'{"temperature": 0.7, "top_p": 1.0, "top_k": 0}'}
+    # real diagnoses, with rewards set so that the group has something to learn on any build
+    diagnoses = [taxonomy.diagnose(task, r) | {"reward": k % 2} for k, r in enumerate(records)]
+    write_jsonl(tmp_path / "rollouts.jsonl", records)
+    write_jsonl(tmp_path / "diagnoses.jsonl", diagnoses)
+    out = str(tmp_path / "policy")
+    ok(run_train(tiny_model, str(tmp_path / "rollouts.jsonl"), str(tmp_path / "diagnoses.jsonl"), out, "--cpu"))
+    (m,) = metrics_of(out)
+    assert m["temperature"] == 0.7 and m["model_tokens"] > 0
+    assert m["logprob_mismatch"] < 1e-3, m["logprob_mismatch"]
 
 
 @pytest.mark.parametrize(
