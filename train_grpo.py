@@ -35,6 +35,17 @@ Semantics:
   whole groups (B = --mini-batch-tasks; one when n < B) whose sizes differ by at most one:
   a leftover that does not fill a mini-batch is spread over the others, never a step of
   one or two groups.
+- The weight and the advantage's sign: as in the paper, w_j = clip(Σ_z p_j(z)·ρ(z), 0.5, 2.0)
+  does not look at the sign of A_j, so a high-ρ label (invalid_tool_call, 2.0) doubles the
+  push up of a rewarded trajectory and the push down of a failed one alike. Σ_j A_j = 0 in
+  a group but Σ_j w_j·A_j is not: differing weights shift the group's net update (a
+  baseline shift); wa_mean reports it per step. This implementation keeps the formula.
+- Unplayed turns: diagnose.py labels every user turn of the task, also those after a
+  force-quit or context stop that the rollout never entered (typically missing_tool_call or
+  correct_abstention, evidence "not played"), and p_j(z) is the fraction over all of them,
+  as in the paper; so those turns weigh on w_j though the model produced no token for them.
+  This implementation keeps that (the weight is the paper's) and reports their share of
+  the step's labelled turns as unplayed_share.
 - ρ: the interface file's "rho" if it has one, else --rho FILE (a JSON object), else
   common.taxonomy.RHO. A profile label missing from ρ is an error. --no-reweight sets w = 1.
 - Old log-probs are recomputed by this trainer with the input weights before the first
@@ -78,13 +89,16 @@ path; with --save-optimizer also <out>/optimizer/ (Accelerate state; trainer_sta
 holds global_step). Policy and optimiser state appear together or not at all.
 --metrics (default: train_metrics.jsonl next to --out) gets one line per optimiser step:
 step (in this round), global_step (across rounds, carried in the optimiser state), epoch,
-loss, pg_loss, kl, clip_frac (tokens where PPO's clip applied), dual_clip_frac (tokens with
-A < 0 whose loss the dual clip capped at -A·clip_ratio_c, as verl's pg_clipfrac_lower), grad_norm (before clipping), w_mean, w_std, zero_var_share
-(of the round's groups), reward_mean (of the step's trajectories), model_tokens, tokens_per_s (prompt + response tokens per second of the
-update step), seconds (of the update step), logprob_mismatch (mean |engine - trainer|
-log-prob over model tokens), lr, ref_model (absolute folder of the KL reference; null
-without KL). A round with nothing to learn writes one line with step 0, the global step so
-far, the weights, zero-variance share and reward of all trajectories, and ref_model.
+loss, pg_loss, kl, clip_frac (model tokens where PPO's clip applied), dual_clip_frac (tokens
+with A < 0 whose loss the dual clip capped, verl's pg_clipfrac_lower), grad_norm (before
+clipping), w_mean, w_std, wa_mean (mean w_j·A_j over the step's trajectories), unplayed_share
+(of the step's labelled turns, those the rollout never played), zero_var_share (of the
+round's groups), reward_mean (of the step's trajectories), model_tokens, tokens_per_s (prompt
++ response tokens per second of the update step), seconds (of the update step),
+logprob_mismatch (mean |engine - trainer| log-prob over model tokens), temperature (of the
+rollouts), lr, ref_model (absolute folder of the KL reference; null without KL). A round with
+nothing to learn writes one line with step 0, the global step so far, the weights,
+zero-variance share, reward of all trajectories, temperature and ref_model.
 Bad input stops with `error: file:line: ...`, a non-zero exit and no output.
 """
 
@@ -505,6 +519,7 @@ def step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator):
         torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum"
     ).tolist()
     tokens = max(tokens, 1)
+    labelled = sum(t.labelled_turns for t in mb["trajs"])
     return {
         "loss": (pg + args.kl_coef * kl) / tokens,
         "pg_loss": pg / tokens,
@@ -513,6 +528,8 @@ def step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator):
         "dual_clip_frac": dual / tokens,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         **weight_stats(mb["trajs"]),
+        "wa_mean": sum(t.weight * t.advantage for t in mb["trajs"]) / len(mb["trajs"]),
+        "unplayed_share": sum(t.unplayed_turns for t in mb["trajs"]) / labelled if labelled else None,
         "zero_var_share": run.zero_var_share,
         "reward_mean": sum(t.reward for t in mb["trajs"]) / len(mb["trajs"]),
         "model_tokens": int(tokens),

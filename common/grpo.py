@@ -182,6 +182,8 @@ class Trajectory:
     reward: float
     weight: float
     advantage: float = 0.0  # A_j; the trained advantage is weight * advantage
+    labelled_turns: int = 0  # turns the diagnosis labelled (every user turn of the task)
+    unplayed_turns: int = 0  # of those, turns the rollout never entered (it stopped earlier)
     old_logprobs: torch.Tensor | None = field(default=None, repr=False)  # aligned with ids
     ref_logprobs: torch.Tensor | None = field(default=None, repr=False)
 
@@ -273,6 +275,8 @@ def join_trajectories(
                 engine_logprobs=t["logprobs"],
                 reward=float(d["reward"]),
                 weight=weight,
+                labelled_turns=len(d.get("turn_labels") or []),
+                unplayed_turns=max(0, len(d.get("turn_labels") or []) - len(r.get("turns") or [])),
             )
         )
     for key, (d, _) in diag_by_key.items():

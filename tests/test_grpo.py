@@ -328,6 +328,25 @@ def join(tmp_path, rollouts, diagnoses, reweight=True):
     return join_trajectories(read_jsonl(rp), read_jsonl(dp), RHO, reweight, rp, dp)
 
 
+def test_join_counts_unplayed_turns(tmp_path):
+    """A rollout force-quit in turn 1 of 3 has 2 labelled turns it never played; the weight
+    still counts their labels (the paper's p_j), the count only feeds unplayed_share."""
+    quit_early = rollout("a", 0) | {"turns": [{"steps": [], "end": "step_limit"}]}
+    full = rollout("a", 1) | {"turns": [{}, {}, {}]}
+    labels = ["invalid_tool_call", "missing_tool_call", "missing_tool_call"]
+    profile = {"invalid_tool_call": 1 / 3, "missing_tool_call": 2 / 3}
+    diags = [
+        diagnosis("a", 0, 0, profile) | {"turn_labels": labels},
+        diagnosis("a", 1, 1) | {"turn_labels": ["pass"] * 3},
+    ]
+    a, b = join(tmp_path, [quit_early, full], diags)
+    assert (a.labelled_turns, a.unplayed_turns) == (3, 2) and (b.labelled_turns, b.unplayed_turns) == (3, 0)
+    assert (a.weight, b.weight) == (pytest.approx(2.0 / 3 + 1.5 * 2 / 3), 1.0)
+    # the weight ignores the advantage's sign: Σ A = 0 over the group, Σ w·A is not
+    assert a.advantage + b.advantage == pytest.approx(0)
+    assert a.weight * a.advantage + b.weight * b.advantage == pytest.approx(-(a.weight - 1.0), rel=1e-5)
+
+
 def test_join_weights_and_advantages(tmp_path):
     ts = join(
         tmp_path,

@@ -149,6 +149,8 @@ def test_learns_towards_weighted_advantage(tiny, data, weighted_run):
     assert [r["step"] for r in m] == [1, 2, 3, 4, 5, 6]
     assert all(r["zero_var_share"] == pytest.approx(0.25) for r in m)  # t2 of 4 groups
     assert all(r["w_mean"] == pytest.approx(W) and r["w_std"] == pytest.approx(0) for r in m)
+    # one weight for all: Σ w·A over a group is W·Σ A = 0; every labelled turn was played
+    assert all(r["wa_mean"] == pytest.approx(0, abs=1e-6) and r["unplayed_share"] == 0 for r in m)
     # step 1: policy = old = ref
     assert m[0]["clip_frac"] == m[0]["dual_clip_frac"] == 0 and m[0]["kl"] == pytest.approx(0, abs=1e-6)
     assert m[-1]["clip_frac"] > 0 and m[-1]["kl"] > 0
