@@ -39,7 +39,8 @@ PY=.venv/bin/python
 
 # ---------------------------------------------------------------------------- presets
 # Shared defaults are the paper's (docs/design.md §7): GRPO groups of 8, 32 tasks per round,
-# mini-batches of 8 tasks (4 optimiser steps a round; 18 rounds ~ 72 update steps),
+# mini-batches of 8 tasks (4 optimiser steps a round at most: train_grpo.py leaves out groups of
+# equal rewards and spreads a leftover over the other mini-batches; 18 rounds ~ 72 update steps),
 # lr 1e-6, KL 0.001, clip 0.2, temperature 1.0, 16k context; MAX_STEPS=20 is bfcl-eval's
 # step limit: a turn's 21st step with calls force-quits the task.
 ENGINE=vllm; DP=1; TP=1; NPROC=1; ACCEL_CONFIG=""; LORA=""; CALL_FORMAT=json

@@ -4,7 +4,8 @@ Joins the rollouts (token ids, loss mask, engine log-probs) with their diagnoses
 label profile) on (task_id, sample_index), gives each trajectory the advantage
 Ã_j = w_j·A_j with the SEAL weight w_j = clip(Σ_z p_j(z)·ρ(z), 0.5, 2.0) (common/grpo.py),
 and takes one optimiser step per mini-batch of tasks with the PPO-clipped token-mean loss
-plus a k3 KL penalty to the initial policy. Writes the next policy to --out.
+(with verl's dual clip: for A < 0 the loss is at most -A·clip_ratio_c, --clip-ratio-c 3,
+0 off) plus a k3 KL penalty to the initial policy. Writes the next policy to --out.
 
     python train_grpo.py --model DIR --rollouts R.jsonl --diagnoses D.jsonl \\
         [--interface interface.json | --rho rho.json] --out round_001/policy \\
@@ -20,13 +21,43 @@ and --out on a filesystem all nodes share (each process writes its part of the o
 
 Semantics:
 - Group = all samples of one task_id in the rollouts file. A = (r - mean)/(std + 1e-6) with
-  the population std. Groups with equal rewards have A = 0 and are left out of the update
-  entirely (no forward/backward, so also no KL term); their share is logged. A round
-  whose groups all have equal rewards writes the input policy (and optimiser state) unchanged.
+  the population std. Groups with equal rewards have A = 0; their share is logged.
+  --zero-variance drop (default) leaves them out of the update entirely: no forward/backward,
+  no KL term, no tokens in the token-mean denominator; a round whose groups all have equal
+  rewards writes the input policy (and optimiser state) unchanged. --zero-variance keep is
+  verl's loss over every sample: their tokens carry no policy gradient but the KL term, and
+  count in the denominator. Drop is the default because it is docs/design.md §6's rule (such groups
+  contribute nothing), and because with keep the step the informative groups take shrinks
+  with the share of tasks every sample solved or every sample failed, which changes from
+  round to round as the policy improves, and their forward/backward is compute spent for
+  a KL pull alone.
+- Mini-batches: the trained groups, shuffled (--seed), split into ⌊n/B⌋ mini-batches of
+  whole groups (B = --mini-batch-tasks; one when n < B) whose sizes differ by at most one:
+  a leftover that does not fill a mini-batch is spread over the others, never a step of
+  one or two groups.
+- The weight and the advantage's sign: as in the paper, w_j = clip(Σ_z p_j(z)·ρ(z), 0.5, 2.0)
+  does not look at the sign of A_j, so a high-ρ label (invalid_tool_call, 2.0) doubles the
+  push up of a rewarded trajectory and the push down of a failed one alike. Σ_j A_j = 0 in
+  a group but Σ_j w_j·A_j is not: differing weights shift the group's net update (a
+  baseline shift); wa_mean reports it per step. This implementation keeps the formula.
+- Unplayed turns: diagnose.py labels every user turn of the task, also those after a
+  force-quit or context stop that the rollout never entered (typically missing_tool_call or
+  correct_abstention, evidence "not played"), and p_j(z) is the fraction over all of them,
+  as in the paper; so those turns weigh on w_j though the model produced no token for them.
+  This implementation keeps that (the weight is the paper's) and reports their share of
+  the step's labelled turns as unplayed_share.
 - ρ: the interface file's "rho" if it has one, else --rho FILE (a JSON object), else
   common.taxonomy.RHO. A profile label missing from ρ is an error. --no-reweight sets w = 1.
 - Old log-probs are recomputed by this trainer with the input weights before the first
   step; the engine's log-probs only feed the logprob_mismatch metric.
+- Temperature: old, new and reference log-probs are those of softmax(logits / T), T the
+  sampling temperature the rollout records carry ("sampling": {"temperature", "top_p",
+  "top_k"}, written by common/play.py), as verl and TRL score them; there is no flag that
+  could disagree with the rollouts. A file that mixes temperatures is refused (file:line),
+  and so is T = 0: greedy samples of one task are one trajectory (nothing to compare) and
+  have no sampling distribution to take a ratio against. Records without the field (older
+  files) are read as T = 1, with a warning naming the file. top-p / top-k other than off
+  are refused: the trainer does not score a truncated distribution.
 - KL reference (the paper's: the initial policy in every round): --ref-model, which loop.sh
   sets to the round-0 model in every round; without it, the input policy. With LoRA it is
   the base model (adapter disabled) and --ref-model is ignored. Reference log-probs are
@@ -43,7 +74,10 @@ Semantics:
 - Loss = Σ over model tokens of the mini-batch / number of model tokens in the mini-batch
   (on all processes together), so 1 or N processes give the same update.
 - Precision: full fine-tuning keeps float32 weights and, on GPU, computes in bf16 (autocast):
-  a bf16 weight cannot absorb an lr-1e-6 update. The saved weights stay float32 (the next
+  a bf16 weight cannot absorb an lr-1e-6 update. Gradients are accumulated over micro-batches
+  and reduced across processes in float32 on every path (FSDP's reduce_dtype and DeepSpeed's
+  communication/accumulation dtypes are set in code, whatever the config file says; DDP's
+  follow the float32 weights); the log states them. The saved weights stay float32 (the next
   round resumes exactly); config.json keeps the input's dtype so engines load bf16. With
   LoRA the frozen base is bf16 on GPU and the adapter float32. CPU: float32 throughout.
 - --lr: 1e-6 is the paper's full fine-tuning value; LoRA usually needs about 1e-5.
@@ -55,18 +89,22 @@ path; with --save-optimizer also <out>/optimizer/ (Accelerate state; trainer_sta
 holds global_step). Policy and optimiser state appear together or not at all.
 --metrics (default: train_metrics.jsonl next to --out) gets one line per optimiser step:
 step (in this round), global_step (across rounds, carried in the optimiser state), epoch,
-loss, pg_loss, kl, clip_frac, grad_norm (before clipping), w_mean, w_std, zero_var_share
-(of the round's groups), reward_mean (of the step's trajectories: groups with differing
-rewards only), model_tokens, tokens_per_s (prompt + response tokens per second of the
-update step), seconds (of the update step), logprob_mismatch (mean |engine - trainer|
-log-prob over model tokens), lr, ref_model (absolute folder of the KL reference; null
-without KL). A round with nothing to learn writes one line with step 0, the global step so
-far, the weights, zero-variance share and reward of all trajectories, and ref_model.
+loss, pg_loss, kl, clip_frac (model tokens where PPO's clip applied), dual_clip_frac (tokens
+with A < 0 whose loss the dual clip capped, verl's pg_clipfrac_lower), grad_norm (before
+clipping), w_mean, w_std, wa_mean (mean w_j·A_j over the step's trajectories), unplayed_share
+(of the step's labelled turns, those the rollout never played), zero_var_share (of the
+round's groups), reward_mean (of the step's trajectories), model_tokens, tokens_per_s (prompt
++ response tokens per second of the update step), seconds (of the update step),
+logprob_mismatch (mean |engine - trainer| log-prob over model tokens), temperature (of the
+rollouts), lr, ref_model (absolute folder of the KL reference; null without KL). A round with
+nothing to learn writes one line with step 0, the global step so far, the weights,
+zero-variance share, reward of all trajectories, temperature and ref_model.
 Bad input stops with `error: file:line: ...`, a non-zero exit and no output.
 """
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -77,7 +115,13 @@ from types import SimpleNamespace
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list, set_seed
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    broadcast_object_list,
+    set_seed,
+)
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
@@ -85,7 +129,9 @@ from common.grpo import (
     accumulate_gradients,
     join_trajectories,
     load_rho,
+    mini_batch_slices,
     plan_micro_batches,
+    rollout_temperature,
     score_trajectories,
 )
 from common.jsonl import RecordError, atomic_dir, read_json, read_jsonl, write_json, write_jsonl
@@ -117,7 +163,19 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=1e-6, help="1e-6 for full fine-tuning; ~1e-5 with --lora")
     ap.add_argument("--kl-coef", type=float, default=0.001, help="0 disables the KL term and the reference")
     ap.add_argument("--clip", type=float, default=0.2)
-    ap.add_argument("--mini-batch-tasks", type=int, default=8, help="tasks (whole groups) per optimiser step")
+    ap.add_argument(
+        "--clip-ratio-c",
+        type=float,
+        default=3.0,
+        help="dual clip for A < 0 (verl's clip_ratio_c); 0 disables",
+    )
+    ap.add_argument(
+        "--mini-batch-tasks", type=int, default=8, help="tasks (whole groups) per optimiser step, at least"
+    )
+    ap.add_argument(
+        "--zero-variance", choices=("drop", "keep"), default="drop",
+        help="groups with equal rewards: left out (default), or kept in the loss as verl does",
+    )  # fmt: skip
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="padded tokens per forward")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables")
@@ -132,6 +190,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.mini_batch_tasks < 1 or args.epochs < 1 or args.max_tokens_per_micro_batch < 1:
         ap.error("--mini-batch-tasks, --epochs and --max-tokens-per-micro-batch must be positive")
+    if args.clip_ratio_c != 0 and args.clip_ratio_c <= 1:
+        ap.error("--clip-ratio-c must be above 1 (or 0 to disable the dual clip)")
     return args
 
 
@@ -146,6 +206,9 @@ def main(argv=None):
 def train(args):
     run = read_inputs(args)
     accelerator = make_accelerator(args)
+    if accelerator.is_main_process:
+        for w in run.warnings:
+            print(w, file=sys.stderr)
     set_seed(args.seed)
     mini_batches = plan_mini_batches(args, run, accelerator)
     reference_logprobs(args, run, mini_batches, accelerator)
@@ -169,6 +232,7 @@ def read_inputs(args):
     )  # fmt: skip
     if not trajectories:
         raise RecordError(f"{args.rollouts}: no rollout records")
+    temperature, unsampled = rollout_temperature(rollouts, args.rollouts)
     adapter_in = os.path.isfile(os.path.join(args.model, "adapter_config.json"))
     if not adapter_in and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise RecordError(f"{args.model}: not a model or adapter folder (no config.json)")
@@ -205,33 +269,91 @@ def read_inputs(args):
     return SimpleNamespace(
         trajectories=trajectories, adapter_in=adapter_in, base_path=base_path, use_lora=use_lora,
         saved_dtype=config.get("dtype") or config.get("torch_dtype"), ref_source=ref_source,
-        ref_model=ref_model, metrics_path=metrics_path,
+        ref_model=ref_model, metrics_path=metrics_path, temperature=temperature,
+        warnings=[f"warning: {args.rollouts}: {unsampled} of {len(rollouts)} records carry no sampling temperature; "
+                  "read as temperature 1"] if unsampled else [],
     )  # fmt: skip
 
 
 def make_accelerator(args):
-    accelerator = Accelerator(
-        cpu=args.cpu, mixed_precision="bf16" if torch.cuda.is_available() and not args.cpu else "no"
+    mixed_precision = "bf16" if torch.cuda.is_available() and not args.cpu else "no"
+    return Accelerator(
+        cpu=args.cpu, mixed_precision=mixed_precision, **distributed_plugins(mixed_precision, args.grad_clip)
     )
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        # there is no DataLoader to infer it from; DeepSpeed only uses it for its logging
-        ds_config["train_micro_batch_size_per_gpu"] = 1
-        ds_config["gradient_clipping"] = args.grad_clip
-    return accelerator
+
+
+def distributed_plugins(mixed_precision, grad_clip):
+    """The FSDP or DeepSpeed plugin `accelerate launch` asked for (through its environment), as
+    Accelerate would build it, except that gradients are accumulated and reduced in float32.
+
+    Accelerate's bf16 policy reduces in bf16: FSDP2 would accumulate the no_sync micro-batches
+    and reduce-scatter in bf16, ZeRO-3 likewise; at lr 1e-6 and 7B that rounding is the size
+    of the update (verl reduces in float32). Set here, not in the config files, so that no
+    config can drop it. DDP needs nothing: its buckets take the float32 weights' dtype
+    (checked in gradient_dtypes)."""
+    plugins = {}
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        fsdp = FullyShardedDataParallelPlugin()
+        if mixed_precision != "no":
+            fsdp.set_mixed_precision(mixed_precision, override=True)
+            fsdp.mixed_precision_policy = dataclasses.replace(
+                fsdp.mixed_precision_policy, reduce_dtype=torch.float32
+            )
+        plugins["fsdp_plugin"] = fsdp
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        ds = DeepSpeedPlugin()
+        ds.set_mixed_precision(mixed_precision)
+        ds.gradient_clipping = grad_clip
+        ds.deepspeed_config.update({
+            # there is no DataLoader to infer it from; DeepSpeed only uses it for its logging
+            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": grad_clip,
+            "communication_data_type": "fp32",
+        })  # fmt: skip
+        # ZeRO's default accumulates in the model's dtype (bf16)
+        ds.deepspeed_config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
+        plugins["deepspeed_plugin"] = ds
+    return plugins
+
+
+def gradient_dtypes(accelerator, model, params):
+    """{"grad": dtype gradients are accumulated in, "reduce": dtype they are reduced in}; raises
+    if either is not float32 (what bench/gpu_check.sh prints from the log)."""
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        cfg = accelerator.state.deepspeed_plugin.deepspeed_config
+        found = {
+            "grad": cfg.get("data_types", {}).get("grad_accum_dtype"),
+            "reduce": cfg.get("communication_data_type"),
+        }
+        found = {k: {"fp32": torch.float32}.get(v, v) for k, v in found.items()}
+    elif kind == DistributedType.FSDP:
+        policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+        reduce = policy.reduce_dtype or policy.param_dtype if policy else None
+        found = {"grad": reduce or params[0].dtype, "reduce": reduce or params[0].dtype}
+    else:
+        # autocast computes in bf16 but a gradient takes its weight's dtype, and DDP's buckets
+        # the gradients' (a comm hook, none registered here, could compress them)
+        dtypes = {p.dtype for p in params}
+        grad = dtypes.pop() if len(dtypes) == 1 else dtypes
+        found = {"grad": grad, "reduce": None if getattr(model, "_comm_hooks", None) else grad}
+    if any(v != torch.float32 for v in found.values()):
+        raise RuntimeError(f"gradients must be accumulated and reduced in float32, got {found} ({kind})")
+    return found
 
 
 def plan_mini_batches(args, run, accelerator):
-    """Whole tasks with differing rewards, shuffled into mini-batches: the same plan on every process."""
+    """Whole tasks (with --zero-variance drop, those with differing rewards only), shuffled into
+    balanced mini-batches of at least --mini-batch-tasks: the same plan on every process."""
     by_task = {}
     for t in run.trajectories:
         by_task.setdefault(t.task_id, []).append(t)
     live = [tid for tid, ts in by_task.items() if any(t.advantage != 0.0 for t in ts)]
     run.zero_var_share = 1 - len(live) / len(by_task) if by_task else 0.0
-    random.Random(args.seed).shuffle(live)
+    tasks = live if args.zero_variance == "drop" else list(by_task)
+    random.Random(args.seed).shuffle(tasks)
     mini_batches = []
-    for i in range(0, len(live), args.mini_batch_tasks):
-        trajs = [t for tid in live[i : i + args.mini_batch_tasks] for t in by_task[tid]]
+    for start, stop in mini_batch_slices(len(tasks), args.mini_batch_tasks):
+        trajs = [t for tid in tasks[start:stop] for t in by_task[tid]]
         plan = plan_micro_batches(
             [t.length for t in trajs], accelerator.num_processes, args.max_tokens_per_micro_batch
         )
@@ -259,7 +381,7 @@ def reference_logprobs(args, run, mini_batches, accelerator):
     ref.eval()
     with accelerator.autocast():
         for mb in mini_batches:
-            score_trajectories(ref, mb["mine"], accelerator.device, "ref_logprobs")
+            score_trajectories(ref, mb["mine"], accelerator.device, "ref_logprobs", run.temperature)
     del ref
     accelerator.free_memory()
 
@@ -292,6 +414,8 @@ def load_policy(args, run, accelerator):
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them with sharded ones
+    dtypes = gradient_dtypes(accelerator, model, params)
+    accelerator.print(f"gradients accumulated in {dtypes['grad']}, reduced in {dtypes['reduce']}")
     # one-process and DDP state would also hold the weights, which the policy folder already has
     accelerator.register_save_state_pre_hook(lambda models, weights, out: weights.clear())
     accelerator.register_load_state_pre_hook(lambda models, inp: models.clear())
@@ -319,11 +443,11 @@ def old_logprobs(model, run, mini_batches, accelerator):
     where it is the input policy or the base under the adapter; engine mismatch per mini-batch."""
     model.eval()
     for mb in mini_batches:
-        score_trajectories(model, mb["mine"], accelerator.device, "old_logprobs")
+        score_trajectories(model, mb["mine"], accelerator.device, "old_logprobs", run.temperature)
         mine = [t for micro in mb["mine"] for t in micro]
         if run.ref_source == "base":
             with accelerator.unwrap_model(model).disable_adapter():
-                score_trajectories(model, mb["mine"], accelerator.device, "ref_logprobs")
+                score_trajectories(model, mb["mine"], accelerator.device, "ref_logprobs", run.temperature)
         elif run.ref_source == "input":
             for t in mine:
                 t.ref_logprobs = t.old_logprobs
@@ -349,7 +473,10 @@ def optimise(args, run, mini_batches, model, optimizer, params, global_step, acc
         # drawn from the global step, so a run split into rounds keeps one run's order
         for mb in random.Random(f"{args.seed}/{global_step}").sample(mini_batches, len(mini_batches)):
             t0 = time.perf_counter()
-            sums = accumulate_gradients(model, accelerator, mb["mine"], mb["norm"], args.clip, args.kl_coef)
+            sums = accumulate_gradients(
+                model, accelerator, mb["mine"], mb["norm"], args.clip, args.kl_coef, args.clip_ratio_c,
+                run.temperature,
+            )  # fmt: skip
             grad_norm = accelerator.clip_grad_norm_(params, max_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -372,7 +499,8 @@ def optimise(args, run, mini_batches, model, optimizer, params, global_step, acc
         reward = sum(t.reward for t in run.trajectories) / len(run.trajectories)
         metrics.append({
             "step": 0, "global_step": global_step, **weight_stats(run.trajectories),
-            "zero_var_share": run.zero_var_share, "reward_mean": reward, "ref_model": run.ref_model,
+            "zero_var_share": run.zero_var_share, "reward_mean": reward, "temperature": run.temperature,
+            "ref_model": run.ref_model,
         })  # fmt: skip
     run.global_step = global_step
     return metrics
@@ -385,25 +513,30 @@ def weight_stats(trajs):
 
 
 def step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator):
-    keys = ("pg_sum", "kl_sum", "clip_count", "tokens")
+    keys = ("pg_sum", "kl_sum", "clip_count", "dual_clip_count", "tokens")
     local = [sums[k] for k in keys] + list(mb["mismatch"])
-    pg, kl, clipped, tokens, mm_sum, mm_count = accelerator.reduce(
+    pg, kl, clipped, dual, tokens, mm_sum, mm_count = accelerator.reduce(
         torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum"
     ).tolist()
     tokens = max(tokens, 1)
+    labelled = sum(t.labelled_turns for t in mb["trajs"])
     return {
         "loss": (pg + args.kl_coef * kl) / tokens,
         "pg_loss": pg / tokens,
         "kl": kl / tokens,
         "clip_frac": clipped / tokens,
+        "dual_clip_frac": dual / tokens,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         **weight_stats(mb["trajs"]),
+        "wa_mean": sum(t.weight * t.advantage for t in mb["trajs"]) / len(mb["trajs"]),
+        "unplayed_share": sum(t.unplayed_turns for t in mb["trajs"]) / labelled if labelled else None,
         "zero_var_share": run.zero_var_share,
         "reward_mean": sum(t.reward for t in mb["trajs"]) / len(mb["trajs"]),
         "model_tokens": int(tokens),
         "tokens_per_s": sum(t.length for t in mb["trajs"]) / seconds,
         "seconds": seconds,
         "logprob_mismatch": mm_sum / mm_count if mm_count else None,
+        "temperature": run.temperature,
         "ref_model": run.ref_model,
     }
 

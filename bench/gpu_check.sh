@@ -11,7 +11,8 @@
 #   2. prepare the task files and build the CPU preset's tiny model (common/tiny.py)
 #   3. rollout.py --engine hf on CUDA: the tiny preset's tasks, 4 samples each, through Ω_0
 #   4. diagnose.py, then train_grpo.py on CUDA (bf16 autocast): once plain, once through
-#      `accelerate launch` with a one-process FSDP config (dry run: two DDP CPU processes)
+#      `accelerate launch` with a one-process FSDP config (dry run: two DDP CPU processes);
+#      the table shows the dtypes gradients were accumulated and reduced in (float32)
 #   5. bench/update_throughput.py: Qwen2.5-3B-sized random model, gradient checkpointing,
 #      8 sequences of 8k tokens: tokens/s, peak GPU memory, MFU (989 TFLOP/s dense bf16)
 # Writes OUTDIR/gpu_check.md (the table), OUTDIR/*.log and the stage outputs.
@@ -77,14 +78,14 @@ step rollout_hf "$PY -c \"import json,sys; s=json.load(open(sys.argv[1])); print
 step diagnose "$PY -c \"import json,sys; r=[json.loads(l)['reward'] for l in open(sys.argv[1])]; print('mean reward', round(sum(r)/len(r),3))\" $OUT/diagnoses.jsonl" \
   -- $PY diagnose.py --tasks "$TASKS" --rollouts "$OUT/rollouts.jsonl" --out "$OUT/diagnoses.jsonl"
 
-metrics() {  # the last metrics row of a train run, in brief
-  echo "$PY -c \"import json,sys; m=[json.loads(l) for l in open(sys.argv[1])][-1]; print('steps', m['step'], 'tokens/s', m.get('tokens_per_s'), 'grad_norm', m.get('grad_norm'))\" $1"
+metrics() {  # the last metrics row of a train run, in brief, and the gradient dtypes its log states
+  echo "$PY -c \"import json,sys; m=[json.loads(l) for l in open(sys.argv[1])][-1]; print('steps', m['step'], 'tokens/s', m.get('tokens_per_s'), 'grad_norm', m.get('grad_norm'))\" $OUT/$1/metrics.jsonl; grep -h -m1 '^gradients accumulated' $OUT/$1.log"
 }
 TRAIN=(train_grpo.py --model "$M" --rollouts "$OUT/rollouts.jsonl" --diagnoses "$OUT/diagnoses.jsonl"
        --interface "$OUT/interface.json" --lr 1e-4 --mini-batch-tasks 2 --ref-model "$M" --save-optimizer "${CPU[@]}")
-step train_plain "$(metrics "$OUT/train_plain/metrics.jsonl")" \
+step train_plain "$(metrics train_plain)" \
   -- $PY "${TRAIN[@]}" --metrics "$OUT/train_plain/metrics.jsonl" --out "$OUT/train_plain/policy"
-step train_accelerate "$(metrics "$OUT/train_accelerate/metrics.jsonl")" \
+step train_accelerate "$(metrics train_accelerate)" \
   -- $PY -m accelerate.commands.launch "${FSDP[@]}" "${TRAIN[@]}" --metrics "$OUT/train_accelerate/metrics.jsonl" \
      --out "$OUT/train_accelerate/policy"
 

@@ -10,8 +10,9 @@ where p_j(z) is the fraction of j's user turns labelled z and ρ(z) the utility 
 
     Ã_j = w_j · A_j,   A_j = (r_j − mean(r_group)) / (std(r_group) + 1e-6)   -> group_advantages()
 
-and the per-token loss is the PPO clipped surrogate plus a k3 KL penalty to the reference
-policy, averaged over all model tokens of the mini-batch (token-mean) -> token_loss().
+and the per-token loss is the PPO clipped surrogate (with verl's dual clip for A < 0) plus a k3
+KL penalty to the reference policy, averaged over all model tokens of the mini-batch
+(token-mean) -> token_loss(). Every log-prob is taken at the rollout's sampling temperature.
 
 Token alignment: a trajectory is one sequence `prompt_ids + ids`; the logits at position t
 predict the token at t+1, so the log-probability of ids[i] (sequence position P+i, P the
@@ -90,18 +91,24 @@ def load_rho(interface_path=None, rho_path=None):
 # ---------------------------------------------------------------- per-token loss
 
 
-def token_logprobs(logits, targets):
-    """log p(targets) under logits, both already aligned: logits[..., t, :] scores targets[..., t]."""
+def token_logprobs(logits, targets, temperature=1.0):
+    """log softmax(logits / temperature)[targets], both already aligned: logits[..., t, :] scores
+    targets[..., t]. The temperature is the one the rollout was sampled at (the engines record
+    log-probs of that distribution), as in verl and TRL."""
     # cross_entropy is the fused log_softmax + gather: about twice as fast as
     # gather - logsumexp in forward + backward
     if logits.dtype in (torch.float32, torch.float64):
+        if temperature != 1.0:
+            logits = logits / temperature
         return -F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view(
             targets.shape
         )
     # bf16 logits: upcast one sequence at a time; a float32 copy of the whole (B, T, V)
-    # block would be the largest tensor of the step for a 150k vocabulary
+    # block would be the largest tensor of the step for a 150k vocabulary. Divided after the
+    # upcast: bf16 would round the scaled logits again.
     rows = [
-        -F.cross_entropy(row.float(), t, reduction="none") for row, t in zip(logits, targets, strict=True)
+        -F.cross_entropy(row.float() / temperature, t, reduction="none")
+        for row, t in zip(logits, targets, strict=True)
     ]
     return torch.stack(rows)
 
@@ -114,22 +121,34 @@ def kl_k3(logp, ref_logp):
     return torch.clamp(torch.exp(d) - d - 1, max=10.0)
 
 
-def clipped_surrogate(logp, old_logp, adv, clip=0.2):
-    """Per-token PPO loss -min(ratio·A, clip(ratio, 1-c, 1+c)·A) and where the clipped branch is the one used."""
+def clipped_surrogate(logp, old_logp, adv, clip=0.2, clip_ratio_c=3.0):
+    """Per-token PPO loss with verl's dual clip, and where each clip decided it.
+
+    loss = max(-A·r, -A·clip(r, 1-c, 1+c)), and for A < 0 at most -A·clip_ratio_c (verl's
+    compute_policy_loss): without that cap a token whose ratio has grown far above 1 on a
+    negative advantage has an unbounded loss and gradient. clip_ratio_c 0 turns it off.
+    Returns (loss, PPO-clipped mask, dual-clipped mask); both clips leave no gradient.
+    """
     # the log-ratio is bounded so that a token the policy has moved far from cannot overflow exp
     ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
+    loss = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(loss, dtype=torch.bool)
+    if clip_ratio_c:
+        cap = -adv * clip_ratio_c
+        dual = (adv < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+    return loss, clipped > unclipped, dual
 
 
-def token_loss(logp, old_logp, ref_logp, adv, mask, norm, clip=0.2, kl_coef=0.0):
+def token_loss(logp, old_logp, ref_logp, adv, mask, norm, clip=0.2, kl_coef=0.0, clip_ratio_c=3.0):
     """Σ over model tokens of (surrogate + kl_coef·k3), divided by `norm`; plus detached sums for logging.
 
     `norm` is the model-token count of the whole mini-batch on all processes (token-mean),
     so that summing micro-batch losses reproduces the mini-batch mean whatever the split.
     """
-    pg, clipped = clipped_surrogate(logp, old_logp, adv, clip)
+    pg, clipped, dual = clipped_surrogate(logp, old_logp, adv, clip, clip_ratio_c)
     per_token = pg
     kl = None
     if kl_coef > 0:
@@ -141,6 +160,7 @@ def token_loss(logp, old_logp, ref_logp, adv, mask, norm, clip=0.2, kl_coef=0.0)
         "pg_sum": torch.where(mask, pg, 0.0).sum().item(),
         "kl_sum": torch.where(mask, kl, 0.0).sum().item() if kl is not None else 0.0,
         "clip_count": (clipped & mask).sum().item(),
+        "dual_clip_count": (dual & mask).sum().item(),
         "tokens": mask.sum().item(),
     }
     return loss, stats
@@ -162,6 +182,8 @@ class Trajectory:
     reward: float
     weight: float
     advantage: float = 0.0  # A_j; the trained advantage is weight * advantage
+    labelled_turns: int = 0  # turns the diagnosis labelled (every user turn of the task)
+    unplayed_turns: int = 0  # of those, turns the rollout never entered (it stopped earlier)
     old_logprobs: torch.Tensor | None = field(default=None, repr=False)  # aligned with ids
     ref_logprobs: torch.Tensor | None = field(default=None, repr=False)
 
@@ -253,6 +275,8 @@ def join_trajectories(
                 engine_logprobs=t["logprobs"],
                 reward=float(d["reward"]),
                 weight=weight,
+                labelled_turns=len(d.get("turn_labels") or []),
+                unplayed_turns=max(0, len(d.get("turn_labels") or []) - len(r.get("turns") or [])),
             )
         )
     for key, (d, _) in diag_by_key.items():
@@ -267,7 +291,64 @@ def join_trajectories(
     return trajectories
 
 
+def rollout_temperature(rollouts, path="rollouts"):
+    """(T, n): the one sampling temperature of a rollout file's records (their "sampling"
+    field) and how many records carry none, read as T = 1 (files older than the field).
+
+    Raises RecordError naming file:line for a record whose temperature differs from the
+    file's first, for temperature 0 (greedy: the samples of a group are one trajectory, and
+    no distribution to take a ratio against), and for top-p / top-k sampling (the trainer
+    scores the whole softmax(logits / T), not a truncated one).
+    """
+    temperature, first, missing = None, None, 0
+    for r in rollouts:
+        where = f"{path}:{r.get('_line', '?')}"
+        sampling = r.get("sampling")
+        if sampling is None:
+            missing += 1
+            t = 1.0
+        else:
+            t = sampling.get("temperature") if isinstance(sampling, dict) else None
+            if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+                raise RecordError(f"{where}: sampling.temperature must be a non-negative number")
+            if t == 0:
+                raise RecordError(
+                    f"{where}: temperature 0 (greedy) rollouts cannot be trained on; sample at T > 0"
+                )
+            truncated = sampling.get("top_p") not in (None, 1) or sampling.get("top_k") not in (None, 0, -1) \
+                or sampling.get("min_p") not in (None, 0)
+            penalised = any(sampling.get(k) not in (None, d) for k, d in
+                            (("repetition_penalty", 1), ("presence_penalty", 0), ("frequency_penalty", 0)))
+            if truncated or penalised:
+                raise RecordError(
+                    f"{where}: top-p / top-k / min-p sampling or penalties cannot be rescored "
+                    "(the trainer uses the full softmax at T)"
+                )
+        if temperature is None:
+            temperature, first = t, where
+        elif t != temperature:
+            raise RecordError(
+                f"{where}: temperature {t:g} differs from {temperature:g} at {first}: one file, one temperature"
+            )
+    return (1.0 if temperature is None else float(temperature)), missing
+
+
 # ---------------------------------------------------------------- batching
+
+
+def mini_batch_slices(n_groups, size):
+    """(start, stop) of each mini-batch over `n_groups` shuffled groups: ⌊n/size⌋ mini-batches
+    (one when n < size) whose sizes differ by at most one. A leftover that does not fill a
+    mini-batch is spread over the others: an optimiser step on one or two groups would weigh
+    their few trajectories like a full step's."""
+    if n_groups <= 0:
+        return []
+    k = max(1, n_groups // size)
+    base, extra = divmod(n_groups, k)
+    bounds = [0]
+    for i in range(k):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def plan_micro_batches(lengths, num_processes, max_tokens, group_by_length=True):
@@ -351,8 +432,8 @@ def collate(trajs, device):
     return {k: v.to(device) for k, v in batch.items()} | {"off": off}
 
 
-def sequence_logprobs(model, input_ids, attention_mask, off):
-    """log p of each token at positions off..T-1 given its prefix: shape (B, T - off).
+def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0):
+    """log p of each token at positions off..T-1 given its prefix, at `temperature`: shape (B, T - off).
 
     The logits at position t score the token at t+1, so positions off-1..T-2 are needed;
     `logits_to_keep` makes the model run its output layer on those only (the prompt,
@@ -362,7 +443,7 @@ def sequence_logprobs(model, input_ids, attention_mask, off):
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T - off + 1, use_cache=False
     )
-    return token_logprobs(out.logits[:, :-1], input_ids[:, off:])
+    return token_logprobs(out.logits[:, :-1], input_ids[:, off:], temperature)
 
 
 def _dummy_forward(model, device):
@@ -373,20 +454,24 @@ def _dummy_forward(model, device):
 
 
 @torch.no_grad()
-def score_trajectories(model, micro_batches, device, attr):
+def score_trajectories(model, micro_batches, device, attr, temperature=1.0):
     """Set `attr` (old_logprobs or ref_logprobs) of each trajectory to its log-probs over ids."""
     for mb in micro_batches:
         if not mb:
             _dummy_forward(model, device)
             continue
         b = collate(mb, device)
-        lp = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["off"]).float().cpu()
+        lp = (
+            sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["off"], temperature).float().cpu()
+        )
         for row, t in zip(lp, mb, strict=True):
             s = len(t.prompt_ids) - b["off"]
             setattr(t, attr, row[s : s + len(t.ids)].clone())
 
 
-def accumulate_gradients(model, accelerator, micro_batches, norm, clip=0.2, kl_coef=0.0):
+def accumulate_gradients(
+    model, accelerator, micro_batches, norm, clip=0.2, kl_coef=0.0, clip_ratio_c=3.0, temperature=1.0
+):
     """Forward and backward over this process's micro-batches of one mini-batch; returns summed stats.
 
     `norm` is the model-token count of the whole mini-batch over all processes. The loss is
@@ -394,7 +479,7 @@ def accumulate_gradients(model, accelerator, micro_batches, norm, clip=0.2, kl_c
     the synced gradient is then Σ_all tokens ∇loss / norm, the same as on one process.
     Gradients are synced once, in the last micro-batch's backward.
     """
-    totals = {"pg_sum": 0.0, "kl_sum": 0.0, "clip_count": 0, "tokens": 0}
+    totals = {"pg_sum": 0.0, "kl_sum": 0.0, "clip_count": 0, "dual_clip_count": 0, "tokens": 0}
     for k, mb in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
         # DeepSpeed reads this flag in backward to mark the accumulation boundary
@@ -404,9 +489,11 @@ def accumulate_gradients(model, accelerator, micro_batches, norm, clip=0.2, kl_c
                 accelerator.backward(_dummy_forward(model, accelerator.device))
                 continue
             b = collate(mb, accelerator.device)
-            logp = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["off"]).float()
+            logp = sequence_logprobs(
+                model, b["input_ids"], b["attention_mask"], b["off"], temperature
+            ).float()
             loss, stats = token_loss(
-                logp, b["old"], b["ref"], b["adv"], b["mask"], max(norm, 1), clip, kl_coef
+                logp, b["old"], b["ref"], b["adv"], b["mask"], max(norm, 1), clip, kl_coef, clip_ratio_c
             )
             accelerator.backward(loss * accelerator.num_processes)
         for key in totals:

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from common import bfcl
 from common import interface as omega_api
 from common.chat import Renderer, after_stop, kept_output, tool_messages
+from common.engines import sampling_params
 from common.prompts import Conversation, announced, first_prompt
 
 
@@ -333,7 +334,8 @@ def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps
         bar.close()
     timing = {"seconds": time.perf_counter() - counts["start"], "engine_seconds": counts["engine_seconds"]}
     timing.update({k: getattr(engine, k) - v for k, v in before.items()})
-    return [t.record(round_, policy) for t in trajs], timing
+    sampling = sampling_params(temperature)  # what the engine sampled with; the trainer needs T
+    return [t.record(round_, policy) | {"sampling": sampling} for t in trajs], timing
 
 
 def _room(t, max_model_len, max_new_tokens, bar):

@@ -19,8 +19,10 @@ from common.grpo import (
     join_trajectories,
     kl_k3,
     load_rho,
+    mini_batch_slices,
     padding_share,
     plan_micro_batches,
+    rollout_temperature,
     sequence_logprobs,
     token_logprobs,
     token_loss,
@@ -106,12 +108,46 @@ def test_load_rho(tmp_path):
 )
 def test_clipped_surrogate(ratio, adv, loss, clipped, grad):
     logp = torch.tensor([math.log(ratio)], requires_grad=True)
-    value, was_clipped = clipped_surrogate(logp, torch.zeros(1), torch.tensor([adv]), clip=0.2)
+    value, was_clipped, dual = clipped_surrogate(logp, torch.zeros(1), torch.tensor([adv]), clip=0.2)
     value.sum().backward()
     assert value.item() == pytest.approx(loss, rel=1e-6)
-    assert was_clipped.item() is clipped
+    assert was_clipped.item() is clipped and not dual.item()  # ratios below the dual clip's 3
     # d/dlogp of -A·ratio is -A·ratio
     assert logp.grad.item() == pytest.approx(grad, rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "ratio, adv, c, loss, dual, grad",
+    [
+        # verl: A < 0 -> min(max(-A·r, -A·clip(r)), -A·c)
+        (4.0, -1.0, 3.0, 3.0, True, 0.0),  # max(4, 1.2) = 4 > 3: capped at -A·c, no gradient
+        (4.0, -1.0, 0.0, 4.0, False, 4.0),  # c = 0: off, the plain PPO loss and gradient -A·r
+        (2.5, -2.0, 3.0, 5.0, False, 5.0),  # max(5, 2.4) = 5 < 6: below the cap
+        (4.0, -1.0, 5.0, 4.0, False, 4.0),  # a looser cap
+        (4.0, 1.0, 3.0, -1.2, False, 0.0),  # A > 0: only PPO's clip (1 + 0.2)
+        (0.1, -1.0, 3.0, 0.8, False, 0.0),  # A < 0, ratio below 1 - c: PPO's clip, far from the cap
+    ],
+)
+def test_dual_clip(ratio, adv, c, loss, dual, grad):
+    logp = torch.tensor([math.log(ratio)], requires_grad=True)
+    value, _, was_dual = clipped_surrogate(
+        logp, torch.zeros(1), torch.tensor([adv]), clip=0.2, clip_ratio_c=c
+    )
+    value.sum().backward()
+    assert value.item() == pytest.approx(loss, rel=1e-6)
+    assert was_dual.item() is dual
+    assert logp.grad.item() == pytest.approx(grad, rel=1e-6, abs=1e-12)
+
+
+def test_token_loss_counts_both_clips():
+    # ratios 4, 1.5, 1 on A = -1, then 1.5 on A = +1; the last position is masked out
+    logp = torch.tensor([[math.log(4.0), math.log(1.5), 0.0, math.log(1.5), math.log(4.0)]])
+    adv = torch.tensor([[-1.0, -1.0, -1.0, 1.0, -1.0]])
+    mask = torch.tensor([[True, True, True, True, False]])
+    zeros = torch.zeros_like(logp)
+    loss, stats = token_loss(logp, zeros, zeros, adv, mask, norm=4, clip=0.2, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx((3.0 + 1.5 + 1.0 - 1.2) / 4)
+    assert (stats["clip_count"], stats["dual_clip_count"], stats["tokens"]) == (1, 1, 4)
 
 
 def test_kl_k3_value_and_gradient():
@@ -252,6 +288,17 @@ def test_plan_micro_batches():
     assert plan_micro_batches([90, 30, 30, 30], 2, 60) == [[[0], []], [[1, 2], [3]]]
 
 
+@pytest.mark.parametrize(
+    "n, size, sizes",
+    [(3, 2, [3]), (10, 8, [10]), (16, 8, [8, 8]), (17, 8, [9, 8]), (23, 8, [12, 11]), (1, 8, [1]), (0, 8, []),
+     (5, 1, [1] * 5)],
+)  # fmt: skip
+def test_mini_batch_slices_spread_leftovers(n, size, sizes):
+    slices = mini_batch_slices(n, size)
+    assert [b - a for a, b in slices] == sizes
+    assert [i for a, b in slices for i in range(a, b)] == list(range(n))
+
+
 def test_length_grouping_reduces_padding():
     lengths = [100, 10, 95, 12, 90, 8, 105, 11]
     grouped = plan_micro_batches(lengths, 1, 220, group_by_length=True)[0]
@@ -279,6 +326,25 @@ def diagnosis(tid, k, reward, profile=None):
 def join(tmp_path, rollouts, diagnoses, reweight=True):
     rp, dp = write(tmp_path / "r.jsonl", rollouts), write(tmp_path / "d.jsonl", diagnoses)
     return join_trajectories(read_jsonl(rp), read_jsonl(dp), RHO, reweight, rp, dp)
+
+
+def test_join_counts_unplayed_turns(tmp_path):
+    """A rollout force-quit in turn 1 of 3 has 2 labelled turns it never played; the weight
+    still counts their labels (the paper's p_j), the count only feeds unplayed_share."""
+    quit_early = rollout("a", 0) | {"turns": [{"steps": [], "end": "step_limit"}]}
+    full = rollout("a", 1) | {"turns": [{}, {}, {}]}
+    labels = ["invalid_tool_call", "missing_tool_call", "missing_tool_call"]
+    profile = {"invalid_tool_call": 1 / 3, "missing_tool_call": 2 / 3}
+    diags = [
+        diagnosis("a", 0, 0, profile) | {"turn_labels": labels},
+        diagnosis("a", 1, 1) | {"turn_labels": ["pass"] * 3},
+    ]
+    a, b = join(tmp_path, [quit_early, full], diags)
+    assert (a.labelled_turns, a.unplayed_turns) == (3, 2) and (b.labelled_turns, b.unplayed_turns) == (3, 0)
+    assert (a.weight, b.weight) == (pytest.approx(2.0 / 3 + 1.5 * 2 / 3), 1.0)
+    # the weight ignores the advantage's sign: Σ A = 0 over the group, Σ w·A is not
+    assert a.advantage + b.advantage == pytest.approx(0)
+    assert a.weight * a.advantage + b.weight * b.advantage == pytest.approx(-(a.weight - 1.0), rel=1e-5)
 
 
 def test_join_weights_and_advantages(tmp_path):
@@ -342,3 +408,36 @@ def test_bad_json_line_names_file_and_line(tmp_path):
     path.write_text(json.dumps(rollout("a", 0)) + "\n{not json\n")
     with pytest.raises(RecordError, match=r"r\.jsonl:2: not valid JSON"):
         read_jsonl(str(path), required=["task_id", "sample_index", "tokens"])
+
+
+def test_rollout_temperature():
+    def recs(*samplings):
+        return [
+            {"_line": i + 1} | ({"sampling": s} if s is not None else {}) for i, s in enumerate(samplings)
+        ]
+
+    at = {"temperature": 0.7, "top_p": 1.0, "top_k": 0}
+    assert rollout_temperature(recs(at, at), "r.jsonl") == (0.7, 0)
+    assert rollout_temperature(recs(None, None), "r.jsonl") == (1.0, 2)  # older files: T = 1
+    assert rollout_temperature(recs(None, {"temperature": 1}), "r.jsonl") == (1.0, 1)
+    assert rollout_temperature(recs({"temperature": 1.3, "top_p": None, "top_k": -1}), "r.jsonl") == (1.3, 0)
+    for bad, message in [
+        ((at, at | {"temperature": 1.0}), r"r\.jsonl:2: temperature 1 differs from 0\.7 at r\.jsonl:1"),
+        ((at, None), r"r\.jsonl:2: temperature 1 differs from 0\.7"),
+        ((at | {"temperature": 0},), r"r\.jsonl:1: temperature 0 \(greedy\)"),
+        ((at | {"top_p": 0.9},), r"r\.jsonl:1: top-p / top-k"),
+        ((at | {"top_k": 20},), r"r\.jsonl:1: top-p / top-k"),
+        (({"temperature": "hot"},), r"r\.jsonl:1: sampling\.temperature must be"),
+        (("0.7",), r"r\.jsonl:1: sampling\.temperature must be"),
+    ]:
+        with pytest.raises(RecordError, match=message):
+            rollout_temperature(recs(*bad), "r.jsonl")
+
+
+def test_token_logprobs_at_a_temperature():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11) * 3
+    targets = torch.randint(0, 11, (2, 5))
+    expect = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None])[..., 0]
+    assert torch.allclose(token_logprobs(logits, targets, 0.7), expect, atol=1e-6)
+    assert torch.allclose(token_logprobs(logits.bfloat16(), targets, 0.7), expect, atol=0.1)

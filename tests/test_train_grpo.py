@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,10 +30,11 @@ REWARDS = {"t0": [1, 0, 0, 1], "t1": [0, 0, 0, 1], "t2": [0, 0, 0, 0], "t3": [1,
 # every turn carries this label, so w_j = ρ(label) for all j; the weighted run takes ρ from an
 # interface file that sets it to 1.6 (the default table says 1.5)
 LABEL, W = "missing_tool_call", 1.6
-COMMON = ["--lr", "1e-3", "--mini-batch-tasks", "2", "--max-tokens-per-micro-batch", "100", "--cpu"]
+# one task per mini-batch: the 3 groups with differing rewards make 3 optimiser steps an epoch
+COMMON = ["--lr", "1e-3", "--mini-batch-tasks", "1", "--max-tokens-per-micro-batch", "100", "--cpu"]
 
 
-def make_data(folder, rewards=REWARDS, seed=0):
+def make_data(folder, rewards=REWARDS, seed=0, temperature=1.0):
     """Rollout and diagnosis files in the docs/design.md §3 format: a task prompt shared by its samples,
     then model tokens (mask 1), a tool response (mask 0), model tokens again."""
     rng = random.Random(seed)
@@ -48,10 +50,10 @@ def make_data(folder, rewards=REWARDS, seed=0):
             logprobs = [-rng.uniform(5, 7) if m else None for m in mask]
             rollouts.append({
                 "task_id": tid, "category": "base", "sample_index": k, "round": 0, "policy": "p0",
-                "interface_version": 0, "turns": [], "stop": "done",
+                "interface_version": 0, "turns": [{"steps": [], "end": "answer"}], "stop": "done",
                 "tokens": {"prompt_ids": prompt, "ids": ids, "mask": mask, "logprobs": logprobs},
                 "stats": {"gen_tokens": sum(mask), "cue_tokens": 0, "seconds": 0.1},
-            })  # fmt: skip
+            } | ({"sampling": {"temperature": temperature, "top_p": 1.0, "top_k": 0}} if temperature else {}))  # fmt: skip
             diagnoses.append({
                 "task_id": tid, "sample_index": k, "round": 0, "reward": r,
                 "official": {"valid": bool(r), "error_type": None, "turn": None},
@@ -124,12 +126,12 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def weighted_run(tiny, data, tmp_path_factory):
-    """One process, w = 1.5 everywhere, 3 epochs of 2 mini-batches = 6 optimiser steps."""
+    """One process, w = 1.6 everywhere, 2 epochs of 3 mini-batches = 6 optimiser steps."""
     folder = tmp_path_factory.mktemp("weighted")
     interface = folder / "interface.json"
     interface.write_text(json.dumps({"version": 0, "round": 0, "rho": {LABEL: W, "pass": 1.0}}))
     out = str(folder / "policy")
-    ok(run_train(tiny, *data, out, *COMMON, "--epochs", "3", "--interface", str(interface)))
+    ok(run_train(tiny, *data, out, *COMMON, "--epochs", "2", "--interface", str(interface)))
     return out
 
 
@@ -147,7 +149,10 @@ def test_learns_towards_weighted_advantage(tiny, data, weighted_run):
     assert [r["step"] for r in m] == [1, 2, 3, 4, 5, 6]
     assert all(r["zero_var_share"] == pytest.approx(0.25) for r in m)  # t2 of 4 groups
     assert all(r["w_mean"] == pytest.approx(W) and r["w_std"] == pytest.approx(0) for r in m)
-    assert m[0]["clip_frac"] == 0 and m[0]["kl"] == pytest.approx(0, abs=1e-6)  # step 1: policy = old = ref
+    # one weight for all: Σ w·A over a group is W·Σ A = 0; every labelled turn was played
+    assert all(r["wa_mean"] == pytest.approx(0, abs=1e-6) and r["unplayed_share"] == 0 for r in m)
+    # step 1: policy = old = ref
+    assert m[0]["clip_frac"] == m[0]["dual_clip_frac"] == 0 and m[0]["kl"] == pytest.approx(0, abs=1e-6)
     assert m[-1]["clip_frac"] > 0 and m[-1]["kl"] > 0
     # engine log-probs are made up, about 6 off the tiny model's ~ -ln(512)
     assert 0 < m[0]["logprob_mismatch"] < 3
@@ -185,7 +190,7 @@ def test_two_processes_match_one(tiny, data, weighted_run, tmp_path):
         "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
     ]  # fmt: skip
     interface = os.path.join(os.path.dirname(weighted_run), "interface.json")
-    args = [*COMMON, "--epochs", "3", "--interface", interface]
+    args = [*COMMON, "--epochs", "2", "--interface", interface]
     proc = ok(run_train(tiny, *data, out, *args, launcher=launcher))
     assert "policy written" in proc.stdout
     one, two = metrics_of(weighted_run), metrics_of(out)
@@ -253,6 +258,52 @@ def test_bad_input_stops_without_output(tiny, tmp_path):
     assert not os.path.exists(os.path.dirname(out))
 
 
+def test_temperature_comes_from_the_records(tiny, tmp_path):
+    """Old records without it: T = 1 and a warning naming the file; a file mixing
+    temperatures: refused with file:line and no output."""
+    rollouts, diagnoses = make_data(str(tmp_path / "old"), temperature=None)
+    out = str(tmp_path / "old" / "run" / "policy")
+    proc = ok(run_train(tiny, rollouts, diagnoses, out, *COMMON, "--mini-batch-tasks", "3"))
+    assert f"warning: {rollouts}: 16 of 16 records carry no sampling temperature; read as temperature 1" in proc.stderr
+    assert [m["temperature"] for m in metrics_of(out)] == [1.0]
+
+    rollouts, diagnoses = make_data(str(tmp_path / "mixed"), temperature=0.7)
+    lines = open(rollouts).read().splitlines()
+    rec = json.loads(lines[5])
+    rec["sampling"]["temperature"] = 1.0
+    lines[5] = json.dumps(rec)
+    open(rollouts, "w").write("\n".join(lines) + "\n")
+    out = str(tmp_path / "mixed" / "run" / "policy")
+    proc = run_train(tiny, rollouts, diagnoses, out, "--cpu")
+    assert proc.returncode != 0 and not os.path.exists(os.path.dirname(out))
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {rollouts}:6: temperature 1 differs from 0.7 at {rollouts}:1: one file, one temperature"
+    )
+
+
+def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_path):
+    """Real HF-engine rollouts of the tiny model at T = 0.7: the trainer's old log-probs, taken
+    at the records' temperature, are the engine's (which are log softmax(logits / 0.7))."""
+    from common import bfcl, play, taxonomy, tiny
+    from common.engines import make_engine
+    from common.jsonl import write_jsonl
+
+    task = next(t for t in bfcl.load_tasks(tiny.PRESET_TASKS).values() if t["ground_truth"][0])
+    engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
+    records, _ = play.play([task], 3, engine, temperature=0.7, max_steps_per_turn=1, max_new_tokens=24, progress=False)
+    engine.close()
+    assert {json.dumps(r["sampling"]) for r in records} == {'{"temperature": 0.7, "top_p": 1.0, "top_k": 0}'}
+    # real diagnoses, with rewards set so that the group has something to learn on any build
+    diagnoses = [taxonomy.diagnose(task, r) | {"reward": k % 2} for k, r in enumerate(records)]
+    write_jsonl(tmp_path / "rollouts.jsonl", records)
+    write_jsonl(tmp_path / "diagnoses.jsonl", diagnoses)
+    out = str(tmp_path / "policy")
+    ok(run_train(tiny_model, str(tmp_path / "rollouts.jsonl"), str(tmp_path / "diagnoses.jsonl"), out, "--cpu"))
+    (m,) = metrics_of(out)
+    assert m["temperature"] == 0.7 and m["model_tokens"] > 0
+    assert m["logprob_mismatch"] < 1e-3, m["logprob_mismatch"]
+
+
 @pytest.mark.parametrize(
     "name, kind, procs",
     [("fsdp_4gpu", "FSDP", 4), ("zero3_4gpu", "DEEPSPEED", 4), ("ddp_cpu2", "MULTI_GPU", 2)],
@@ -264,9 +315,131 @@ def test_accelerate_configs_parse(name, kind, procs):
     assert cfg.distributed_type == kind and cfg.num_processes == procs
 
 
+def launch_env(name):
+    """The environment `accelerate launch --config_file configs/accelerate/<name>.yaml` starts the script in."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    path = os.path.join(ROOT, "configs", "accelerate", f"{name}.yaml")
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", path, SCRIPT]))
+    if args.use_deepspeed:  # as accelerate's launch_command sets it before the DeepSpeed launcher
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        return prepare_deepspeed_cmd_env(args)[1]
+    return prepare_multi_gpu_env(args)
+
+
+def test_gradients_are_reduced_in_float32(monkeypatch):
+    """The plugins train_grpo.py hands Accelerate under each 7B config: bf16 compute, float32
+    gradient accumulation and reduction (Accelerate's own bf16 policy reduces in bf16)."""
+    import train_grpo
+
+    for name in ("fsdp_4gpu", "zero3_4gpu", "ddp_cpu2"):
+        with monkeypatch.context() as m:
+            for k, v in launch_env(name).items():
+                m.setenv(k, v)
+            plugins = train_grpo.distributed_plugins("bf16", 0.5)
+        if name == "fsdp_4gpu":
+            policy = plugins["fsdp_plugin"].mixed_precision_policy
+            assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+            assert plugins["fsdp_plugin"].fsdp_version == 2
+        elif name == "zero3_4gpu":
+            cfg = plugins["deepspeed_plugin"].deepspeed_config
+            assert cfg["bf16"]["enabled"] and cfg["zero_optimization"]["stage"] == 3
+            assert cfg["communication_data_type"] == "fp32" and cfg["data_types"]["grad_accum_dtype"] == "fp32"
+            assert cfg["gradient_clipping"] == 0.5
+        else:
+            assert plugins == {}
+
+
+def test_bf16_autocast_keeps_float32_gradients(tiny):
+    """The DDP (and one-process) path: Accelerate's bf16 autocast computes in bf16, and the
+    gradients DDP buckets and all-reduces keep the float32 weights' dtype."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    import train_grpo
+
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        model = accelerator.prepare(load(tiny).train())
+        params = [p for p in model.parameters() if p.requires_grad]
+        ids = torch.tensor([list(range(1, 30))])
+        seen = []
+        model.model.layers[0].mlp.down_proj.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+        accelerator.backward(model(input_ids=ids).logits.float().logsumexp(-1).sum())
+        assert seen == [torch.bfloat16]  # the matmuls ran in bf16
+        assert {p.grad.dtype for p in params} == {torch.float32}
+        assert train_grpo.gradient_dtypes(accelerator, model, params) == {"grad": torch.float32, "reduce": torch.float32}
+        with pytest.raises(RuntimeError, match="float32"):
+            train_grpo.gradient_dtypes(accelerator, model, [p.to(torch.bfloat16) for p in params])
+    finally:
+        AcceleratorState._reset_state(True)
+
+
+def test_zero_variance_keep_and_drop_gradients(tiny, data):
+    """keep (verl's loss over every sample): the equal-reward group t2 adds its tokens to the
+    token-mean denominator and its KL gradient, and no policy gradient; drop leaves it out.
+    So N_keep·g_keep = N_drop·g_drop + N_t2·g_t2, with g_t2 zero without KL."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    import train_grpo
+    from common.grpo import accumulate_gradients, score_trajectories
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(load(tiny))
+    run = SimpleNamespace(trajectories=join_trajectories(read_jsonl(data[0]), read_jsonl(data[1]), {LABEL: W}))
+    gen = torch.Generator().manual_seed(0)
+    for t in run.trajectories:
+        score_trajectories(model, [[t]], "cpu", "old_logprobs")
+        t.ref_logprobs = t.old_logprobs + 0.3 * torch.randn(len(t.ids), generator=gen)  # a reference elsewhere
+
+    def plan(mode):
+        args = SimpleNamespace(zero_variance=mode, seed=0, mini_batch_tasks=8, max_tokens_per_micro_batch=100)
+        (mb,) = train_grpo.plan_mini_batches(args, run, accelerator)  # 4 or 3 groups < 8: one mini-batch
+        return mb
+
+    def grad(mb, kl_coef):
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, accelerator, mb["mine"], mb["norm"], kl_coef=kl_coef)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    keep, drop = plan("keep"), plan("drop")
+    t2 = [t for t in run.trajectories if t.task_id == "t2"]
+    only_t2 = {"mine": [t2], "norm": sum(t.model_tokens for t in t2)}
+    assert {t.task_id for t in keep["trajs"]} == {"t0", "t1", "t2", "t3"}
+    assert {t.task_id for t in drop["trajs"]} == {"t0", "t1", "t3"}
+    assert keep["norm"] == drop["norm"] + only_t2["norm"]
+    for kl_coef in (0.0, 0.5):
+        g_keep, g_drop, g_t2 = grad(keep, kl_coef), grad(drop, kl_coef), grad(only_t2, kl_coef)
+        mixed = (drop["norm"] * g_drop + only_t2["norm"] * g_t2) / keep["norm"]
+        assert torch.allclose(g_keep, mixed, rtol=1e-4, atol=1e-7)
+        if kl_coef:
+            assert g_t2.norm() > 1e-3 * g_drop.norm()  # the KL term pulls t2 towards the reference
+        else:
+            assert g_t2.abs().max() == 0  # zero advantage, no policy gradient
+    AcceleratorState._reset_state(True)
+
+
+def test_mini_batch_leftovers_and_zero_variance_keep_end_to_end(tiny, data, tmp_path):
+    """3 groups with differing rewards at --mini-batch-tasks 2 make one step of 3, not 2 + 1;
+    keep trains on all 4 groups, over all their model tokens."""
+    rollouts = read_jsonl(data[0])
+    tokens = {tid: sum(sum(r["tokens"]["mask"]) for r in rollouts if r["task_id"] == tid) for tid in REWARDS}
+    base = [*COMMON[:2], "--mini-batch-tasks", "2", *COMMON[4:], "--epochs", "2"]
+    for mode, tids in (("drop", ("t0", "t1", "t3")), ("keep", tuple(REWARDS))):
+        out = str(tmp_path / mode / "policy")
+        ok(run_train(tiny, *data, out, *base, "--zero-variance", mode))
+        m = metrics_of(out)
+        assert [r["step"] for r in m] == ([1, 2] if mode == "drop" else [1, 2, 3, 4])
+        assert sum(r["model_tokens"] for r in m) == 2 * sum(tokens[t] for t in tids)
+
+
 # ---------------------------------------------------------------- one optimiser across rounds
 
-# lr 1e-5: the policy moves little in 2 steps, so the PPO ratio of steps 3-4 (old log-probs
+# lr 1e-5: the policy moves little in 3 steps, so the PPO ratio of steps 4-6 (old log-probs
 # recomputed by round B, the round-0 ones in the single run) is ~1 and the only difference
 # left between the runs is whether AdamW's moments and step count carried over
 CARRY = ["--lr", "1e-5", *COMMON[2:]]
@@ -274,7 +447,7 @@ CARRY = ["--lr", "1e-5", *COMMON[2:]]
 
 @pytest.fixture(scope="module")
 def carried(tiny, data, tmp_path_factory):
-    """One run of 2 epochs (4 steps) against round A (2 steps) + round B (2 steps, same
+    """One run of 2 epochs (6 steps) against round A (3 steps) + round B (3 steps, same
     rollouts) with the optimiser state carried, and round B with a fresh optimiser."""
     folder = tmp_path_factory.mktemp("carried")
     out = {k: str(folder / k / "policy") for k in ("single", "a", "b", "fresh")}
@@ -291,7 +464,7 @@ def distance(a, b):
 
 
 def assert_continues_single_run(single, a, b, fresh=None):
-    """Round B's weights are the single run's within 2 % of what steps 3-4 moved them (a
+    """Round B's weights are the single run's within 2 % of what steps 4-6 moved them (a
     fresh AdamW restarts its bias correction and lands about half that distance away)."""
     s, a, b = (load(x).state_dict() for x in (single, a, b))
     moved = distance(s, a)
@@ -304,14 +477,14 @@ def assert_continues_single_run(single, a, b, fresh=None):
 def test_optimizer_state_carries_across_rounds(tiny, carried):
     assert_continues_single_run(carried["single"], carried["a"], carried["b"], carried["fresh"])
     single, a, b = (metrics_of(carried[k]) for k in ("single", "a", "b"))
-    assert [(m["step"], m["global_step"]) for m in a + b] == [(1, 1), (2, 2), (1, 3), (2, 4)]
-    assert [m["global_step"] for m in metrics_of(carried["fresh"])] == [1, 2]
+    assert [(m["step"], m["global_step"]) for m in a + b] == [(1, 1), (2, 2), (3, 3), (1, 4), (2, 5), (3, 6)]
+    assert [m["global_step"] for m in metrics_of(carried["fresh"])] == [1, 2, 3]
     # KL to the initial policy in every row: round B's reference is --ref-model, not its input
     assert {m["ref_model"] for m in single + a + b} == {os.path.abspath(tiny)}
-    assert b[0]["kl"] == pytest.approx(single[2]["kl"], rel=1e-4) and b[0]["kl"] > 0
+    assert b[0]["kl"] == pytest.approx(single[3]["kl"], rel=1e-4) and b[0]["kl"] > 0
     state = torch.load(os.path.join(carried["b"], "optimizer", "optimizer.bin"), weights_only=False)
-    assert {float(s["step"]) for s in state["state"].values()} == {4.0}
-    assert json.load(open(os.path.join(carried["b"], "optimizer", "trainer_state.json"))) == {"global_step": 4}
+    assert {float(s["step"]) for s in state["state"].values()} == {6.0}
+    assert json.load(open(os.path.join(carried["b"], "optimizer", "trainer_state.json"))) == {"global_step": 6}
     # the optimiser folder holds no second copy of the weights (the policy folder has them)
     assert not [f for f in os.listdir(os.path.join(carried["b"], "optimizer")) if "model" in f]
 
@@ -325,7 +498,7 @@ def test_optimizer_state_carries_on_two_processes(tiny, data, carried, tmp_path)
     ok(run_train(tiny, *data, a, *CARRY, "--save-optimizer", launcher=launcher))
     state = os.path.join(a, "optimizer")
     ok(run_train(a, *data, b, *CARRY, "--ref-model", tiny, "--optimizer-state", state, launcher=launcher))
-    assert [m["global_step"] for m in metrics_of(b)] == [3, 4]
+    assert [m["global_step"] for m in metrics_of(b)] == [4, 5, 6]
     assert_continues_single_run(carried["single"], a, b)
 
 
@@ -354,5 +527,5 @@ def test_killed_round_reruns_to_the_same_weights_and_optimizer_state(tiny, data,
     assert s1["state"].keys() == s2["state"].keys()
     for k in s1["state"]:
         assert all(torch.equal(s1["state"][k][n], s2["state"][k][n]) for n in ("step", "exp_avg", "exp_avg_sq"))
-    assert [m["global_step"] for m in metrics_of(out)] == [3, 4]
+    assert [m["global_step"] for m in metrics_of(out)] == [4, 5, 6]
 
