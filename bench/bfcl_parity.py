@@ -1,7 +1,7 @@
 """bfcl-eval's own client (generate + evaluate) side by side with ours, same tasks and model.
 
     .venv/bin/python bench/bfcl_parity.py [--limit 10] [--model DIR] [--out runs/bfcl-parity] \
-        [--registry Qwen/Qwen3-0.6B-FC] [--temperature 0.001] [--no-input-log] [--ours-args "..."]
+        [--registry Qwen/Qwen3-0.6B-FC] [--temperature 0.001] [--twice] [--no-input-log] [--ours-args "..."]
 
 Tasks: the first `--limit` tasks of each category of data/heldin.jsonl (40 by default).
 Model: the tiny offline model (common.tiny) unless --model names another folder.
@@ -25,8 +25,11 @@ the record's token ids), the same text but other token ids (bfcl re-tokenizes th
 prompt text at every step, we keep the generated ids), our --max-new-tokens cut, or the
 same prompt tokens (engine numerics, batch composition, or sampling: bfcl asks for
 temperature 0.001, which vLLM raises to 0.01; ours is greedy); and the wall time of
-each side and their ratio. Writes OUT/parity.json; bfcl-eval writes under
-OUT/bfcl (BFCL_PROJECT_ROOT), ours under OUT/ours, logs under OUT/logs.
+each side and their ratio (CPU seconds too: the server's read from /proc); ours runs
+first, then bfcl's. With --twice, bfcl generate runs a second time against the same
+server and the two are compared: bfcl's own run-to-run floor for the per-step figure.
+Writes OUT/parity.json; bfcl-eval writes under OUT/bfcl (its BFCL_PROJECT_ROOT), ours
+under OUT/ours, logs under OUT/logs.
 
 bfcl-eval lives in .bench-venv/ (git-ignored), created on the first run and reused
 (bench_venv): a CPU torch first (the pin of requirements-cpu.txt, so that
@@ -71,10 +74,12 @@ parser.add_argument("--port", type=int, default=0,
 parser.add_argument("--max-model-len", type=int, default=None,
                     help="server context (default: the model's max_position_embeddings, what bfcl sizes its requests by)")
 parser.add_argument("--no-input-log", action="store_true", help="run generate without --include-input-log")
+parser.add_argument("--twice", action="store_true",
+                    help="run bfcl generate a second time (OUT/bfcl-again, same server): bfcl's own run-to-run floor")
 parser.add_argument("--ours-args", default="", help="extra evaluate.py arguments, one string")
 parser.add_argument("--start-timeout", type=int, default=600, help="seconds to wait for the vLLM server")
 parser.add_argument("--timeout", type=int, default=3600, help="seconds for each of generate, evaluate, ours")
-parser.add_argument("--show", type=int, default=12, help="differing tasks to list in full")
+parser.add_argument("--show", type=int, default=4, help="differing tasks whose outputs to print")
 args = parser.parse_args()
 
 BENCH_VENV = os.path.join(ROOT, ".bench-venv")
@@ -334,7 +339,7 @@ def reason(bp, op, out_tokens, max_new_tokens, tokenizer):
         return ("prompts not logged", "run without --no-input-log") if bp is None else ("our prompt unknown", "")
     if bp != op[0]:
         n, x, y = first_diff(bp, op[0])
-        return "prompt differs", f"at char {n} of {len(bp)}/{len(op[0])}: bfcl {x!r} vs ours {y!r}"
+        return "prompt differs", f"at char {n}: bfcl {x!r} vs ours {y!r}"
     if op[1] is not None and tokenizer is not None and tokenizer(bp, add_special_tokens=False)["input_ids"] != op[1]:
         return "same prompt text, other token ids", "bfcl re-tokenizes the text each step; we keep the generated ids"
     if op[2] is not None and op[2] >= max_new_tokens and (out_tokens or 0) > op[2]:
@@ -398,16 +403,17 @@ def main():
     model = os.path.abspath(args.model)
     tasks = bfcl.first_per_category(list(bfcl.load_tasks(args.tasks).values()), args.limit)
     out = os.path.abspath(args.out)
-    broot, oroot, logs = (os.path.join(out, d) for d in ("bfcl", "ours", "logs"))
-    for d in (broot, oroot):
+    broot, oroot, logs, again = (os.path.join(out, d) for d in ("bfcl", "ours", "logs", "bfcl-again"))
+    for d in (broot, oroot, again):
         shutil.rmtree(d, ignore_errors=True)  # this bench's own outputs of an earlier run
-    for d in (broot, logs):
-        os.makedirs(d, exist_ok=True)
     ids = {}
     for t in tasks:
         ids.setdefault(f"multi_turn_{t['category']}", []).append(t["id"])
-    with open(os.path.join(broot, "test_case_ids_to_generate.json"), "w") as f:
-        json.dump(ids, f, indent=1)
+    for d in (broot, again) if args.twice else (broot,):
+        os.makedirs(d)
+        with open(os.path.join(d, "test_case_ids_to_generate.json"), "w") as f:
+            json.dump(ids, f, indent=1)
+    os.makedirs(logs, exist_ok=True)
     bindir = bench_venv()
     print(f"{len(tasks)} tasks ({', '.join(f'{len(v)} {k}' for k, v in ids.items())}) from "
           f"{os.path.relpath(args.tasks, ROOT)}, model {os.path.relpath(model, ROOT)}; "
@@ -450,22 +456,38 @@ def main():
             if rc:
                 sys.exit(f"error: bfcl generate exited with {rc}:\n{tail(os.path.join(logs, 'bfcl-generate.log'))}")
             client_cpu = children_cpu() - before  # generate's, before the server is stopped (and reaped)
+            if args.twice:
+                usage["first"] = group_cpu(server.pid)  # the second generate's serving is not timed
+                print(f"bfcl: generate {times['bfcl_generate']:.1f} s; again into {again}", flush=True)
+                rc, times["bfcl_generate_again"] = run_bounded(gen, os.path.join(logs, "bfcl-generate-again.log"),
+                                                               args.timeout, {**env, "BFCL_PROJECT_ROOT": again}, again)
+                if rc:
+                    sys.exit(f"error: the second bfcl generate exited with {rc}")
         print(f"bfcl: generate {times['bfcl_generate']:.1f} s; {shlex.join(evaluate)}", flush=True)
         after = children_cpu()  # the server, reaped by now, is counted from /proc instead
         rc, times["bfcl_evaluate"] = run_bounded(evaluate, os.path.join(logs, "bfcl-evaluate.log"), args.timeout, env, broot)
         if rc:
             sys.exit(f"error: bfcl evaluate exited with {rc}:\n{tail(os.path.join(logs, 'bfcl-evaluate.log'))}")
-        times["bfcl_server_cpu"], times["bfcl_client_cpu"] = usage["cpu"], client_cpu + children_cpu() - after
+        times["bfcl_server_cpu"] = usage.get("first", usage["cpu"])
+        times["bfcl_client_cpu"] = client_cpu + children_cpu() - after
         times["bfcl_cpu"] = times["bfcl_server_cpu"] + times["bfcl_client_cpu"]
     except KeyboardInterrupt as e:
         sys.exit(f"interrupted ({e})")
     finally:
         signal.signal(signal.SIGTERM, old)
 
-    report(tasks, broot, oroot, model, times, out)
+    report(tasks, broot, oroot, model, times, out, again if args.twice else None)
 
 
-def report(tasks, broot, oroot, model, times, out):
+def step_texts_equal(a, b):
+    """(tasks identical, steps equal, steps aligned, first steps equal) of two {id: turns of texts}."""
+    pairs = [(x, y) for i in a if i in b and isinstance(a[i], list) and isinstance(b[i], list)
+             for ta, tb in zip(a[i], b[i], strict=False) for x, y in zip(ta, tb, strict=False)]
+    first = sum(bool(a[i] and b.get(i) and a[i][0][:1] == b[i][0][:1]) for i in a)
+    return sum(a[i] == b.get(i) for i in a), sum(x == y for x, y in pairs), len(pairs), first
+
+
+def report(tasks, broot, oroot, model, times, out, again=None):
     from common.engines import load_tokenizer
     results, bverd, scored = bfcl_outputs(broot)
     if not scored:
@@ -494,6 +516,14 @@ def report(tasks, broot, oroot, model, times, out):
     print(f"per-step outputs equal: {counts['equal']}/{counts['aligned']} steps played by both "
           f"(bfcl played {counts['bfcl_steps']}, ours {counts['our_steps']}); tasks with every step equal: "
           f"{counts['tasks_equal']}/{len(ids)}")
+    if again:
+        first_run = {i: r["result"] for i, r in results.items()}
+        second = {i: r["result"] for i, r in bfcl_outputs(again)[0].items()}
+        same_tasks, eq, aligned, first = step_texts_equal(first_run, second)
+        counts["bfcl_vs_itself"] = {"tasks_identical": same_tasks, "steps_equal": eq, "steps_aligned": aligned,
+                                    "first_steps_equal": first}
+        print(f"bfcl vs itself (a second generate, same server): every step equal in {same_tasks}/{len(first_run)} "
+              f"tasks, {eq}/{aligned} aligned steps equal, first step equal in {first}/{len(first_run)}")
     if counts["prompts_compared"]:
         print(f"prompts equal: {counts['prompts_equal']}/{counts['prompts_compared']} steps compared "
               f"(first step of a task: {counts['first_prompts_equal']}/{len(ids)})")
@@ -501,18 +531,22 @@ def report(tasks, broot, oroot, model, times, out):
         print("what differs in the first prompts (tasks: kind: first example):")
         for kind, (n, example) in sorted(pkinds.items(), key=lambda kv: -kv[1][0]):
             print(f"  {n:3d}: {kind}: {example}")
-    kinds = {}
-    for _, _, (kind, _), *_ in firsts.values():
-        kinds[kind] = kinds.get(kind, 0) + 1
+    groups = {}  # (reason, detail) -> [tasks, {(turn, step): tasks}]
+    for ti, si, why, *_ in firsts.values():
+        g = groups.setdefault(why, [0, {}])
+        g[0] += 1
+        g[1][(ti, si)] = g[1].get((ti, si), 0) + 1
     if firsts:
-        print("first differing step of each task, by reason: " + "; ".join(f"{k}: {v}" for k, v in kinds.items()))
-    for tid, (ti, si, why, x, y) in list(firsts.items())[:args.show]:
-        where = f"turn {ti} step {si}" if ti is not None else "whole task"
-        print(f"  {tid} {where}: {why[0]}: {why[1]}")
+        print(f"first differing step of each task ({len(firsts)} of {len(ids)} differ), by reason:")
+    for (kind, detail), (n, where) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+        at = ", ".join(f"turn {t} step {s} in {k}" if t is not None else f"whole task in {k}"
+                       for (t, s), k in sorted(where.items(), key=lambda kv: -kv[1])[:4])
+        print(f"  {n:3d}: {kind}: {detail}  [{at}]")
+    for tid, (ti, si, _, x, y) in list(firsts.items())[:args.show]:
         if x is not None or y is not None:
-            print(f"      bfcl {x!r:.110}\n      ours {y!r:.110}")
-    if len(firsts) > args.show:
-        print(f"  ... {len(firsts) - args.show} more in {os.path.relpath(out, ROOT)}/parity.json")
+            print(f"  e.g. {tid} turn {ti} step {si}:\n      bfcl {x!r:.110}\n      ours {y!r:.110}")
+    if firsts:
+        print(f"  (each task's first difference, both outputs: {os.path.relpath(out, ROOT)}/parity.json)")
 
     bfcl_total = times["bfcl_server"] + times["bfcl_generate"] + times["bfcl_evaluate"]
     print(f"\nwall time: bfcl {bfcl_total:.1f} s (server start {times['bfcl_server']:.1f} + generate "
