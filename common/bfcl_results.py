@@ -136,10 +136,13 @@ def _decoder_raised(h, step, text):
 
 
 def _step_tokens(record):
-    """(prompt tokens, generated tokens) per step, in play order: each step's generation is one run
-    of mask 1 in the token record (a continuation of mask 0 always follows it before the next).
-    Records without tokens (the oracle) count 0."""
+    """(prompt tokens, generated tokens) per step, in play order: the step's own counts (evaluation),
+    else each step's generation is one run of mask 1 in the token record (a continuation of mask 0
+    always follows it before the next). Records without tokens (the oracle) count 0."""
     steps = sum(len(turn["steps"]) for turn in record["turns"])
+    counted = [s for turn in record["turns"] for s in turn["steps"] if "output_tokens" in s]
+    if counted and len(counted) == steps:  # evaluation re-renders every prompt: the step counts them
+        return [(s["prompt_tokens"], s["output_tokens"]) for s in counted]
     tokens = record.get("tokens")
     if not tokens:
         return [(0, 0)] * steps

@@ -159,8 +159,9 @@ class Trajectory:
         stop_text = self._take_output(gen)
         parsed = self.conv.add_assistant(text, len(self.next_prompt), len(gen.ids)) if self.conv else None
         step = {"text": text, **self.env.step(text, self.fmt), "feedback": None}
-        if self.rerender:
-            step["formatted_prompt"] = self.step_prompts[-1]
+        if self.rerender:  # bfcl-eval's result files log these per step
+            step.update(formatted_prompt=self.step_prompts[-1], prompt_tokens=len(self.next_prompt),
+                        output_tokens=len(gen.ids))
         turn = self.turns[-1]
         turn["steps"].append(step)
         history = list(self.history) if self.conv is None else None
