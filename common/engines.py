@@ -62,16 +62,22 @@ CPU_KV_CACHE_BYTES = 1 << 30  # vLLM on CPU: KV cache size unless VLLM_CPU_KVCAC
 PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                   "presence_penalty": 0.0, "frequency_penalty": 0.0}
 SAMPLING_KEYS = ("temperature", *PLAIN_SAMPLING)
+VLLM_MIN_TEMPERATURE = 0.01
 
 
 def sampling_params(sampling):
     """{temperature, top_p, ...} for a temperature or a partial dict (see the module docstring)."""
     if isinstance(sampling, (int, float)):
-        return {"temperature": float(sampling), **PLAIN_SAMPLING}
+        sampling = {"temperature": float(sampling)}
     unknown = set(sampling) - set(SAMPLING_KEYS)
     if unknown or "temperature" not in sampling:
         raise ValueError(f"sampling needs a temperature and takes only {SAMPLING_KEYS}: {sampling}")
-    return {**PLAIN_SAMPLING, **sampling}
+    out = {**PLAIN_SAMPLING, **sampling}
+    if 0 < out["temperature"] < VLLM_MIN_TEMPERATURE:
+        # vLLM raises it so (SamplingParams.__post_init__): bfcl-eval's 0.001 samples at 0.01 on its
+        # server, and so it does on both engines here.
+        out["temperature"] = VLLM_MIN_TEMPERATURE
+    return out
 
 
 def model_sampling(model_dir):
