@@ -462,6 +462,7 @@ class Batcher:
 
     def __init__(self, engine):
         self.engine, self.tokenizer, self.queue = engine, engine.tokenizer, queue.Queue()
+        self.stop_ids = engine.stop_ids
         self.lock, self.closed = threading.Lock(), False
         self.thread = threading.Thread(target=self._run, name="tau2-engine", daemon=True)
         self.thread.start()

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from common import bfcl, tiny
-from common.chat import to_chat_tools
 from common.engines import Generation, make_engine, resolve_model
+from common.prompts import first_prompt
 
 MAX_LEN = 16384
 
@@ -17,8 +17,7 @@ def prompts(tiny_model):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model)
     task = tiny.pick_eval_tasks(list(bfcl.load_tasks(tiny.PRESET_TASKS).values()), 1)[0]
-    full = tok.apply_chat_template(tiny.first_prompt_messages(task), tools=to_chat_tools(task["tools"]),
-                                   add_generation_prompt=True, return_dict=False)
+    full = tok(first_prompt(task))["input_ids"]  # bfcl-eval's QwenFCHandler prompt, as the model is trained on
     short = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
              for q in ["List the files in the current directory.", "Post a tweet saying hello."]]
     assert len(full) > 3000

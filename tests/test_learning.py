@@ -30,6 +30,7 @@ class Teacher:
 
     def __init__(self, model, tokenizer, script):
         self.model, self.tokenizer, self.script = model, tokenizer, script
+        self.stop_ids = [tokenizer.eos_token_id]
 
     def generate(self, prompts, max_new_tokens, temperature):
         import torch
