@@ -50,7 +50,7 @@ from common.jsonl import RecordError, read_jsonl  # noqa: E402
 CATEGORIES = ["base", "miss_func", "miss_param", "long_context"]
 TASK_FIELDS = ["id", "category", "questions", "initial_config", "involved_classes", "tools",
                "missed_function", "long_context", "ground_truth"]
-EXEC_ERROR_PREFIX = "Error during execution:"
+EXEC_ERROR_PREFIX = C.EXEC_ERROR_PREFIX
 EXEC_DEADLINE_S = 2.0  # for one batch of calls; real tool calls take milliseconds
 # BFCL V4 memory calls are bounded, but memory_vector embeds on the CPU: seconds on a busy machine.
 MEMORY_DEADLINE_S = 60.0
@@ -210,15 +210,7 @@ def turn_messages(task, turn, new_tools=None):
 
 def is_error_result(result):
     """Whether a tool result reports failure (an exception or an {"error": ...} payload)."""
-    if result.startswith(EXEC_ERROR_PREFIX):
-        return True
-    if result.startswith("{") and '"error"' in result:  # cheap test first: results can be large
-        try:
-            payload = json.loads(result)
-        except json.JSONDecodeError:
-            return False
-        return isinstance(payload, dict) and "error" in payload
-    return False
+    return C.result_error(result) is not None
 
 
 class Environment:
