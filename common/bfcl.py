@@ -171,6 +171,21 @@ def _forget(name):
         del cache[key]
 
 
+@contextlib.contextmanager
+def checker_run(prefix, long_context):
+    """A unique model name for one run of the checker's executions, cleaned up however the block
+    ends: the checker caches the model's instances under NAME_eval and the ground truth's under
+    NAME_ground_truth_eval, and long-context runs mutate the shared scenario data."""
+    name = unique_name(prefix)
+    try:
+        yield name
+    finally:
+        _forget(name + "_eval")
+        _forget(name + "_ground_truth_eval")
+        if long_context:  # only long-context scenarios touch the shared data
+            restore_shared_data()
+
+
 def restore_shared_data():
     """Undo mutations of long_context's module-level data, in place (others hold references)."""
     for key, pristine in _PRISTINE_LONG.items():
@@ -302,17 +317,11 @@ def official_verdict(task, decoded):
     gt = task["ground_truth"]
     if len(decoded) != len(gt):
         return {"valid": False, "error_type": "multi_turn:force_terminated", "turn": len(decoded)}
-    name = unique_name("check")
     # The checker itself derives long_context from the id, as bfcl-eval's runner does.
     entry = {"id": task["id"], "initial_config": task["initial_config"],
              "involved_classes": task["involved_classes"]}
-    try:
+    with checker_run("check", task["long_context"]) as name:
         res = _checker.multi_turn_checker(decoded, gt, entry, "multi_turn", name)
-    finally:
-        _forget(name + "_eval")
-        _forget(name + "_ground_truth_eval")
-        if task["long_context"]:  # only long-context scenarios touch the shared data
-            restore_shared_data()
     if res["valid"]:
         return {"valid": True, "error_type": None, "turn": None}
     return {"valid": False, "error_type": res["error_type"], "turn": _failing_turn(res)}
