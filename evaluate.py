@@ -46,6 +46,7 @@ from common import bfcl, bfcl_results, play, prompts
 from common import calls as C
 from common.jsonl import RecordError, read_json, write_json, write_jsonl
 from common.replay import read_turns
+from common.scores import mean, percent_by_group
 
 BFCL_MAX_NEW_TOKENS = 4096  # bfcl-eval's OSSHandler._query_prompting cap
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -123,13 +124,11 @@ def without_prompts(record):
 
 def category_scores(results):
     """Percent solved per category and the unweighted average of the four (as BFCL reports)."""
-    scores = {}
-    for cat in bfcl.CATEGORIES:
-        rows = [r for r in results if r["category"] == cat]
-        if rows:
-            scores[cat] = round(100 * sum(r["valid"] for r in rows) / len(rows), 2)
-    scores["average"] = round(sum(scores.values()) / len(scores), 2) if scores else 0.0
-    return scores
+    # a category without tasks (a --limit or a subset file) is left out, not scored 0
+    scores = {c: v for c, v in percent_by_group(results, bfcl.CATEGORIES, "category", "valid").items()
+              if v is not None}
+    average = mean(scores.values())
+    return scores | {"average": 0.0 if average is None else average}
 
 
 def print_table(scores, title):

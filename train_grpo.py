@@ -85,7 +85,7 @@ Semantics:
 Outputs: --out holds a Hugging Face model folder (plus the tokenizer and chat-template
 files of --model), or with --lora (or when --model is an adapter folder, whose training then
 continues) a PEFT adapter folder whose adapter_config.json names the base model's absolute
-path; with --save-optimizer also <out>/optimizer/ (Accelerate state; trainer_state.json
+path (an input adapter's relative base is read as common/engines.py resolve_model reads it); with --save-optimizer also <out>/optimizer/ (Accelerate state; trainer_state.json
 holds global_step). Policy and optimiser state appear together or not at all.
 --metrics (default: train_metrics.jsonl next to --out) gets one line per optimiser step:
 step (in this round), global_step (across rounds, carried in the optimiser state), epoch,
@@ -125,6 +125,7 @@ from accelerate.utils import (
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+from common.engines import resolve_model
 from common.grpo import (
     accumulate_gradients,
     join_trajectories,
@@ -233,14 +234,8 @@ def read_inputs(args):
     if not trajectories:
         raise RecordError(f"{args.rollouts}: no rollout records")
     temperature, unsampled = rollout_temperature(rollouts, args.rollouts)
-    adapter_in = os.path.isfile(os.path.join(args.model, "adapter_config.json"))
-    if not adapter_in and not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise RecordError(f"{args.model}: not a model or adapter folder (no config.json)")
-    base_path = os.path.abspath(
-        read_json(os.path.join(args.model, "adapter_config.json"))["base_model_name_or_path"]
-        if adapter_in
-        else args.model
-    )
+    base_path, adapter, _ = resolve_model(args.model)
+    adapter_in = adapter is not None
     config = read_json(os.path.join(base_path, "config.json"))
     vocab = config.get("vocab_size")
     lines = {(r["task_id"], r["sample_index"]): r["_line"] for r in rollouts}
@@ -402,6 +397,9 @@ def load_policy(args, run, accelerator):
 
         if run.adapter_in:
             model = PeftModel.from_pretrained(model, args.model, is_trainable=True)
+            # the saved adapter names its base as found, not as the input wrote it: a
+            # relative name would point elsewhere from the new folder
+            model.peft_config["default"].base_model_name_or_path = run.base_path
         else:
             # no LoRA dropout: it would make the first step's ratio differ from 1 by noise
             lora = LoraConfig(

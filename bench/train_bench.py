@@ -23,7 +23,7 @@ from accelerate import Accelerator  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from common.grpo import (  # noqa: E402
-    Trajectory,
+    TrainingSequence,
     accumulate_gradients,
     collate,
     group_advantages,
@@ -55,7 +55,7 @@ def make_batch(rng):
             ]  # every third block of 32 is tool output
             ids = [rng.randrange(args.vocab) for _ in range(n)]
             trajs.append(
-                Trajectory(f"t{task}", k, prompt, ids, mask, [None] * n, float(rng.random() < 0.5), 1.3)
+                TrainingSequence(f"t{task}", k, prompt, ids, mask, [None] * n, float(rng.random() < 0.5), 1.3)
             )
     adv, _ = group_advantages([t.task_id for t in trajs], [t.reward for t in trajs])
     for t, a in zip(trajs, adv, strict=True):

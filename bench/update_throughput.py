@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from common.grpo import Trajectory, accumulate_gradients, score_trajectories  # noqa: E402
+from common.grpo import TrainingSequence, accumulate_gradients, score_trajectories  # noqa: E402
 
 # Qwen2.5-3B-Instruct's config.json (architecture fields only).
 CONFIGS = {
@@ -73,7 +73,7 @@ def main():
         ids = [rng.randrange(cfg.vocab_size) for _ in range(args.seq_len - n_prompt)]
         mask = [1 if (i // 64) % 3 != 1 else 0 for i in range(len(ids))]
         prompt = [rng.randrange(cfg.vocab_size) for _ in range(n_prompt)]
-        t = Trajectory("t", k, prompt, ids, mask, [None] * len(ids), float(k % 2), 1.0)
+        t = TrainingSequence("t", k, prompt, ids, mask, [None] * len(ids), float(k % 2), 1.0)
         t.advantage = 1.0 if k % 2 else -1.0
         trajs.append(t)
     micro = [[t] for t in trajs]  # one 8k sequence per micro-batch

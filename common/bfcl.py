@@ -50,7 +50,7 @@ from common.jsonl import RecordError, read_jsonl  # noqa: E402
 CATEGORIES = ["base", "miss_func", "miss_param", "long_context"]
 TASK_FIELDS = ["id", "category", "questions", "initial_config", "involved_classes", "tools",
                "missed_function", "long_context", "ground_truth"]
-EXEC_ERROR_PREFIX = "Error during execution:"
+EXEC_ERROR_PREFIX = C.EXEC_ERROR_PREFIX
 EXEC_DEADLINE_S = 2.0  # for one batch of calls; real tool calls take milliseconds
 # BFCL V4 memory calls are bounded, but memory_vector embeds on the CPU: seconds on a busy machine.
 MEMORY_DEADLINE_S = 60.0
@@ -171,6 +171,21 @@ def _forget(name):
         del cache[key]
 
 
+@contextlib.contextmanager
+def checker_run(prefix, long_context):
+    """A unique model name for one run of the checker's executions, cleaned up however the block
+    ends: the checker caches the model's instances under NAME_eval and the ground truth's under
+    NAME_ground_truth_eval, and long-context runs mutate the shared scenario data."""
+    name = unique_name(prefix)
+    try:
+        yield name
+    finally:
+        _forget(name + "_eval")
+        _forget(name + "_ground_truth_eval")
+        if long_context:  # only long-context scenarios touch the shared data
+            restore_shared_data()
+
+
 def restore_shared_data():
     """Undo mutations of long_context's module-level data, in place (others hold references)."""
     for key, pristine in _PRISTINE_LONG.items():
@@ -210,15 +225,7 @@ def turn_messages(task, turn, new_tools=None):
 
 def is_error_result(result):
     """Whether a tool result reports failure (an exception or an {"error": ...} payload)."""
-    if result.startswith(EXEC_ERROR_PREFIX):
-        return True
-    if result.startswith("{") and '"error"' in result:  # cheap test first: results can be large
-        try:
-            payload = json.loads(result)
-        except json.JSONDecodeError:
-            return False
-        return isinstance(payload, dict) and "error" in payload
-    return False
+    return C.result_error(result) is not None
 
 
 class Environment:
@@ -310,17 +317,11 @@ def official_verdict(task, decoded):
     gt = task["ground_truth"]
     if len(decoded) != len(gt):
         return {"valid": False, "error_type": "multi_turn:force_terminated", "turn": len(decoded)}
-    name = unique_name("check")
     # The checker itself derives long_context from the id, as bfcl-eval's runner does.
     entry = {"id": task["id"], "initial_config": task["initial_config"],
              "involved_classes": task["involved_classes"]}
-    try:
+    with checker_run("check", task["long_context"]) as name:
         res = _checker.multi_turn_checker(decoded, gt, entry, "multi_turn", name)
-    finally:
-        _forget(name + "_eval")
-        _forget(name + "_ground_truth_eval")
-        if task["long_context"]:  # only long-context scenarios touch the shared data
-            restore_shared_data()
     if res["valid"]:
         return {"valid": True, "error_type": None, "turn": None}
     return {"valid": False, "error_type": res["error_type"], "turn": _failing_turn(res)}

@@ -507,3 +507,24 @@ def format_calls(calls, fmt):
     if fmt == "json":
         return "\n".join("<tool_call>\n" + json.dumps(c, ensure_ascii=False) + "\n</tool_call>" for c in calls)
     return "[" + ", ".join(render(c) for c in calls) + "]"
+
+
+# ----------------------------------------------------------------------------- results
+
+EXEC_ERROR_PREFIX = "Error during execution:"  # how bfcl-eval's executor reports an exception
+
+
+def result_error(result):
+    """The failure a tool result reports, or None: the exception after EXEC_ERROR_PREFIX or the
+    value of an {"error": ...} payload. Here rather than in common.bfcl so that the modules that
+    must not load bfcl-eval (common.interface) read results as the environment does."""
+    if result.startswith(EXEC_ERROR_PREFIX):
+        return result[len(EXEC_ERROR_PREFIX):].strip()
+    if result.startswith("{") and '"error"' in result:  # cheap test first: results can be large
+        try:
+            payload = json.loads(result)
+        except json.JSONDecodeError:
+            return None
+        if isinstance(payload, dict) and "error" in payload:
+            return str(payload["error"])
+    return None

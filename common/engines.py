@@ -101,7 +101,9 @@ class Generation:
 
 
 def resolve_model(model_dir):
-    """(base folder, adapter folder or None, adapter config or None) for a model or adapter folder."""
+    """(base folder, adapter folder or None, adapter config or None) for a model or adapter folder,
+    both absolute. The one place an adapter's base is found: every stage that loads a policy
+    (engines, train_grpo.py, the benches) goes through here, so they all load the same base."""
     if not os.path.isfile(os.path.join(model_dir, "config.json")) and \
             not os.path.isfile(os.path.join(model_dir, "adapter_config.json")):
         # Hub ids are resolved to a local snapshot by loop.sh; stages take folders only.
@@ -114,9 +116,14 @@ def resolve_model(model_dir):
         cfg = json.load(f)
     base = cfg.get("base_model_name_or_path")
     if not base:
-        raise ValueError(f"{cfg_path}: no base_model_name_or_path")
-    if not os.path.isabs(base) and os.path.isdir(os.path.join(model_dir, base)):
-        base = os.path.join(model_dir, base)  # a path relative to the adapter folder
+        raise RecordError(f"{cfg_path}: no base_model_name_or_path")
+    # A relative base is read against the adapter folder first, so a policy folder loads the
+    # same base whatever the working directory; peft itself records the path it was given,
+    # relative to the working directory of the save, so that reading is the fallback.
+    beside = os.path.join(model_dir, base)  # join keeps an absolute base as it is
+    base = os.path.abspath(beside if os.path.isfile(os.path.join(beside, "config.json")) else base)
+    if not os.path.isfile(os.path.join(base, "config.json")):
+        raise RecordError(f"{cfg_path}: base model {base} is not a model folder (no config.json)")
     return base, model_dir, cfg
 
 

@@ -170,8 +170,10 @@ def token_loss(logp, old_logp, ref_logp, adv, mask, norm, clip=0.2, kl_coef=0.0,
 
 
 @dataclass
-class Trajectory:
-    """One rollout joined with its diagnosis, as the trainer needs it."""
+class TrainingSequence:
+    """One rollout joined with its diagnosis, as the trainer needs it: the token sequence, its
+    loss mask, reward, weight and advantage, and the log-probs scored on it (common.play's
+    Trajectory is the episode being played, a different thing)."""
 
     task_id: str
     sample_index: int
@@ -266,7 +268,7 @@ def join_trajectories(
         d, weight = diag_by_key[key]
         t = r["tokens"]
         trajectories.append(
-            Trajectory(
+            TrainingSequence(
                 task_id=key[0],
                 sample_index=key[1],
                 prompt_ids=t["prompt_ids"],

@@ -189,8 +189,6 @@ def system_cue(omega):
 
 # ----------------------------------------------------------------------------- error feedback
 
-EXEC_ERROR_PREFIX = "Error during execution:"  # as common.bfcl (not imported: it loads bfcl-eval)
-
 KIND_TEXT = {  # the type named in a validation reason -> how to write it
     "an integer": "a whole number without quotes",
     "a number": "a number without quotes",
@@ -356,15 +354,9 @@ def error_hint(error, tools, omega):
 
 def _split_error(error):
     """('env', message) for an execution failure, ('call', reason) for a rejection."""
-    if error.startswith(EXEC_ERROR_PREFIX):
-        return "env", error[len(EXEC_ERROR_PREFIX):].strip()
-    if error.startswith("{"):
-        try:
-            payload = json.loads(error)
-        except json.JSONDecodeError:
-            payload = None
-        if isinstance(payload, dict) and "error" in payload:
-            return "env", str(payload["error"])
+    message = C.result_error(error)
+    if message is not None:
+        return "env", message
     return "call", error.removeprefix("Error: ")  # the tool response of a rejected call carries this prefix
 
 

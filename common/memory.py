@@ -40,6 +40,7 @@ from pathlib import Path
 from common import bfcl, play  # common.bfcl points BFCL_PROJECT_ROOT at scratch space first
 from common import calls as C
 from common.jsonl import RecordError, atomic_dir, write_json, write_jsonl
+from common.scores import mean, percent_by_group
 
 # memory_vector loads its sentence encoder at import: nothing may be fetched from a hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -313,18 +314,15 @@ def evaluate(args, error):
 def category_scores(results, categories):
     """Percent correct per category and the official aggregate: memory = the mean of its backends,
     web search = the mean of its two variants (web search marked not run on the memory bench)."""
-    scores = {}
-    for cat in categories:
-        rows = [r for r in results if r["category"] == cat]
-        scores[cat] = round(100 * sum(r["valid"] for r in rows) / len(rows), 2) if rows else None
-    run = [scores[c] for c in categories if scores[c] is not None]
-    mean = round(sum(run) / len(run), 2) if run else None
+    # a category that was not run stays in the table as None, and out of the aggregate
+    scores = percent_by_group(results, categories, "category", "valid")
+    aggregate = mean(v for v in scores.values() if v is not None)
     if U.is_memory(categories[0]):
-        scores["memory"] = mean
+        scores["memory"] = aggregate
         scores["web_search"] = None
         scores["note"] = NO_WEB_NOTE
     else:
-        scores["web_search"] = mean
+        scores["web_search"] = aggregate
     return scores
 
 

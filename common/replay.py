@@ -107,7 +107,6 @@ def replay(task, turns):
     Fills each played turn's results, state, response and failure; returns the
     official verdict {"valid", "error_type", "turn"}, as bfcl.official_verdict would.
     """
-    name = bfcl.unique_name("replay")
     # The checker derives long_context from the id, not from the task record.
     category = task["id"].rsplit("_", 1)[0]
     long_context = "long_context" in category or "composite" in category
@@ -118,7 +117,7 @@ def replay(task, turns):
                             long_context=long_context, is_evaL_run=True)
 
     model_results = []  # all model results so far: the response check reads every turn's
-    try:
+    with bfcl.checker_run("replay", long_context) as name:
         for turn in turns:
             if not turn.played:
                 break  # nothing to execute; the verdict is force_terminated below
@@ -139,11 +138,6 @@ def replay(task, turns):
                 if not check["valid"]:
                     turn.failure = check["error_type"]
                     break
-    finally:
-        bfcl._forget(name + "_eval")
-        bfcl._forget(name + "_ground_truth_eval")
-        if long_context:  # only long-context scenarios touch the shared data
-            bfcl.restore_shared_data()
 
     played = sum(t.played for t in turns)
     if played < len(turns):

@@ -8,7 +8,6 @@ run; loop.sh calls it after every round.
 """
 
 import glob
-import json
 import os
 import sys
 
@@ -18,23 +17,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common.bfcl import CATEGORIES  # noqa: E402
+from common.jsonl import atomic_open, read_json, read_jsonl  # noqa: E402
 from common.taxonomy import LABELS  # noqa: E402
 
 STAGES = ["interface", "rollout", "diagnose", "evolve", "train", "eval"]
 
 
+# A live run lacks the artifacts of stages that have not run yet: absent is empty, not an error.
 def _json(path):
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path) if os.path.isfile(path) else None
 
 
 def _jsonl(path):
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(path) if os.path.isfile(path) else []
 
 
 def collect(run):
@@ -158,10 +153,8 @@ def main(run):
     rounds, evals, base, config = collect(run)
     plots(run, rounds, evals, base)
     text = markdown(run, rounds, evals, base, config)
-    tmp = os.path.join(run, ".report.md.tmp")
-    with open(tmp, "w") as f:
+    with atomic_open(os.path.join(run, "report.md")) as f:
         f.write(text)
-    os.replace(tmp, os.path.join(run, "report.md"))
     print(text)
 
 

@@ -54,6 +54,7 @@ from common import calls as calls_api
 from common.chat import after_stop, kept_output
 from common.jsonl import RecordError, write_json, write_jsonl
 from common.play import decode
+from common.scores import mean, percent_by_group
 
 DOMAINS = ("retail", "airline", "telecom")
 SPLITS = {"telecom": "base"}  # without it, telecom's task set has 2,285 tasks; the paper's is base (114)
@@ -147,12 +148,9 @@ def evaluate(args, error):
 
 def domain_scores(results, domains):
     """Percent of reward per domain and their unweighted mean (the paper's τ²-bench average)."""
-    scores = {}
-    for d in domains:
-        rows = [r["reward"] for r in results if r["domain"] == d]
-        scores[d] = round(100 * sum(rows) / len(rows), 2) if rows else 0.0
-    scores["average"] = round(sum(scores[d] for d in domains) / len(domains), 2)
-    return scores
+    # a domain without results scores 0 and counts in the average: it is over every domain asked for
+    scores = {d: 0.0 if v is None else v for d, v in percent_by_group(results, domains, "domain", "reward").items()}
+    return scores | {"average": mean(scores.values())}
 
 
 def simulator_label(user_sim):

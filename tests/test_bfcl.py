@@ -122,6 +122,19 @@ def test_closed_environment_leaves_no_cached_instances(train):
     assert leftovers == []
 
 
+def test_checker_run_forgets_its_instances_however_it_ends(train):
+    """What official_verdict and common.replay execute under a checker_run name is dropped on exit."""
+    from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+    task = train["multi_turn_base_0"]
+    with pytest.raises(RuntimeError, match="stop"), bfcl.checker_run("t", False) as name:
+        for who in (name, name + "_ground_truth"):
+            bfcl.execute(["ls()"], task["initial_config"], task["involved_classes"], who, task["id"],
+                         long_context=False, is_evaL_run=True)
+        assert len([k for k in vars(multi_turn_utils) if k.startswith(name + "_")]) >= 2
+        raise RuntimeError("stop")
+    assert [k for k in vars(multi_turn_utils) if k.endswith("_instance")] == []
+
+
 def test_long_context_spending_does_not_leak_into_the_next_trajectory(train):
     """Long-context credit cards are module-level dicts in bfcl-eval; a refund must stay private."""
     task = train["multi_turn_long_context_153"]

@@ -343,3 +343,12 @@ def test_hostile_text_inside_a_literal_never_executes(tmp_path):
 
 def _train():
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "train.jsonl")
+
+
+def test_result_error_reads_both_failure_shapes():
+    """The one reading of a tool result's failure, shared by common.bfcl and common.interface."""
+    assert C.result_error(f"{C.EXEC_ERROR_PREFIX}  boom ") == "boom"
+    assert C.result_error('{"error": "No such file"}') == "No such file"
+    assert C.result_error('{"error": {"code": 3}}') == "{'code': 3}"
+    for ok in ('{"result": "fine"}', '{"error": ', '["error"]', "error", "", 'x {"error": 1}'):
+        assert C.result_error(ok) is None, ok

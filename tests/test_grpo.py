@@ -218,9 +218,9 @@ class LeafLogitsModel:
 
 
 def traj(prompt, ids, mask, adv=1.0, weight=1.0):
-    from common.grpo import Trajectory
+    from common.grpo import TrainingSequence
 
-    return Trajectory("t", 0, prompt, ids, mask, [None] * len(ids), 1.0, weight, adv)
+    return TrainingSequence("t", 0, prompt, ids, mask, [None] * len(ids), 1.0, weight, adv)
 
 
 def test_shift_and_mask_through_gradients():

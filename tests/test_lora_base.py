@@ -1,0 +1,107 @@
+"""A LoRA policy folder whose adapter_config.json names its base by a relative path loads the
+same base from any working directory, through the engine and through train_grpo.py's loader
+(both find it with common.engines.resolve_model), even where that path, read against the
+working directory, names another model."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from common.engines import make_engine, resolve_model
+from common.jsonl import RecordError
+
+
+def _load(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def layout(tiny_model, tmp_path_factory):
+    """run/base -> the tiny model, run/policy an adapter naming "../base"; elsewhere/base a
+    different model, so "../base" from elsewhere/cwd is the wrong one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("relbase")
+    (root / "run").mkdir()
+    os.symlink(tiny_model, root / "run" / "base")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(_load(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                             init_lora_weights=False))
+    policy = root / "run" / "policy"
+    peft_model.save_pretrained(str(policy))
+    cfg_path = policy / "adapter_config.json"
+    cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()) | {"base_model_name_or_path": "../base"}))
+    decoy = root / "elsewhere" / "base"
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model)).save_pretrained(str(decoy))
+    (root / "elsewhere" / "cwd").mkdir()
+    merged = peft_model.merge_and_unload().state_dict()
+    return {"root": root, "policy": str(policy), "cwd": str(root / "elsewhere" / "cwd"), "merged": merged}
+
+
+def _same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_resolve_reads_a_relative_base_against_the_adapter_folder(layout, tiny_model, monkeypatch):
+    monkeypatch.chdir(layout["cwd"])
+    base, adapter, cfg = resolve_model(layout["policy"])
+    assert os.path.realpath(base) == os.path.realpath(tiny_model)
+    assert adapter == layout["policy"] and cfg["base_model_name_or_path"] == "../base"
+    # a relative adapter path is the same folder
+    assert resolve_model(os.path.relpath(layout["policy"])) == (base, adapter, cfg)
+
+
+def test_resolve_refuses_a_base_that_is_not_a_model(layout, tmp_path):
+    cfg = json.load(open(os.path.join(layout["policy"], "adapter_config.json")))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg | {"base_model_name_or_path": "../nowhere"}))
+    with pytest.raises(RecordError, match="not a model folder"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg | {"base_model_name_or_path": None}))
+    with pytest.raises(RecordError, match="no base_model_name_or_path"):
+        resolve_model(str(tmp_path))
+
+
+def test_hf_engine_loads_the_adapters_base_from_elsewhere(layout, tiny_model, monkeypatch):
+    monkeypatch.chdir(layout["cwd"])
+    engine = make_engine("hf", layout["policy"], max_model_len=64)
+    try:
+        assert os.path.realpath(engine.base) == os.path.realpath(tiny_model)
+        _same_weights(engine.model.state_dict(), layout["merged"])
+    finally:
+        engine.close()
+
+
+def test_train_grpo_loads_the_adapters_base_from_elsewhere(layout, tiny_model, monkeypatch):
+    from accelerate.state import AcceleratorState
+
+    import train_grpo
+
+    monkeypatch.chdir(layout["cwd"])
+    rollouts, diagnoses = "rollouts.jsonl", "diagnoses.jsonl"
+    with open(rollouts, "w") as r, open(diagnoses, "w") as d:
+        for k, reward in enumerate((1, 0)):
+            r.write(json.dumps({"task_id": "t0", "sample_index": k, "tokens": {
+                "prompt_ids": [1, 2, 3], "ids": [4, 5], "mask": [1, 1], "logprobs": [-1.0, -1.0]},
+                "sampling": {"temperature": 1.0}}) + "\n")
+            d.write(json.dumps({"task_id": "t0", "sample_index": k, "reward": reward,
+                                "turn_labels": ["pass"], "evidence": [""], "profile": {"pass": 1.0}}) + "\n")
+    args = train_grpo.parse_args(["--model", layout["policy"], "--rollouts", rollouts, "--diagnoses", diagnoses,
+                                  "--out", "out", "--cpu"])
+    run = train_grpo.read_inputs(args)
+    assert os.path.realpath(run.base_path) == os.path.realpath(tiny_model)
+    assert (run.adapter_in, run.ref_source, run.ref_model) == (True, "base", run.base_path)
+    AcceleratorState._reset_state(True)
+    try:
+        model, *_ = train_grpo.load_policy(args, run, train_grpo.make_accelerator(args))
+        assert model.peft_config["default"].base_model_name_or_path == run.base_path  # what a save records
+        _same_weights(model.merge_and_unload().state_dict(), layout["merged"])
+    finally:
+        AcceleratorState._reset_state(True)

@@ -1,0 +1,62 @@
+"""common/report.py on a hand-made run folder: a live run's missing artifacts are empty, the
+figures come from the files, report.md appears whole (no temporary file left beside it)."""
+
+import json
+import os
+
+import pytest
+
+from common import report
+
+
+def _write(path, obj, lines=False):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in obj) if lines else json.dumps(obj))
+
+
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # the empty run's plots
+def test_report_of_a_live_run(tmp_path, capsys):
+    run = tmp_path / "runs" / "r"
+    _write(str(run / "config.json"), {"settings": {"preset": "tiny", "mode": "seal", "model": "m"},
+                                      "git_commit": "0123456789abcdef"})
+    _write(str(run / "timing.jsonl"), [{"round": 0, "stage": "rollout", "seconds": 2.5},
+                                       {"round": 0, "stage": "train", "seconds": 1.0}], lines=True)
+    r0 = run / "round_000"
+    _write(str(r0 / "interface.json"), {"schema_cue": {"enabled": True}, "error_feedback": False,
+                                        "capability_cues": [{"label": "missing_tool_call"}]})
+    _write(str(r0 / "diagnoses.jsonl"), [
+        {"reward": 1, "category": "base", "turn_labels": ["pass", "pass"]},
+        {"reward": 0, "category": "base", "turn_labels": ["missing_tool_call"]},
+        {"reward": 0, "category": "miss_func", "turn_labels": ["pass", "missing_tool_call"]},
+        {"reward": 1, "category": "miss_func", "turn_labels": ["pass", "missing_tool_call"]}], lines=True)
+    _write(str(r0 / "train_metrics.jsonl"), [{"w_mean": 1.5, "step": 1, "global_step": 1},
+                                             {"w_mean": 1.0, "step": 2, "global_step": 2}], lines=True)
+    _write(str(r0 / "rollout_summary.json"), {"gen_tokens": 123, "cue_tokens": 7})
+    _write(str(run / "round_001" / "interface.json"), {})  # Ω of the next round before its rollouts
+    scores = {"base": 50.0, "miss_func": 25.0, "miss_param": 0.0, "long_context": 100.0, "average": 43.75}
+    _write(str(run / "eval" / "round_000" / "scores.json"), scores)
+    _write(str(tmp_path / "runs" / "base-tiny" / "eval" / "scores.json"), scores | {"average": 40.0})
+
+    rounds, evals, base, _ = report.collect(str(run))
+    assert [r["round"] for r in rounds] == [0]
+    assert rounds[0]["reward"] == 0.5 and rounds[0]["reward_by_category"] == {"base": 0.5, "miss_func": 0.5}
+    assert rounds[0]["label_share"]["missing_tool_call"] == 3 / 7
+    assert (rounds[0]["w_mean"], rounds[0]["steps"], rounds[0]["global_step"]) == (1.25, 2, 2)
+    assert rounds[0]["seconds"]["rollout"] == 2.5 and rounds[0]["seconds"]["eval"] == 0
+    assert evals == {"round_000": scores} and base["average"] == 40.0
+
+    report.main(str(run))
+    text = (run / "report.md").read_text()
+    assert capsys.readouterr().out == text + "\n"
+    assert "| 0 | 0.500 | 1.250 | 2 (2) | schema, cap:missing_tool_call | 123 | 7 |" in text
+    assert "| base | 50.00 | 25.00 | 0.00 | 100.00 | 40.00 |" in text
+    assert "| round_000 | 50.00 | 25.00 | 0.00 | 100.00 | 43.75 |" in text
+    assert sorted(os.listdir(run)) == ["config.json", "curves.png", "eval", "report.md", "round_000", "round_001",
+                                       "timing.jsonl"]
+
+    # a run with nothing yet but its config still reports
+    empty = tmp_path / "runs" / "e"
+    _write(str(empty / "config.json"), {})
+    report.main(str(empty))
+    assert "## Rounds" in (empty / "report.md").read_text()
