@@ -20,18 +20,12 @@ feedback. Families are never switched off in seal mode (Ω_0 starts with both
 on, and taking a family away would shift what the policy has learnt to read);
 capability cues are re-chosen every round, so they come and go.
 
---mode static: Ω_t's cues are kept as they are (the "w/o closed-loop" ablation:
-Ω fixed after round 0); --mode off: every family off (Vanilla RL, "w/o env-side").
-Both still record C_t. Without --previous, Ω_t = interface.initial(). Without
---diagnoses, writes the mode's Ω_0 (round 0): initial(), or all off for --mode off.
-
---dynamic-rho (off by default) moves ρ towards labels that are frequent and hard,
-by an exponential moving average:
-    target(z) = clip(RHO(z) · (1 + pressure(z)), 0.5, 2.0)      RHO: common.taxonomy default
-    ρ_new(z)  = clip((1 − β) · ρ_old(z) + β · target(z), 0.5, 2.0),  β = --rho-beta
-Failure labels absent from the round, and pass / correct_abstention, count as
-pressure 0, so they drift back to their default.
-Without it ρ is copied from Ω_t. Not applied in --mode static (no closed loop).
+--mode takes loop.sh's modes; what each does to Ω is MODES: seal evolves it as above
+(no-reweight too: it differs only in training's weight); no-closed-loop keeps Ω_t's cues
+as they are (Ω fixed after round 0); vanilla and no-env switch every family off (they
+differ only in training's weight). All still record C_t. Without --previous,
+Ω_t = interface.initial(). Without --diagnoses, writes the mode's Ω_0 (round 0):
+initial(), or all off. ρ is copied from Ω_t.
 """
 
 import argparse
@@ -40,22 +34,21 @@ from collections import defaultdict
 
 from common import interface
 from common.jsonl import RecordError, read_jsonl, write_json
-from common.taxonomy import LABELS, RHO
+from common.taxonomy import LABELS
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--diagnoses", default=None, help="diagnoses.jsonl of round t (omit to write Ω_0)")
 parser.add_argument("--previous", default=None, help="interface.json of round t (default: Ω_0)")
 parser.add_argument("--out", required=True, help="interface.json to write (Ω_{t+1})")
-parser.add_argument("--mode", default="seal", choices=["seal", "static", "off"])
+# What each of loop.sh's modes does to Ω (their weights differ in train_grpo.py's --no-reweight).
+MODES = {"seal": "evolve", "no-reweight": "evolve", "no-closed-loop": "fixed", "vanilla": "off", "no-env": "off"}
+parser.add_argument("--mode", default="seal", choices=list(MODES))
 parser.add_argument("--min-count", type=int, default=8, help="turns a label needs to get a cue")
 parser.add_argument("--min-share", type=float, default=0.10, help="share of all turns a label needs")
 parser.add_argument("--max-reward", type=float, default=0.6, help="mean reward must be below this")
 parser.add_argument("--max-cues", type=int, default=interface.MAX_CUES, help="capability cues at most")
-parser.add_argument("--dynamic-rho", action="store_true", help="move ρ towards frequent, hard labels")
-parser.add_argument("--rho-beta", type=float, default=0.3, help="EMA step of --dynamic-rho")
 parser.add_argument("--round", type=int, default=None, help="round of Ω_{t+1} (default: diagnoses' round + 1)")
 
-RHO_MIN, RHO_MAX = 0.5, 2.0
 DIAG_FIELDS = ["task_id", "round", "reward", "turn_labels"]
 
 
@@ -131,15 +124,6 @@ def select(profile, args):
     return passing[: args.max_cues], why_not
 
 
-def dynamic_rho(old, profile, beta):
-    new = {}
-    for z in LABELS:
-        pressure = profile["labels"].get(z, {}).get("pressure", 0.0)  # pass / correct_abstention have none
-        target = min(RHO_MAX, max(RHO_MIN, RHO[z] * (1 + pressure)))
-        new[z] = round(min(RHO_MAX, max(RHO_MIN, (1 - beta) * old.get(z, RHO[z]) + beta * target)), 4)
-    return new
-
-
 def rounded(obj, digits=4):
     """Floats rounded so the file is short and stable across platforms."""
     if isinstance(obj, float):
@@ -156,8 +140,9 @@ def describe(z, profile):
 
 
 def main(args):
+    cues = MODES[args.mode]
     if args.diagnoses is None:  # Ω_0 of the mode
-        omega = interface.off() if args.mode == "off" else interface.initial()
+        omega = interface.off() if cues == "off" else interface.initial()
         if args.round is not None:
             omega["round"] = args.round
         write_json(args.out, omega)
@@ -181,14 +166,14 @@ def main(args):
              "capability_cues": [dict(c) for c in prev["capability_cues"]],
              "profile": rounded(profile), "rho": dict(prev["rho"])}
     changes = []
-    if args.mode == "off":
+    if cues == "off":
         omega["schema_cue"], omega["error_feedback"], omega["capability_cues"] = dict(interface.SCHEMA_OFF), False, []
         if prev["schema_cue"]["enabled"]:
-            changes.append("schema cue off: --mode off")
+            changes.append(f"schema cue off: --mode {args.mode}")
         if prev["error_feedback"]:
-            changes.append("error feedback off: --mode off")
-        changes += [f"capability cue off: {c['label']} (--mode off)" for c in prev["capability_cues"]]
-    elif args.mode == "seal":  # (static keeps Ω_t's cues as they are)
+            changes.append(f"error feedback off: --mode {args.mode}")
+        changes += [f"capability cue off: {c['label']} (--mode {args.mode})" for c in prev["capability_cues"]]
+    elif cues == "evolve":  # ("fixed" keeps Ω_t's cues as they are)
         selected, why_not = select(profile, args)
         omega["capability_cues"] = [{"label": z, "text": interface.CAPABILITY_TEXT[z]} for z in selected]
         for z in selected:
@@ -203,15 +188,6 @@ def main(args):
         changes += [f"capability cue on: {z} ({describe(z, profile)})" for z in selected if z not in before]
         changes += [f"capability cue off: {z} ({why_not.get(z, 'not seen this round')})"
                     for z in before if z not in selected]
-
-    if args.dynamic_rho and args.mode != "static":
-        omega["rho"] = dynamic_rho(prev["rho"], profile, args.rho_beta)
-        for z in LABELS:
-            if omega["rho"][z] != prev["rho"].get(z):
-                p = profile["labels"].get(z, {}).get("pressure", 0.0)  # only failure labels have one
-                changes.append(f"rho {z}: {prev['rho'].get(z)} -> {omega['rho'][z]} (pressure {p:.3f})")
-    elif args.dynamic_rho:
-        print("note: --dynamic-rho ignored in --mode static (Ω is fixed)")
 
     problem = interface.check(omega)
     assert problem is None, problem
