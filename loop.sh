@@ -116,11 +116,11 @@ NAME=${NAME:-$PRESET-$MODE}
 
 # ---------------------------------------------------------------------------- modes
 case $MODE in
-  seal)           OMEGA=seal;   REWEIGHT="" ;;
+  seal)           OMEGA=evolve; REWEIGHT="" ;;
   vanilla)        OMEGA=off;    REWEIGHT="--no-reweight" ;;
   no-env)         OMEGA=off;    REWEIGHT="" ;;
-  no-reweight)    OMEGA=seal;   REWEIGHT="--no-reweight" ;;
-  no-closed-loop) OMEGA=static; REWEIGHT="" ;;
+  no-reweight)    OMEGA=evolve; REWEIGHT="--no-reweight" ;;
+  no-closed-loop) OMEGA=fixed;  REWEIGHT="" ;;
   *) echo "loop: unknown mode $MODE" >&2; usage ;;
 esac
 
@@ -215,7 +215,7 @@ for ((t = 0; t < ROUNDS; t++)); do
   R=$RUN/round_$(printf %03d "$t")
   NEXT=$RUN/round_$(printf %03d $((t + 1)))
   mkdir -p "$R" "$NEXT"
-  run interface "$t" "$R/interface.json" $PY evolve.py --mode "$OMEGA" --out "$R/interface.json"
+  run interface "$t" "$R/interface.json" $PY evolve.py --mode "$MODE" --out "$R/interface.json"
   run rollout "$t" "$R/rollouts.jsonl" $PY rollout.py --model "$policy" --tasks "$TASKS" \
     $(limit_args "$TRAIN_LIMIT") --batch "$TASKS_PER_ROUND" --round "$t" --n "$N" --interface "$R/interface.json" \
     --engine "$ENGINE" --temperature "$TEMP" --seed $((SEED * 1000 + t)) --max-steps-per-turn "$MAX_STEPS" \
@@ -224,7 +224,7 @@ for ((t = 0; t < ROUNDS; t++)); do
     --data-parallel-size "$DP" --tensor-parallel-size "$TP" --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
   run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks "$TASKS" \
     --rollouts "$R/rollouts.jsonl" --out "$R/diagnoses.jsonl"
-  run evolve "$t" "$NEXT/interface.json" $PY evolve.py --mode "$OMEGA" --diagnoses "$R/diagnoses.jsonl" \
+  run evolve "$t" "$NEXT/interface.json" $PY evolve.py --mode "$MODE" --diagnoses "$R/diagnoses.jsonl" \
     --previous "$R/interface.json" --round $((t + 1)) --out "$NEXT/interface.json"
   run train "$t" "$R/policy" train "$R" "$policy"
   policy=$R/policy
