@@ -124,11 +124,14 @@ case $MODE in
   *) echo "loop: unknown mode $MODE" >&2; usage ;;
 esac
 
-# Every evaluation (held-in and OOD) plays with the preset's engine and limits (SCORE_ARGS, which
-# decide the scores) on DP replicas of TP GPUs each (which only decide how fast they come).
-SCORE_ARGS=(--engine "$ENGINE" --handler "$BFCL_HANDLER" --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT"
-  ${EVAL_LEN:+--max-model-len "$EVAL_LEN"} ${EVAL_NEW:+--max-new-tokens "$EVAL_NEW"})
-PLAY_ARGS=("${SCORE_ARGS[@]}" --data-parallel-size "$DP" --tensor-parallel-size "$TP")
+# Rollouts and every evaluation (held-in and OOD) play with the same engine, handler, step limit
+# and call format (COMMON_ARGS) on DP replicas of TP GPUs each (REPLICA_ARGS, which only decide
+# how fast results come); only their lengths differ (MAX_LEN/MAX_NEW, EVAL_LEN/EVAL_NEW).
+# SCORE_ARGS is what decides the scores; its text is recorded in the base model's config.json.
+COMMON_ARGS=(--engine "$ENGINE" --handler "$BFCL_HANDLER" --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT")
+REPLICA_ARGS=(--data-parallel-size "$DP" --tensor-parallel-size "$TP")
+SCORE_ARGS=("${COMMON_ARGS[@]}" ${EVAL_LEN:+--max-model-len "$EVAL_LEN"} ${EVAL_NEW:+--max-new-tokens "$EVAL_NEW"})
+PLAY_ARGS=("${SCORE_ARGS[@]}" "${REPLICA_ARGS[@]}")
 # The base model's scores are shared by every run of the preset under $RUNS, so they must come
 # from one model and one set of evaluation settings: a run with others stops here.
 BASE=$RUNS/base-$PRESET
@@ -218,10 +221,9 @@ for ((t = 0; t < ROUNDS; t++)); do
   run interface "$t" "$R/interface.json" $PY evolve.py --mode "$OMEGA" --out "$R/interface.json"
   run rollout "$t" "$R/rollouts.jsonl" $PY rollout.py --model "$policy" --tasks "$TASKS" \
     $(limit_args "$TRAIN_LIMIT") --batch "$TASKS_PER_ROUND" --round "$t" --n "$N" --interface "$R/interface.json" \
-    --engine "$ENGINE" --temperature "$TEMP" --seed $((SEED * 1000 + t)) --max-steps-per-turn "$MAX_STEPS" \
-    --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" --call-format "$CALL_FORMAT" \
-    --prompts "$PROMPTS" --handler "$BFCL_HANDLER" \
-    --data-parallel-size "$DP" --tensor-parallel-size "$TP" --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
+    "${COMMON_ARGS[@]}" "${REPLICA_ARGS[@]}" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
+    --temperature "$TEMP" --seed $((SEED * 1000 + t)) --prompts "$PROMPTS" \
+    --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
   run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks "$TASKS" \
     --rollouts "$R/rollouts.jsonl" --out "$R/diagnoses.jsonl"
   run evolve "$t" "$NEXT/interface.json" $PY evolve.py --mode "$OMEGA" --diagnoses "$R/diagnoses.jsonl" \
