@@ -46,6 +46,7 @@ from common import bfcl, bfcl_results, play, prompts
 from common import calls as C
 from common.jsonl import RecordError, read_json, write_json, write_jsonl
 from common.replay import read_turns
+from common.runinfo import base_dir
 
 BFCL_MAX_NEW_TOKENS = 4096  # bfcl-eval's OSSHandler._query_prompting cap
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -133,7 +134,7 @@ def compare(runs):
         if not os.path.isdir(run):
             raise RecordError(f"{run}: no such run folder")
         preset = read_json(os.path.join(run, "config.json"))["settings"]["preset"]
-        base = os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{preset}")
+        base = base_dir(run, preset)
         if base not in bases:
             bases.add(base)
             if os.path.isfile(path := os.path.join(base, "eval", "scores.json")):

