@@ -46,6 +46,7 @@ from common import bfcl, bfcl_results, play, prompts
 from common import calls as C
 from common.jsonl import RecordError, read_json, write_json, write_jsonl
 from common.replay import read_turns
+from common.runinfo import base_dir
 from common.scores import mean, percent_by_group
 
 BFCL_MAX_NEW_TOKENS = 4096  # bfcl-eval's OSSHandler._query_prompting cap
@@ -79,24 +80,10 @@ parser.add_argument("--split", default="heldin", choices=["heldin", "train"])
 parser.add_argument("--tasks", default=None, help="task file (default: data/<split>.jsonl)")
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per category (τ²-bench: per domain)")
 parser.add_argument("--out", help="output folder")
-parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
-parser.add_argument("--handler", default="QwenFCHandler",
-                    help="the bfcl-eval handler whose prompts the model is shown (common/prompts.py HANDLERS)")
-parser.add_argument("--max-model-len", type=int, default=None,
-                    help="context (default: the model's max_position_embeddings, as bfcl-eval's local inference)")
-parser.add_argument("--max-new-tokens", type=int, default=BFCL_MAX_NEW_TOKENS,
-                    help="cap on new tokens per call (bfcl-eval: min(4096, context - prompt - 2))")
+play.add_play_args(parser, max_model_len=None, max_new_tokens=BFCL_MAX_NEW_TOKENS)
 parser.add_argument("--decoding", default="bfcl", choices=["bfcl", "greedy"],
                     help="bfcl: temperature 0.001 with the model's generation_config defaults (bfcl-eval's "
                          "vLLM server); greedy: argmax")
-parser.add_argument("--max-steps-per-turn", type=int, default=20)
-parser.add_argument("--call-format", default=None, choices=["json", "python"],
-                    help="how calls are decoded (default: the handler's)")
-parser.add_argument("--tensor-parallel-size", type=int, default=1)
-parser.add_argument("--data-parallel-size", type=int, default=1,
-                    help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
-parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
-                    help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
 parser.add_argument("--bfcl-model", default=None,
                     help="bfcl-eval registry entry that names and decodes DIR/result/ (docs/bfcl-results.md; "
                          "default: the --handler's, common/prompts.py HANDLERS)")
@@ -146,7 +133,7 @@ def compare(runs):
         if not os.path.isdir(run):
             raise RecordError(f"{run}: no such run folder")
         preset = read_json(os.path.join(run, "config.json"))["settings"]["preset"]
-        base = os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{preset}")
+        base = base_dir(run, preset)
         if base not in bases:
             bases.add(base)
             if os.path.isfile(path := os.path.join(base, "eval", "scores.json")):

@@ -76,9 +76,14 @@ case $PRESET in
     BFCL_HANDLER=LlamaHandler; CALL_FORMAT=python; EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
   *) echo "loop: unknown preset $PRESET (tiny, qwen3b, qwen7b, toolace8b)" >&2; exit 2 ;;
 esac
-OVERRIDABLE=" MODEL ENGINE DP TP NPROC ACCEL_CONFIG LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH LR KL TEMP "
-OVERRIDABLE+="MAX_STEPS MAX_LEN MAX_NEW TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS EXTRA_TRAIN KEEP TASKS SEED "
-OVERRIDABLE+="OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME BFCL_HANDLER PROMPTS EVAL_LEN EVAL_NEW "
+# The preset variables, one list for what --set may override and what config.json records, so
+# that no setting a run depends on goes unrecorded. VAR:key where the recorded key is not VAR in
+# lower case (those keys are what earlier runs recorded and what readers of config.json use).
+PRESET_VARS="MODEL ENGINE DP TP NPROC ACCEL_CONFIG:accelerate_config LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH
+  LR KL TEMP:temperature MAX_STEPS MAX_LEN:max_model_len MAX_NEW:max_new_tokens TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS
+  EXTRA_TRAIN KEEP TASKS SEED OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME BFCL_HANDLER PROMPTS EVAL_LEN EVAL_NEW"
+OVERRIDABLE=" "
+for e in $PRESET_VARS; do OVERRIDABLE+="${e%%:*} "; done
 for kv in "${SETS[@]+"${SETS[@]}"}"; do
   var=${kv%%=*}
   case $OVERRIDABLE in *" $var "*) printf -v "$var" '%s' "${kv#*=}" ;;
@@ -124,13 +129,17 @@ case $MODE in
   *) echo "loop: unknown mode $MODE" >&2; usage ;;
 esac
 
-# Every evaluation (held-in and OOD) plays with the preset's engine and limits (SCORE_ARGS, which
-# decide the scores) on DP replicas of TP GPUs each (which only decide how fast they come).
-SCORE_ARGS=(--engine "$ENGINE" --handler "$BFCL_HANDLER" --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT"
-  ${EVAL_LEN:+--max-model-len "$EVAL_LEN"} ${EVAL_NEW:+--max-new-tokens "$EVAL_NEW"})
-PLAY_ARGS=("${SCORE_ARGS[@]}" --data-parallel-size "$DP" --tensor-parallel-size "$TP")
+# Rollouts and every evaluation (held-in and OOD) play with the same engine, handler, step limit
+# and call format (COMMON_ARGS) on DP replicas of TP GPUs each (REPLICA_ARGS, which only decide
+# how fast results come); only their lengths differ (MAX_LEN/MAX_NEW, EVAL_LEN/EVAL_NEW).
+# SCORE_ARGS is what decides the scores; its text is recorded in the base model's config.json.
+COMMON_ARGS=(--engine "$ENGINE" --handler "$BFCL_HANDLER" --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT")
+REPLICA_ARGS=(--data-parallel-size "$DP" --tensor-parallel-size "$TP")
+SCORE_ARGS=("${COMMON_ARGS[@]}" ${EVAL_LEN:+--max-model-len "$EVAL_LEN"} ${EVAL_NEW:+--max-new-tokens "$EVAL_NEW"})
+PLAY_ARGS=("${SCORE_ARGS[@]}" "${REPLICA_ARGS[@]}")
 # The base model's scores are shared by every run of the preset under $RUNS, so they must come
-# from one model and one set of evaluation settings: a run with others stops here.
+# from one model and one set of evaluation settings: a run with others stops here. Where they
+# live is common/runinfo.py base_dir's rule (evaluate.py --compare and common/report.py find them by it).
 BASE=$RUNS/base-$PRESET
 if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" eval_limit="$EVAL_LIMIT" play="${SCORE_ARGS[*]}"; then
   echo "loop: $BASE holds the base model's scores for the settings above; use another --runs, or remove it" >&2
@@ -138,14 +147,14 @@ if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" eval_limit="$EVAL_
 fi
 RUN=$RUNS/$NAME
 mkdir -p "$RUN/logs"
-$PY -m common.runinfo "$RUN/config.json" preset="$PRESET" mode="$MODE" rounds="$ROUNDS" name="$NAME" \
-  eval_every="$EVAL_EVERY" model="$MODEL" engine="$ENGINE" dp="$DP" tp="$TP" nproc="$NPROC" accelerate_config="$ACCEL_CONFIG" \
-  lora="$LORA" call_format="$CALL_FORMAT" bfcl_handler="$BFCL_HANDLER" prompts="$PROMPTS" eval_len="$EVAL_LEN" eval_new="$EVAL_NEW" tasks_per_round="$TASKS_PER_ROUND" n="$N" mini_batch="$MINI_BATCH" \
-  lr="$LR" kl="$KL" temperature="$TEMP" max_steps="$MAX_STEPS" max_model_len="$MAX_LEN" \
-  max_new_tokens="$MAX_NEW" train_limit="$TRAIN_LIMIT" eval_limit="$EVAL_LIMIT" omega="$OMEGA" \
-  reweight="$REWEIGHT" extra_train="$EXTRA_TRAIN" keep="$KEEP" tasks="$TASKS" seed="$SEED" \
-  ood="$OOD" ood_limit="$OOD_LIMIT" user_model="$USER_MODEL" user_base_url="$USER_BASE_URL" \
-  user_model_name="$USER_MODEL_NAME" || { echo "loop: $RUN was run with the settings above; use another --name, or remove it" >&2; exit 2; }
+SETTINGS=()  # the run's own (command line and mode), then every preset variable
+for e in PRESET MODE ROUNDS NAME EVAL_EVERY OMEGA REWEIGHT $PRESET_VARS; do
+  var=${e%%:*} key=${e#*:}
+  [ "$key" != "$e" ] || key=${var,,}
+  SETTINGS+=("$key=${!var}")
+done
+$PY -m common.runinfo "$RUN/config.json" "${SETTINGS[@]}" \
+  || { echo "loop: $RUN was run with the settings above; use another --name, or remove it" >&2; exit 2; }
 
 # run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists (or was deleted by KEEP after a
 # later round used it), else run with a log and a timing line.
@@ -218,10 +227,9 @@ for ((t = 0; t < ROUNDS; t++)); do
   run interface "$t" "$R/interface.json" $PY evolve.py --mode "$MODE" --out "$R/interface.json"
   run rollout "$t" "$R/rollouts.jsonl" $PY rollout.py --model "$policy" --tasks "$TASKS" \
     $(limit_args "$TRAIN_LIMIT") --batch "$TASKS_PER_ROUND" --round "$t" --n "$N" --interface "$R/interface.json" \
-    --engine "$ENGINE" --temperature "$TEMP" --seed $((SEED * 1000 + t)) --max-steps-per-turn "$MAX_STEPS" \
-    --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" --call-format "$CALL_FORMAT" \
-    --prompts "$PROMPTS" --handler "$BFCL_HANDLER" \
-    --data-parallel-size "$DP" --tensor-parallel-size "$TP" --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
+    "${COMMON_ARGS[@]}" "${REPLICA_ARGS[@]}" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
+    --temperature "$TEMP" --seed $((SEED * 1000 + t)) --prompts "$PROMPTS" \
+    --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
   run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks "$TASKS" \
     --rollouts "$R/rollouts.jsonl" --out "$R/diagnoses.jsonl"
   run evolve "$t" "$NEXT/interface.json" $PY evolve.py --mode "$MODE" --diagnoses "$R/diagnoses.jsonl" \

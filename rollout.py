@@ -40,28 +40,17 @@ parser.add_argument("--tasks", required=True, help="task file, e.g. data/train.j
 parser.add_argument("--n", type=int, default=8, help="samples per task (the GRPO group)")
 parser.add_argument("--out", required=True, help="output JSONL")
 parser.add_argument("--interface", default=None, help="Ω (interface.json); absent: plain prompts")
-parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
 parser.add_argument("--task-ids", default=None, help="comma-separated task ids to play (after --limit)")
 parser.add_argument("--batch", type=int, default=None,
                     help="play only K tasks: round R takes the R-th slice of a fixed shuffle (cycling)")
 parser.add_argument("--temperature", type=float, default=1.0)
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--max-steps-per-turn", type=int, default=20)
-parser.add_argument("--max-model-len", type=int, default=16384)
-parser.add_argument("--max-new-tokens", type=int, default=512, help="per model call")
 parser.add_argument("--prompts", default="bfcl", choices=["bfcl", "template"],
                     help="bfcl: the prompts bfcl-eval's --handler builds (evaluation's); template: the "
                          "model's chat template with tools= (verl's convention)")
-parser.add_argument("--handler", default="QwenFCHandler", help="bfcl-eval handler (common/prompts.py HANDLERS)")
-parser.add_argument("--call-format", default=None, choices=["json", "python"],
-                    help="json: Qwen <tool_call> blocks; python: [f(a=1)] lists (ToolACE); default: the handler's")
 parser.add_argument("--round", type=int, default=0)
-parser.add_argument("--tensor-parallel-size", type=int, default=1)
-parser.add_argument("--data-parallel-size", type=int, default=1,
-                    help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
-parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
-                    help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
+play.add_play_args(parser, max_model_len=16384, max_new_tokens=512)
 parser.add_argument("--summary", default=None, help="also write the summary as JSON here")
 
 

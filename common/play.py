@@ -267,6 +267,34 @@ def hint_errors(step):
     return errors + ([step["parse_error"]] if step["parse_error"] else [])
 
 
+def add_play_args(parser, *, max_model_len, max_new_tokens):
+    """The engine and play flags rollout.py and evaluate.py share, declared once so that their
+    meaning cannot drift apart. The length defaults are the caller's: evaluation plays as
+    bfcl-eval's local inference (the model's context, None here; 4096 new tokens), training
+    within the preset's budget."""
+    parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"],
+                        help="vllm, or hf (transformers generate, lock-step only)")
+    parser.add_argument("--handler", default="QwenFCHandler",
+                        help="the bfcl-eval handler whose prompts the model is shown and whose call format is "
+                             "the default (common/prompts.py HANDLERS)")
+    parser.add_argument("--call-format", default=None, choices=["json", "python"],
+                        help="how calls are decoded: json, Qwen <tool_call> blocks; python, [f(a=1)] lists "
+                             "(ToolACE); default: the handler's")
+    parser.add_argument("--max-steps-per-turn", type=int, default=20,
+                        help="a turn's step with calls past this many force-quits the task (bfcl-eval: 20)")
+    parser.add_argument("--max-model-len", type=int, default=max_model_len,
+                        help="context in tokens (default: %(default)s)" if max_model_len is not None else
+                        "context (default: the model's max_position_embeddings, as bfcl-eval's local inference)")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                        help="cap on new tokens per model call (default: %(default)s; bfcl-eval: "
+                             "min(4096, context - prompt - 2))")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM engine replica")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
+    parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
+                        help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
+
+
 def schedule_for(engine_kind, schedule, error, data_parallel_size=1):
     """The schedule a stage runs: async by default on vLLM; HF generate runs lock-step only,
     data-parallel replicas async only (a trajectory stays on its replica)."""

@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from common.bfcl import CATEGORIES  # noqa: E402
 from common.jsonl import atomic_open, read_json, read_jsonl  # noqa: E402
+from common.runinfo import base_dir  # noqa: E402
 from common.taxonomy import LABELS  # noqa: E402
 
 STAGES = ["interface", "rollout", "diagnose", "evolve", "train", "eval"]
@@ -65,7 +66,7 @@ def collect(run):
         evals[os.path.basename(os.path.dirname(path))] = _json(path)
     config = _json(os.path.join(run, "config.json")) or {}
     preset = config.get("settings", {}).get("preset")
-    base = _json(os.path.join(os.path.dirname(run.rstrip("/")), f"base-{preset}", "eval", "scores.json"))
+    base = _json(os.path.join(base_dir(run, preset), "eval", "scores.json"))
     return rounds, evals, base, config
 
 

