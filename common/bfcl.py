@@ -247,7 +247,7 @@ class Environment:
         self.decoded = []  # what the checker gets: per turn, per step with calls, rendered strings
         self.memory = None
         if any(cls.startswith("MemoryAPI_") for cls in task["involved_classes"]):
-            # BFCL V4 memory (common/memory.py): bfcl-eval's harness creates the instance, which
+            # BFCL V4 memory (ood/memory.py): bfcl-eval's harness creates the instance, which
             # loads the scenario's memory snapshot, before the first turn (not under the deadline:
             # the vector backend re-embeds the snapshot), and writes it back when a prerequisite
             # conversation ends.

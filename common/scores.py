@@ -1,8 +1,8 @@
 """Benchmark scores as BFCL and τ²-bench report them: percent per group, and unweighted means,
 both to two decimals (means are taken over the rounded group scores, as the leaderboards do).
 
-Held-in (evaluate.py), BFCL V4 memory / web search (common/memory.py) and τ²-bench
-(common/tau.py) share this core and differ only in what a group without results means; each
+Held-in (evaluate.py), BFCL V4 memory / web search (ood/memory.py) and τ²-bench
+(ood/tau.py) share this core and differ only in what a group without results means; each
 caller says so where it builds its table.
 """
 

@@ -1,4 +1,4 @@
-"""BFCL V4 memory (common/memory.py, evaluate.py --bench bfcl-memory) against bfcl-eval's own data,
+"""BFCL V4 memory (ood/memory.py, evaluate.py --suite bfcl-memory) against bfcl-eval's own data,
 backend classes and checker.
 
 The oracle and the tiny model run through evaluate.py as a command. The notetaker scenario is the
@@ -6,7 +6,6 @@ cheapest (5 short prerequisite conversations), so the end-to-end runs use it.
 """
 
 import ast
-import copy
 import importlib.util
 import json
 import os
@@ -15,15 +14,14 @@ import sys
 
 import pytest
 
-from common import memory
-from tests.trajectories import _installed
+from ood import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTETAKER_PREREQS = 5
 
 
 def evaluate_cli(out, *extra, env=None):
-    cmd = [sys.executable, "evaluate.py", "--bench", "bfcl-memory", "--out", str(out), *extra]
+    cmd = [sys.executable, "evaluate.py", "--suite", "bfcl-memory", "--out", str(out), *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=600)
 
@@ -56,25 +54,10 @@ def test_questions_line_up_with_answers_and_prerequisites_chain(tmp_path):
     assert str(cfg["model_result_dir"]) == str(tmp_path)
 
 
-@pytest.mark.parametrize("with_system", [False, True])
-@pytest.mark.parametrize("backend", ["kv", "rec_sum"])
-def test_memory_prompt_is_bfcl_evals(tmp_path, backend, with_system):
-    """Our copy of add_memory_instruction_system_prompt against bfcl-eval's own source, compiled
-    from the installed file (its module imports tree_sitter), on a real backend instance with memory."""
-    from bfcl_eval.constants import default_prompts
-
-    theirs = _installed("bfcl_eval.model_handler.utils", ["add_memory_instruction_system_prompt"])
-    theirs.update({k: getattr(default_prompts, k) for k in dir(default_prompts) if k.isupper()})
-    cls = f"MemoryAPI_{backend}"
-    instance = getattr(memory.backend_module(cls), cls)()
-    (instance.core_memory_add(key="user_name", value="Ada") if backend == "kv"
-     else instance.memory_append(text="The user is called Ada."))
-    prompts = [[{"role": "user", "content": "What is my name?"}]]
-    if with_system:
-        prompts[0].insert(0, {"role": "system", "content": "Answer briefly."})
-    ours = memory.add_memory_instruction_system_prompt(copy.deepcopy(prompts), f"memory_{backend}", "student", instance)
-    ref = theirs["add_memory_instruction_system_prompt"](copy.deepcopy(prompts), f"memory_{backend}", "student", instance)
-    assert ours == ref and "Ada" in ours[0][0]["content"]
+def test_memory_prompt_is_bfcl_evals():
+    """The memory instruction is bfcl-eval's own function (its module's tree_sitter is installed)."""
+    from bfcl_eval.model_handler import utils
+    assert memory.add_memory_instruction_system_prompt is utils.add_memory_instruction_system_prompt
 
 
 def test_verdict_is_on_the_last_output_without_calls():
@@ -206,7 +189,7 @@ def test_tiny_model_plays_a_scenario_end_to_end(tmp_path, tiny_model):
 def test_web_search_without_a_key_is_a_clear_error(tmp_path):
     out = tmp_path / "web"
     env = {k: v for k, v in os.environ.items() if k != memory.SEARCH_KEY}
-    res = subprocess.run([sys.executable, "evaluate.py", "--bench", "bfcl-web", "--policy", "oracle",
+    res = subprocess.run([sys.executable, "evaluate.py", "--suite", "bfcl-web", "--policy", "oracle",
                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode != 0 and memory.SEARCH_KEY in res.stderr
     assert not out.exists()

@@ -3,8 +3,8 @@ percent per group to two decimals, means over the rounded group scores, and each
 reading of a group without results."""
 
 import evaluate
-from common import memory, tau
 from common.scores import mean, percent_by_group
+from ood import memory, tau
 
 
 def rows(key, value, **groups):

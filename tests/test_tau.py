@@ -1,4 +1,4 @@
-"""τ²-bench through evaluate.py --bench tau2 (common/tau.py), on τ²'s own orchestrator and evaluator.
+"""τ²-bench through evaluate.py --suite tau2 (ood/tau.py), on τ²'s own orchestrator and evaluator.
 
 The oracle (gold actions replayed as model text, gold user actions by a scripted user)
 must score 100 and a lazy oracle must not; the tiny model plays one task per domain as
@@ -16,14 +16,14 @@ import time
 
 import pytest
 
-from common import tau
+from ood import tau
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW_KEYS = {"domain", "task_id", "reward", "termination", "error", "reward_info", "agent_steps", "transcript"}
 
 
 def evaluate(*args, timeout=600):
-    return subprocess.run([sys.executable, "evaluate.py", "--bench", "tau2", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "evaluate.py", "--suite", "tau2", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 

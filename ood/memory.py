@@ -1,8 +1,8 @@
 """BFCL V4 memory (and, with a search-API key, web search), played as bfcl-eval's harness plays them.
 
-    python evaluate.py --bench bfcl-memory --policy DIR|oracle --out DIR [--limit K] [--engine vllm|hf] \
+    python evaluate.py --suite bfcl-memory --policy DIR|oracle --out DIR [--limit K] [--engine vllm|hf] \
         [--memory-backend kv vector rec_sum] [--memory-scenario customer|finance|healthcare|notetaker|student]
-    SERPAPI_API_KEY=... python evaluate.py --bench bfcl-web --policy DIR --out DIR [--limit K]
+    SERPAPI_API_KEY=... python evaluate.py --suite bfcl-web --policy DIR --out DIR [--limit K]
 
 What bfcl-eval 2026.3.23 does, and what we take from it (its loaders, backend classes, prompt
 constants and agentic_checker; our decoder, renderer, environment isolation and play loop):
@@ -14,9 +14,9 @@ constants and agentic_checker; our decoder, renderer, environment isolation and 
   conversation ends (common.bfcl.Environment, as base_handler.py's flush). Every question then
   loads the scenario's final snapshot, independently of the other questions.
 - The system prompt is bfcl-eval's memory instruction with the core memory as it stands when the
-  conversation starts (add_memory_instruction_system_prompt, reproduced here: its module needs
-  tree_sitter), plus, for questions, its answer-format instruction. Tools: the backend's docs as
-  its loader gives them, through the model's chat template as in rollouts.
+  conversation starts (bfcl-eval's add_memory_instruction_system_prompt), plus, for questions,
+  its answer-format instruction. Tools: the backend's docs as its loader gives them; prompts as
+  held-in evaluation builds them, by bfcl-eval's handler (common/prompts.py).
 - Score: the last output of the question's turn that does not decode into calls, checked by
   agentic_checker against the possible answers, which line up with the questions by index.
   Per backend the percent correct; `memory` is the mean of the three (docs/design.md §9).
@@ -46,20 +46,16 @@ from common.scores import mean, percent_by_group
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from bfcl_eval import utils as U  # noqa: E402
-from bfcl_eval.constants.default_prompts import (  # noqa: E402
-    MEMORY_AGENT_SETTINGS,
-    MEMORY_BACKEND_INSTRUCTION_CORE_ARCHIVAL,
-    MEMORY_BACKEND_INSTRUCTION_UNIFIED,
-)
 from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING  # noqa: E402
 from bfcl_eval.eval_checker.agentic_eval.agentic_checker import agentic_checker  # noqa: E402
+from bfcl_eval.model_handler.utils import add_memory_instruction_system_prompt  # noqa: E402
 
 BACKENDS = ["kv", "vector", "rec_sum"]
 WEB_CATEGORIES = ["web_search_base", "web_search_no_snippet"]
 EMBEDDER = "all-MiniLM-L6-v2"  # the name memory_vector.py gives SentenceTransformer
 SEARCH_KEY = "SERPAPI_API_KEY"  # what web_search.py's search_engine_query reads
 WEB_PACKAGES = "google-search-results html2text beautifulsoup4"  # web_search.py's imports beyond ours
-NO_WEB_NOTE = (f"web search not run (it needs {SEARCH_KEY} and live pages: evaluate.py --bench bfcl-web); "
+NO_WEB_NOTE = (f"web search not run (it needs {SEARCH_KEY} and live pages: evaluate.py --suite bfcl-web); "
                "the BFCL V4 figure of this folder is the memory average only")
 # The oracle's one memory write per prerequisite conversation, per backend.
 ORACLE_NOTE = {
@@ -91,25 +87,6 @@ def backend_module(class_name):
             os.chdir(cwd)
             shutil.rmtree(folder)
     return importlib.import_module(name)
-
-
-def add_memory_instruction_system_prompt(prompts, test_category, scenario, memory_backend_instance):
-    """bfcl-eval's model_handler/utils.py function of this name, line for line (that module imports
-    tree_sitter, which we do not install; tests/test_memory.py compares the two)."""
-    assert len(prompts) >= 1
-    scenario_setting = MEMORY_AGENT_SETTINGS[scenario]
-    memory_content = memory_backend_instance._dump_core_memory_to_context()
-    if "rec_sum" in test_category:
-        system_prompt_template = MEMORY_BACKEND_INSTRUCTION_UNIFIED
-    else:
-        system_prompt_template = MEMORY_BACKEND_INSTRUCTION_CORE_ARCHIVAL
-    system_prompt = system_prompt_template.format(scenario_setting=scenario_setting, memory_content=memory_content)
-    first_turn_prompts = prompts[0]
-    if first_turn_prompts[0]["role"] == "system":
-        first_turn_prompts[0]["content"] = system_prompt + "\n\n" + first_turn_prompts[0]["content"]
-    else:
-        first_turn_prompts.insert(0, {"role": "system", "content": system_prompt})
-    return prompts
 
 
 # ----------------------------------------------------------------------------- questions
@@ -230,22 +207,22 @@ def transcript(record):
 
 
 def evaluate(args, error):
-    """evaluate.py --bench bfcl-memory | bfcl-web: DIR/results.jsonl, DIR/prereqs.jsonl,
+    """evaluate.py --suite bfcl-memory | bfcl-web: DIR/results.jsonl, DIR/prereqs.jsonl,
     DIR/memory_snapshot/ and DIR/scores.json (written last)."""
     start = time.perf_counter()
     if args.policy != "oracle":
         from common.engines import resolve_model
         resolve_model(args.policy)  # a clear error before anything loads
-    if args.bench == "bfcl-web":
+    if args.suite == "bfcl-web":
         if args.memory_scenario:
-            error("--memory-scenario is for --bench bfcl-memory")
+            error("--memory-scenario is for --suite bfcl-memory")
         if not os.environ.get(SEARCH_KEY):
-            error(f"--bench bfcl-web needs a SerpAPI key in {SEARCH_KEY}: BFCL V4 web search queries Google "
-                  "through SerpAPI and fetches live pages (not run; --bench bfcl-memory runs offline)")
+            error(f"--suite bfcl-web needs a SerpAPI key in {SEARCH_KEY}: BFCL V4 web search queries Google "
+                  "through SerpAPI and fetches live pages (not run; --suite bfcl-memory runs offline)")
         try:
             backend_module("WebSearchAPI")
         except ImportError as e:
-            error(f"--bench bfcl-web: bfcl-eval's web search needs {WEB_PACKAGES} ({e})")
+            error(f"--suite bfcl-web: bfcl-eval's web search needs {WEB_PACKAGES} ({e})")
         categories = WEB_CATEGORIES
     else:
         categories = [f"memory_{b}" for b in args.memory_backend]
@@ -285,7 +262,7 @@ def evaluate(args, error):
                             **verdict(rec, q["answers"], args.call_format), "possible_answers": q["answers"],
                             "messages": task["questions"][0], **transcript(rec)})
         scores = category_scores(results, categories)
-        scores["run"] = {"bench": args.bench, "policy": args.policy if args.policy == "oracle" else os.path.abspath(args.policy),
+        scores["run"] = {"suite": args.suite, "policy": args.policy if args.policy == "oracle" else os.path.abspath(args.policy),
                          "limit": args.limit, "scenario": args.memory_scenario,
                          "questions": {c: sum(r["category"] == c for r in results) for c in categories},
                          "prerequisite_conversations": len(prereqs), "call_format": args.call_format,
@@ -304,7 +281,7 @@ def evaluate(args, error):
         if engine is not None:
             engine.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    print_table(scores, f"{args.policy} on BFCL V4 {args.bench[len('bfcl-'):]} (bfcl-eval {bfcl_eval_version()})")
+    print_table(scores, f"{args.policy} on BFCL V4 {args.suite[len('bfcl-'):]} (bfcl-eval {bfcl_eval_version()})")
     for r in results if args.policy == "oracle" else []:
         if not r["valid"]:
             print(f"  failed: {r['task_id']} {r['error_type']}")

