@@ -20,11 +20,10 @@ It prints: per-task verdicts (and bfcl's error types) equal or not, listing thos
 differ; per-step outputs (bfcl's `result` texts vs each step's `text` in our
 rollouts.jsonl) equal or not, with the first differing step of each task and a reason
 where one can be told: the prompts differ (bfcl's logged `formatted_prompt` vs ours,
-taken from a step's `formatted_prompt` when our records carry one, else decoded from
-the record's token ids), the same text but other token ids (bfcl re-tokenizes the
-prompt text at every step, we keep the generated ids), our --max-new-tokens cut, or the
-same prompt tokens (engine numerics, batch composition, or sampling: bfcl asks for
-temperature 0.001, which vLLM raises to 0.01; ours is greedy); and the wall time of
+taken from the inference log of the bfcl-eval result files evaluate.py writes, else decoded
+from the record's token ids), the same text but other token ids, our --max-new-tokens cut,
+or the same prompt tokens (engine numerics, batch composition, or sampling: both sides ask
+for temperature 0.001, which vLLM raises to 0.01); and the wall time of
 each side and their ratio (CPU seconds too: the server's read from /proc); ours runs
 first, then bfcl's. With --twice, bfcl generate runs a second time against the same
 server and the two are compared: bfcl's own run-to-run floor for the per-step figure.
@@ -42,6 +41,7 @@ until soundfile is installed too; the bench adds it.
 import argparse
 import contextlib
 import difflib
+import glob
 import json
 import os
 import re
@@ -344,8 +344,8 @@ def reason(bp, op, out_tokens, max_new_tokens, tokenizer):
         return "same prompt text, other token ids", "bfcl re-tokenizes the text each step; we keep the generated ids"
     if op[2] is not None and op[2] >= max_new_tokens and (out_tokens or 0) > op[2]:
         return "our --max-new-tokens cut", f"ours stopped at {max_new_tokens} tokens, bfcl's ran to {out_tokens}"
-    return "same prompt tokens", ("engine numerics, batch composition or sampling (bfcl's temperature "
-                                  f"{args.temperature:g}, raised by vLLM to 0.01 if below; ours greedy)")
+    return "same prompt tokens", ("engine numerics, batch composition or sampling (both ask for temperature "
+                                  f"{args.temperature:g}, which vLLM raises to 0.01 if below)")
 
 
 def compare_steps(tasks, results, ours, tokenizer, max_new_tokens):
@@ -425,7 +425,9 @@ def main():
     try:
         # ours
         cmd = [sys.executable, "evaluate.py", "--policy", model, "--engine", "vllm", "--tasks", args.tasks,
-               "--limit", str(args.limit), "--out", oroot, *shlex.split(args.ours_args)]
+               "--limit", str(args.limit), "--out", oroot,
+               # bfcl's --temperature 0 is greedy on its server: ours decodes greedily too
+               *(["--decoding", "greedy"] if args.temperature == 0 else []), *shlex.split(args.ours_args)]
         print(f"ours: {shlex.join(cmd)}", flush=True)
         cpu = children_cpu()
         rc, times["ours"] = run_bounded(cmd, os.path.join(logs, "ours.log"), args.timeout)
@@ -493,9 +495,16 @@ def report(tasks, broot, oroot, model, times, out, again=None):
     if not scored:
         sys.exit(f"error: bfcl evaluate wrote no multi-turn score file under {broot}")
     ours = {r["task_id"]: r for r in read_jsonl(os.path.join(oroot, "rollouts.jsonl"))}
+    # Our step prompts are kept only in the bfcl-eval result files evaluate.py writes beside them.
+    for path in glob.glob(os.path.join(oroot, "result", "*", "multi_turn", "*_result.json")):
+        for entry in read_jsonl(path):
+            rec = ours.get(entry["id"])
+            for (ti, si), text in bfcl_prompts(entry).items():
+                if rec and ti < len(rec["turns"]) and si < len(rec["turns"][ti]["steps"]):
+                    rec["turns"][ti]["steps"][si]["formatted_prompt"] = text
     overd = {r["task_id"]: (r["valid"], r["error_type"]) for r in read_jsonl(os.path.join(oroot, "results.jsonl"))}
     ours_args = shlex.split(args.ours_args)
-    max_new = int(ours_args[ours_args.index("--max-new-tokens") + 1]) if "--max-new-tokens" in ours_args else 512
+    max_new = int(ours_args[ours_args.index("--max-new-tokens") + 1]) if "--max-new-tokens" in ours_args else 4096
 
     print(f"\n{len(tasks)} tasks, bfcl-eval {BFCL_EVAL.split('==')[1]} ({args.registry}, QwenFCHandler) vs evaluate.py")
     ids = [t["id"] for t in tasks]
