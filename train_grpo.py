@@ -137,6 +137,40 @@ from common.grpo import (
 )
 from common.jsonl import RecordError, atomic_dir, read_json, read_jsonl, write_json, write_jsonl
 
+# fmt: off
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--model", required=True, help="HF model folder, or a PEFT adapter folder to keep training")
+parser.add_argument("--rollouts", required=True)
+parser.add_argument("--diagnoses", required=True)
+rho_source = parser.add_mutually_exclusive_group()
+rho_source.add_argument("--interface", help="interface.json; its 'rho' (if any) is the utility table")
+rho_source.add_argument("--rho", help="JSON object {label: utility}")
+parser.add_argument("--out", required=True, help="folder for the next policy")
+parser.add_argument("--metrics", help="default: train_metrics.jsonl in the folder that holds --out")
+parser.add_argument("--ref-model", help="the initial policy, KL reference (default: --model)")
+parser.add_argument("--no-reweight", action="store_true", help="w = 1 for every trajectory (ρ ≡ 1)")
+parser.add_argument("--lr", type=float, default=1e-6, help="1e-6 for full fine-tuning; ~1e-5 with --lora")
+parser.add_argument("--kl-coef", type=float, default=0.001, help="0 disables the KL term and the reference")
+parser.add_argument("--clip", type=float, default=0.2)
+parser.add_argument("--clip-ratio-c", type=float, default=3.0,
+                    help="dual clip for A < 0 (verl's clip_ratio_c); 0 disables")
+parser.add_argument("--mini-batch-tasks", type=int, default=8, help="tasks (whole groups) per optimiser step, at least")
+parser.add_argument("--zero-variance", choices=("drop", "keep"), default="drop",
+                    help="groups with equal rewards: left out (default), or kept in the loss as verl does")
+parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="padded tokens per forward")
+parser.add_argument("--epochs", type=int, default=1)
+parser.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables")
+parser.add_argument("--lora", action="store_true")
+parser.add_argument("--lora-r", type=int, default=16)
+parser.add_argument("--lora-alpha", type=int, default=32)
+parser.add_argument("--gradient-checkpointing", action="store_true")
+parser.add_argument("--save-optimizer", action="store_true", help="write <out>/optimizer/")
+parser.add_argument("--optimizer-state", help="previous <out>/optimizer/")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--cpu", action="store_true", help="force CPU (Accelerator(cpu=True))")
+# fmt: on
+
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json",
@@ -145,59 +179,12 @@ OPTIMIZER_DIR = "optimizer"  # inside --out
 TRAINER_STATE = "trainer_state.json"  # inside the optimiser folder: {"global_step": N}
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--model", required=True, help="HF model folder, or a PEFT adapter folder to keep training"
-    )
-    ap.add_argument("--rollouts", required=True)
-    ap.add_argument("--diagnoses", required=True)
-    src = ap.add_mutually_exclusive_group()
-    src.add_argument("--interface", help="interface.json; its 'rho' (if any) is the utility table")
-    src.add_argument("--rho", help="JSON object {label: utility}")
-    ap.add_argument("--out", required=True, help="folder for the next policy")
-    ap.add_argument("--metrics", help="default: train_metrics.jsonl in the folder that holds --out")
-    ap.add_argument("--ref-model", help="the initial policy, KL reference (default: --model)")
-    ap.add_argument("--no-reweight", action="store_true", help="w = 1 for every trajectory (ρ ≡ 1)")
-    ap.add_argument("--lr", type=float, default=1e-6, help="1e-6 for full fine-tuning; ~1e-5 with --lora")
-    ap.add_argument("--kl-coef", type=float, default=0.001, help="0 disables the KL term and the reference")
-    ap.add_argument("--clip", type=float, default=0.2)
-    ap.add_argument(
-        "--clip-ratio-c",
-        type=float,
-        default=3.0,
-        help="dual clip for A < 0 (verl's clip_ratio_c); 0 disables",
-    )
-    ap.add_argument(
-        "--mini-batch-tasks", type=int, default=8, help="tasks (whole groups) per optimiser step, at least"
-    )
-    ap.add_argument(
-        "--zero-variance", choices=("drop", "keep"), default="drop",
-        help="groups with equal rewards: left out (default), or kept in the loss as verl does",
-    )  # fmt: skip
-    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="padded tokens per forward")
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables")
-    ap.add_argument("--lora", action="store_true")
-    ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--lora-alpha", type=int, default=32)
-    ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--save-optimizer", action="store_true", help="write <out>/optimizer/")
-    ap.add_argument("--optimizer-state", help="previous <out>/optimizer/")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cpu", action="store_true", help="force CPU (Accelerator(cpu=True))")
-    args = ap.parse_args(argv)
-    if args.mini_batch_tasks < 1 or args.epochs < 1 or args.max_tokens_per_micro_batch < 1:
-        ap.error("--mini-batch-tasks, --epochs and --max-tokens-per-micro-batch must be positive")
-    if args.clip_ratio_c != 0 and args.clip_ratio_c <= 1:
-        ap.error("--clip-ratio-c must be above 1 (or 0 to disable the dual clip)")
-    return args
-
-
 def main(argv=None):
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.mini_batch_tasks < 1 or args.epochs < 1 or args.max_tokens_per_micro_batch < 1:
+        parser.error("--mini-batch-tasks, --epochs and --max-tokens-per-micro-batch must be positive")
+    if args.clip_ratio_c != 0 and args.clip_ratio_c <= 1:
+        parser.error("--clip-ratio-c must be above 1 (or 0 to disable the dual clip)")
     try:
         train(args)
     except RecordError as e:

@@ -93,8 +93,8 @@ def test_train_grpo_loads_the_adapters_base_from_elsewhere(layout, tiny_model, m
                 "sampling": {"temperature": 1.0}}) + "\n")
             d.write(json.dumps({"task_id": "t0", "sample_index": k, "reward": reward,
                                 "turn_labels": ["pass"], "evidence": [""], "profile": {"pass": 1.0}}) + "\n")
-    args = train_grpo.parse_args(["--model", layout["policy"], "--rollouts", rollouts, "--diagnoses", diagnoses,
-                                  "--out", "out", "--cpu"])
+    args = train_grpo.parser.parse_args(["--model", layout["policy"], "--rollouts", rollouts, "--diagnoses", diagnoses,
+                                         "--out", "out", "--cpu"])
     run = train_grpo.read_inputs(args)
     assert os.path.realpath(run.base_path) == os.path.realpath(tiny_model)
     assert (run.adapter_in, run.ref_source, run.ref_model) == (True, "base", run.base_path)
