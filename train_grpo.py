@@ -111,7 +111,6 @@ import random
 import shutil
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 from accelerate import Accelerator
@@ -137,6 +136,40 @@ from common.grpo import (
 )
 from common.jsonl import RecordError, atomic_dir, read_json, read_jsonl, write_json, write_jsonl
 
+# fmt: off
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--model", required=True, help="HF model folder, or a PEFT adapter folder to keep training")
+parser.add_argument("--rollouts", required=True)
+parser.add_argument("--diagnoses", required=True)
+rho_source = parser.add_mutually_exclusive_group()
+rho_source.add_argument("--interface", help="interface.json; its 'rho' (if any) is the utility table")
+rho_source.add_argument("--rho", help="JSON object {label: utility}")
+parser.add_argument("--out", required=True, help="folder for the next policy")
+parser.add_argument("--metrics", help="default: train_metrics.jsonl in the folder that holds --out")
+parser.add_argument("--ref-model", help="the initial policy, KL reference (default: --model)")
+parser.add_argument("--no-reweight", action="store_true", help="w = 1 for every trajectory (ρ ≡ 1)")
+parser.add_argument("--lr", type=float, default=1e-6, help="1e-6 for full fine-tuning; ~1e-5 with --lora")
+parser.add_argument("--kl-coef", type=float, default=0.001, help="0 disables the KL term and the reference")
+parser.add_argument("--clip", type=float, default=0.2)
+parser.add_argument("--clip-ratio-c", type=float, default=3.0,
+                    help="dual clip for A < 0 (verl's clip_ratio_c); 0 disables")
+parser.add_argument("--mini-batch-tasks", type=int, default=8, help="tasks (whole groups) per optimiser step, at least")
+parser.add_argument("--zero-variance", choices=("drop", "keep"), default="drop",
+                    help="groups with equal rewards: left out (default), or kept in the loss as verl does")
+parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="padded tokens per forward")
+parser.add_argument("--epochs", type=int, default=1)
+parser.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables")
+parser.add_argument("--lora", action="store_true")
+parser.add_argument("--lora-r", type=int, default=16)
+parser.add_argument("--lora-alpha", type=int, default=32)
+parser.add_argument("--gradient-checkpointing", action="store_true")
+parser.add_argument("--save-optimizer", action="store_true", help="write <out>/optimizer/")
+parser.add_argument("--optimizer-state", help="previous <out>/optimizer/")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--cpu", action="store_true", help="force CPU (Accelerator(cpu=True))")
+# fmt: on
+
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json",
@@ -145,59 +178,12 @@ OPTIMIZER_DIR = "optimizer"  # inside --out
 TRAINER_STATE = "trainer_state.json"  # inside the optimiser folder: {"global_step": N}
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--model", required=True, help="HF model folder, or a PEFT adapter folder to keep training"
-    )
-    ap.add_argument("--rollouts", required=True)
-    ap.add_argument("--diagnoses", required=True)
-    src = ap.add_mutually_exclusive_group()
-    src.add_argument("--interface", help="interface.json; its 'rho' (if any) is the utility table")
-    src.add_argument("--rho", help="JSON object {label: utility}")
-    ap.add_argument("--out", required=True, help="folder for the next policy")
-    ap.add_argument("--metrics", help="default: train_metrics.jsonl in the folder that holds --out")
-    ap.add_argument("--ref-model", help="the initial policy, KL reference (default: --model)")
-    ap.add_argument("--no-reweight", action="store_true", help="w = 1 for every trajectory (ρ ≡ 1)")
-    ap.add_argument("--lr", type=float, default=1e-6, help="1e-6 for full fine-tuning; ~1e-5 with --lora")
-    ap.add_argument("--kl-coef", type=float, default=0.001, help="0 disables the KL term and the reference")
-    ap.add_argument("--clip", type=float, default=0.2)
-    ap.add_argument(
-        "--clip-ratio-c",
-        type=float,
-        default=3.0,
-        help="dual clip for A < 0 (verl's clip_ratio_c); 0 disables",
-    )
-    ap.add_argument(
-        "--mini-batch-tasks", type=int, default=8, help="tasks (whole groups) per optimiser step, at least"
-    )
-    ap.add_argument(
-        "--zero-variance", choices=("drop", "keep"), default="drop",
-        help="groups with equal rewards: left out (default), or kept in the loss as verl does",
-    )  # fmt: skip
-    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="padded tokens per forward")
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables")
-    ap.add_argument("--lora", action="store_true")
-    ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--lora-alpha", type=int, default=32)
-    ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--save-optimizer", action="store_true", help="write <out>/optimizer/")
-    ap.add_argument("--optimizer-state", help="previous <out>/optimizer/")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cpu", action="store_true", help="force CPU (Accelerator(cpu=True))")
-    args = ap.parse_args(argv)
-    if args.mini_batch_tasks < 1 or args.epochs < 1 or args.max_tokens_per_micro_batch < 1:
-        ap.error("--mini-batch-tasks, --epochs and --max-tokens-per-micro-batch must be positive")
-    if args.clip_ratio_c != 0 and args.clip_ratio_c <= 1:
-        ap.error("--clip-ratio-c must be above 1 (or 0 to disable the dual clip)")
-    return args
-
-
 def main(argv=None):
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.mini_batch_tasks < 1 or args.epochs < 1 or args.max_tokens_per_micro_batch < 1:
+        parser.error("--mini-batch-tasks, --epochs and --max-tokens-per-micro-batch must be positive")
+    if args.clip_ratio_c != 0 and args.clip_ratio_c <= 1:
+        parser.error("--clip-ratio-c must be above 1 (or 0 to disable the dual clip)")
     try:
         train(args)
     except RecordError as e:
@@ -205,69 +191,132 @@ def main(argv=None):
 
 
 def train(args):
-    run = read_inputs(args)
-    accelerator = make_accelerator(args)
-    if accelerator.is_main_process:
-        for w in run.warnings:
-            print(w, file=sys.stderr)
-    set_seed(args.seed)
-    mini_batches = plan_mini_batches(args, run, accelerator)
-    reference_logprobs(args, run, mini_batches, accelerator)
-    model, optimizer, params, global_step = load_policy(args, run, accelerator)
-    old_logprobs(model, run, mini_batches, accelerator)
-    metrics = optimise(args, run, mini_batches, model, optimizer, params, global_step, accelerator)
-    save(args, run, model, metrics, accelerator)
-
-
-# ---------------------------------------------------------------- inputs and plan
-
-
-def read_inputs(args):
-    """Everything the round needs from disk, checked before a model is loaded or a file written."""
+    # Everything the round needs from disk, checked before a model is loaded or a file written.
     rho = load_rho(args.interface, args.rho)
-    rollouts = read_jsonl(args.rollouts, required=["task_id", "sample_index", "tokens"])
-    diagnoses = read_jsonl(args.diagnoses, required=["task_id", "sample_index", "reward", "profile"])
+    rollouts = read_jsonl(args.rollouts, required=ROLLOUT_FIELDS)
+    diagnoses = read_jsonl(args.diagnoses, required=DIAGNOSIS_FIELDS)
+    trajectories = join(args, rollouts, diagnoses, rho)
+    temperature, warning = read_temperature(rollouts, args.rollouts)
+    policy = read_policy(args.model, args.lora)
+    check_vocabulary(trajectories, rollouts, policy.vocab_size, args.rollouts)
+    reference = choose_reference(args.kl_coef, args.ref_model, policy)
+    check_optimizer_state(args.optimizer_state)
+    metrics_path = args.metrics or os.path.join(
+        os.path.dirname(os.path.abspath(args.out)), "train_metrics.jsonl"
+    )
+
+    accelerator = make_accelerator(args)
+    if warning and accelerator.is_main_process:
+        print(warning, file=sys.stderr)
+    set_seed(args.seed)
+    mini_batches, zero_var_share = plan_mini_batches(args, trajectories, accelerator)
+    reference_logprobs(reference, mini_batches, temperature, accelerator)
+    model, optimizer, params, global_step = load_policy(args, policy, accelerator)
+    old_logprobs(model, reference, mini_batches, temperature, accelerator)
+    round_fields = {
+        "zero_var_share": zero_var_share,
+        "temperature": temperature,
+        "ref_model": reference.model,
+    }
+    metrics, global_step = optimise(
+        args, model, optimizer, params, global_step, mini_batches, trajectories, round_fields, accelerator
+    )
+    save(args, policy, model, metrics, global_step, metrics_path, accelerator)
+
+
+# ---------------------------------------------------------------- inputs
+
+ROLLOUT_FIELDS = ["task_id", "sample_index", "tokens"]
+DIAGNOSIS_FIELDS = ["task_id", "sample_index", "reward", "profile"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The input policy, as --model names it."""
+
+    base_path: str  # the model folder; for an adapter, its base (resolved as common/engines.py does)
+    adapter_in: bool  # --model is a PEFT adapter folder, whose training continues
+    use_lora: bool  # an adapter is trained (--lora, or an input adapter)
+    saved_dtype: str | None  # the input config's dtype, which the saved config keeps
+    vocab_size: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The KL reference: where its log-probs come from (source), and its absolute folder, which
+    the metrics record as ref_model. source None: --kl-coef 0, no reference; "ref_model": a
+    separate model (--ref-model), scored before the policy is loaded; "input": the input
+    weights, whose old log-probs are the reference's; "base": the base under the input
+    adapter, scored with the adapter disabled."""
+
+    source: str | None
+    model: str | None
+
+
+def join(args, rollouts, diagnoses, rho):
+    """The rollouts joined with their diagnoses: trajectories with weights and advantages."""
     trajectories = join_trajectories(
         rollouts, diagnoses, rho, reweight=not args.no_reweight,
         rollouts_path=args.rollouts, diagnoses_path=args.diagnoses,
     )  # fmt: skip
     if not trajectories:
         raise RecordError(f"{args.rollouts}: no rollout records")
-    temperature, unsampled = rollout_temperature(rollouts, args.rollouts)
-    base_path, adapter, _ = resolve_model(args.model)
-    adapter_in = adapter is not None
+    return trajectories
+
+
+def read_temperature(rollouts, path):
+    """The rollouts' sampling temperature, and the warning to print if some records carry none."""
+    temperature, unsampled = rollout_temperature(rollouts, path)
+    if not unsampled:
+        return temperature, None
+    return temperature, (
+        f"warning: {path}: {unsampled} of {len(rollouts)} records carry no sampling temperature; "
+        "read as temperature 1"
+    )
+
+
+def read_policy(model, lora):
+    """What --model is (a model folder, or an adapter and its base) and what its config says."""
+    base_path, adapter, _ = resolve_model(model)
     config = read_json(os.path.join(base_path, "config.json"))
-    vocab = config.get("vocab_size")
+    return Policy(
+        base_path=base_path, adapter_in=adapter is not None, use_lora=lora or adapter is not None,
+        saved_dtype=config.get("dtype") or config.get("torch_dtype"), vocab_size=config.get("vocab_size"),
+    )  # fmt: skip
+
+
+def check_vocabulary(trajectories, rollouts, vocab_size, path):
+    """Every token id is one the model has (names the rollout's line)."""
     lines = {(r["task_id"], r["sample_index"]): r["_line"] for r in rollouts}
     for t in trajectories:
-        if vocab and max(t.prompt_ids + t.ids) >= vocab:
+        if vocab_size and max(t.prompt_ids + t.ids) >= vocab_size:
             raise RecordError(
-                f"{args.rollouts}:{lines[t.task_id, t.sample_index]}: token id outside the model's vocabulary ({vocab})"
+                f"{path}:{lines[t.task_id, t.sample_index]}: token id outside the model's vocabulary ({vocab_size})"
             )
-    use_lora = args.lora or adapter_in
-    # where the KL reference's log-probs come from; ref_model is the folder the metrics record
-    if args.kl_coef <= 0:
-        ref_source, ref_model = None, None
-    elif use_lora:  # the base with the adapter disabled (a fresh adapter starts out as the base)
-        ref_source, ref_model = ("base" if adapter_in else "input"), base_path
-    elif args.ref_model and os.path.abspath(args.ref_model) != base_path:
-        ref_source, ref_model = "ref_model", os.path.abspath(args.ref_model)
-        if not os.path.isfile(os.path.join(ref_model, "config.json")):
-            raise RecordError(f"{args.ref_model}: not a model folder (no config.json)")
-    else:
-        ref_source, ref_model = "input", base_path
-    if args.optimizer_state and not os.path.isfile(os.path.join(args.optimizer_state, TRAINER_STATE)):
-        raise RecordError(f"{args.optimizer_state}: not an optimiser state folder (no {TRAINER_STATE})")
-    metrics_path = args.metrics or os.path.join(
-        os.path.dirname(os.path.abspath(args.out)), "train_metrics.jsonl"
-    )
-    return SimpleNamespace(
-        trajectories=trajectories, adapter_in=adapter_in, base_path=base_path, use_lora=use_lora,
-        saved_dtype=config.get("dtype") or config.get("torch_dtype"), ref_source=ref_source,
-        ref_model=ref_model, metrics_path=metrics_path, temperature=temperature,
-        warnings=[f"warning: {args.rollouts}: {unsampled} of {len(rollouts)} records carry no sampling temperature; "
-                  "read as temperature 1"] if unsampled else [],
-    )  # fmt: skip
+
+
+def choose_reference(kl_coef, ref_model, policy):
+    """The KL reference (the paper's: the initial policy): --ref-model, else the input policy;
+    with LoRA the base with the adapter disabled (a fresh adapter starts out as the base)."""
+    if kl_coef <= 0:
+        return Reference(None, None)
+    if policy.use_lora:
+        return Reference("base" if policy.adapter_in else "input", policy.base_path)
+    if ref_model and os.path.abspath(ref_model) != policy.base_path:
+        folder = os.path.abspath(ref_model)
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise RecordError(f"{ref_model}: not a model folder (no config.json)")
+        return Reference("ref_model", folder)
+    return Reference("input", policy.base_path)
+
+
+def check_optimizer_state(path):
+    """--optimizer-state, if given, is a folder this trainer wrote (it holds the global step)."""
+    if path and not os.path.isfile(os.path.join(path, TRAINER_STATE)):
+        raise RecordError(f"{path}: not an optimiser state folder (no {TRAINER_STATE})")
+
+
+# ---------------------------------------------------------------- accelerator
 
 
 def make_accelerator(args):
@@ -336,14 +385,27 @@ def gradient_dtypes(accelerator, model, params):
     return found
 
 
-def plan_mini_batches(args, run, accelerator):
+# ---------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass(frozen=True)
+class MiniBatch:
+    """The whole groups of one optimiser step."""
+
+    trajs: list  # every trajectory of the mini-batch's groups
+    mine: list  # this process's micro-batches (lists of trajectories)
+    norm: int  # model tokens of the whole mini-batch, on all processes: the token-mean's denominator
+
+
+def plan_mini_batches(args, trajectories, accelerator):
     """Whole tasks (with --zero-variance drop, those with differing rewards only), shuffled into
-    balanced mini-batches of at least --mini-batch-tasks: the same plan on every process."""
+    balanced mini-batches of at least --mini-batch-tasks: the same plan on every process.
+    Returns the mini-batches and the share of groups with equal rewards."""
     by_task = {}
-    for t in run.trajectories:
+    for t in trajectories:
         by_task.setdefault(t.task_id, []).append(t)
     live = [tid for tid, ts in by_task.items() if any(t.advantage != 0.0 for t in ts)]
-    run.zero_var_share = 1 - len(live) / len(by_task) if by_task else 0.0
+    zero_var_share = 1 - len(live) / len(by_task) if by_task else 0.0
     tasks = live if args.zero_variance == "drop" else list(by_task)
     random.Random(args.seed).shuffle(tasks)
     mini_batches = []
@@ -353,17 +415,18 @@ def plan_mini_batches(args, run, accelerator):
             [t.length for t in trajs], accelerator.num_processes, args.max_tokens_per_micro_batch
         )
         mine = [[trajs[k] for k in mb] for mb in plan[accelerator.process_index]]
-        mini_batches.append({"trajs": trajs, "mine": mine, "norm": sum(t.model_tokens for t in trajs)})
-    return mini_batches
+        mini_batches.append(MiniBatch(trajs=trajs, mine=mine, norm=sum(t.model_tokens for t in trajs)))
+    return mini_batches, zero_var_share
 
 
 # ---------------------------------------------------------------- reference log-probs
 
 
-def reference_logprobs(args, run, mini_batches, accelerator):
+def reference_logprobs(reference, mini_batches, temperature, accelerator):
     """A separate reference model (the round-0 policy) scores every trajectory and is freed
-    before the policy is loaded: training never holds two models."""
-    if run.ref_source != "ref_model" or not mini_batches:
+    before the policy is loaded: training never holds two models. The other references are
+    scored with the policy (old_logprobs)."""
+    if reference.source != "ref_model" or not mini_batches:
         return
     ds = accelerator.state.deepspeed_plugin
     # ZeRO-3 would partition the reference like the policy; it is used outside DeepSpeed, whole on every GPU
@@ -371,12 +434,12 @@ def reference_logprobs(args, run, mini_batches, accelerator):
     with no_zero_init:
         on_gpu = accelerator.device.type != "cpu"
         ref = AutoModelForCausalLM.from_pretrained(
-            run.ref_model, dtype=torch.bfloat16 if on_gpu else torch.float32
+            reference.model, dtype=torch.bfloat16 if on_gpu else torch.float32
         ).to(accelerator.device)
     ref.eval()
     with accelerator.autocast():
         for mb in mini_batches:
-            score_trajectories(ref, mb["mine"], accelerator.device, "ref_logprobs", run.temperature)
+            score_trajectories(ref, mb.mine, accelerator.device, "ref_logprobs", temperature)
     del ref
     accelerator.free_memory()
 
@@ -384,22 +447,22 @@ def reference_logprobs(args, run, mini_batches, accelerator):
 # ---------------------------------------------------------------- model
 
 
-def load_policy(args, run, accelerator):
+def load_policy(args, policy, accelerator):
     """The policy (full model, or base + LoRA adapter) and its AdamW, prepared; with
     --optimizer-state, the optimiser continues from the previous round. Returns the global step."""
     on_gpu = accelerator.device.type != "cpu"
-    dtype = torch.bfloat16 if run.use_lora and on_gpu else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(run.base_path, dtype=dtype)
+    dtype = torch.bfloat16 if policy.use_lora and on_gpu else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(policy.base_path, dtype=dtype)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if run.use_lora:
+    if policy.use_lora:
         from peft import LoraConfig, PeftModel, get_peft_model
 
-        if run.adapter_in:
+        if policy.adapter_in:
             model = PeftModel.from_pretrained(model, args.model, is_trainable=True)
             # the saved adapter names its base as found, not as the input wrote it: a
             # relative name would point elsewhere from the new folder
-            model.peft_config["default"].base_model_name_or_path = run.base_path
+            model.peft_config["default"].base_model_name_or_path = policy.base_path
         else:
             # no LoRA dropout: it would make the first step's ratio differ from 1 by noise
             lora = LoraConfig(
@@ -436,33 +499,28 @@ def load_policy(args, run, accelerator):
 
 
 @torch.no_grad()
-def old_logprobs(model, run, mini_batches, accelerator):
+def old_logprobs(model, reference, mini_batches, temperature, accelerator):
     """Log-probs of the input weights (the PPO ratio's denominator), and the reference's
-    where it is the input policy or the base under the adapter; engine mismatch per mini-batch."""
+    where it is the input policy or the base under the adapter."""
     model.eval()
     for mb in mini_batches:
-        score_trajectories(model, mb["mine"], accelerator.device, "old_logprobs", run.temperature)
-        mine = [t for micro in mb["mine"] for t in micro]
-        if run.ref_source == "base":
+        score_trajectories(model, mb.mine, accelerator.device, "old_logprobs", temperature)
+        if reference.source == "base":
             with accelerator.unwrap_model(model).disable_adapter():
-                score_trajectories(model, mb["mine"], accelerator.device, "ref_logprobs", run.temperature)
-        elif run.ref_source == "input":
-            for t in mine:
+                score_trajectories(model, mb.mine, accelerator.device, "ref_logprobs", temperature)
+        elif reference.source == "input":
+            for t in (t for micro in mb.mine for t in micro):
                 t.ref_logprobs = t.old_logprobs
-        mm_sum = mm_count = 0.0
-        for t in mine:
-            engine = torch.tensor([math.nan if e is None else e for e in t.engine_logprobs])
-            used = torch.tensor(t.mask, dtype=torch.bool) & ~engine.isnan()
-            mm_sum += (engine - t.old_logprobs)[used].abs().sum().item()
-            mm_count += used.sum().item()
-        mb["mismatch"] = (mm_sum, mm_count)
 
 
 # ---------------------------------------------------------------- optimiser steps
 
 
-def optimise(args, run, mini_batches, model, optimizer, params, global_step, accelerator):
-    """Every mini-batch once per epoch; returns the metric lines."""
+def optimise(
+    args, model, optimizer, params, global_step, mini_batches, trajectories, round_fields, accelerator
+):
+    """Every mini-batch once per epoch; returns the metric lines and the global step reached.
+    round_fields: zero_var_share, temperature and ref_model, which every line records."""
     metrics, step = [], 0
     max_norm = args.grad_clip if args.grad_clip > 0 else math.inf
     bar = tqdm(total=len(mini_batches) * args.epochs, desc="grpo", disable=not accelerator.is_main_process)
@@ -472,8 +530,8 @@ def optimise(args, run, mini_batches, model, optimizer, params, global_step, acc
         for mb in random.Random(f"{args.seed}/{global_step}").sample(mini_batches, len(mini_batches)):
             t0 = time.perf_counter()
             sums = accumulate_gradients(
-                model, accelerator, mb["mine"], mb["norm"], args.clip, args.kl_coef, args.clip_ratio_c,
-                run.temperature,
+                model, accelerator, mb.mine, mb.norm, args.clip, args.kl_coef, args.clip_ratio_c,
+                round_fields["temperature"],
             )  # fmt: skip
             grad_norm = accelerator.clip_grad_norm_(params, max_norm)
             optimizer.step()
@@ -485,7 +543,7 @@ def optimise(args, run, mini_batches, model, optimizer, params, global_step, acc
             global_step += 1
             metrics.append(
                 {"step": step, "global_step": global_step, "epoch": epoch}
-                | step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator)
+                | step_metrics(args.kl_coef, mb, sums, grad_norm, seconds, round_fields, accelerator)
                 | {"lr": optimizer.param_groups[0]["lr"]}
             )
             bar.update(1)
@@ -494,14 +552,13 @@ def optimise(args, run, mini_batches, model, optimizer, params, global_step, acc
     if not mini_batches:
         accelerator.print("no group has differing rewards: nothing to learn, the policy is written unchanged")
         # One step-0 line still records the round's weights, so runs and modes stay comparable.
-        reward = sum(t.reward for t in run.trajectories) / len(run.trajectories)
+        reward = sum(t.reward for t in trajectories) / len(trajectories)
         metrics.append({
-            "step": 0, "global_step": global_step, **weight_stats(run.trajectories),
-            "zero_var_share": run.zero_var_share, "reward_mean": reward, "temperature": run.temperature,
-            "ref_model": run.ref_model,
+            "step": 0, "global_step": global_step, **weight_stats(trajectories),
+            "zero_var_share": round_fields["zero_var_share"], "reward_mean": reward,
+            "temperature": round_fields["temperature"], "ref_model": round_fields["ref_model"],
         })  # fmt: skip
-    run.global_step = global_step
-    return metrics
+    return metrics, global_step
 
 
 def weight_stats(trajs):
@@ -510,39 +567,51 @@ def weight_stats(trajs):
     return {"w_mean": w_mean, "w_std": math.sqrt(sum((w - w_mean) ** 2 for w in ws) / len(ws))}
 
 
-def step_metrics(args, run, mb, sums, grad_norm, seconds, accelerator):
+def logprob_mismatch(mb):
+    """(Σ |engine - trainer| old log-prob, count) over this process's model tokens of a
+    mini-batch that the engine gave a log-prob for."""
+    mm_sum = mm_count = 0.0
+    for t in (t for micro in mb.mine for t in micro):
+        engine = torch.tensor([math.nan if e is None else e for e in t.engine_logprobs])
+        used = torch.tensor(t.mask, dtype=torch.bool) & ~engine.isnan()
+        mm_sum += (engine - t.old_logprobs)[used].abs().sum().item()
+        mm_count += used.sum().item()
+    return mm_sum, mm_count
+
+
+def step_metrics(kl_coef, mb, sums, grad_norm, seconds, round_fields, accelerator):
     keys = ("pg_sum", "kl_sum", "clip_count", "dual_clip_count", "tokens")
-    local = [sums[k] for k in keys] + list(mb["mismatch"])
+    local = [sums[k] for k in keys] + list(logprob_mismatch(mb))
     pg, kl, clipped, dual, tokens, mm_sum, mm_count = accelerator.reduce(
         torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum"
     ).tolist()
     tokens = max(tokens, 1)
-    labelled = sum(t.labelled_turns for t in mb["trajs"])
+    labelled = sum(t.labelled_turns for t in mb.trajs)
     return {
-        "loss": (pg + args.kl_coef * kl) / tokens,
+        "loss": (pg + kl_coef * kl) / tokens,
         "pg_loss": pg / tokens,
         "kl": kl / tokens,
         "clip_frac": clipped / tokens,
         "dual_clip_frac": dual / tokens,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
-        **weight_stats(mb["trajs"]),
-        "wa_mean": sum(t.weight * t.advantage for t in mb["trajs"]) / len(mb["trajs"]),
-        "unplayed_share": sum(t.unplayed_turns for t in mb["trajs"]) / labelled if labelled else None,
-        "zero_var_share": run.zero_var_share,
-        "reward_mean": sum(t.reward for t in mb["trajs"]) / len(mb["trajs"]),
+        **weight_stats(mb.trajs),
+        "wa_mean": sum(t.weight * t.advantage for t in mb.trajs) / len(mb.trajs),
+        "unplayed_share": sum(t.unplayed_turns for t in mb.trajs) / labelled if labelled else None,
+        "zero_var_share": round_fields["zero_var_share"],
+        "reward_mean": sum(t.reward for t in mb.trajs) / len(mb.trajs),
         "model_tokens": int(tokens),
-        "tokens_per_s": sum(t.length for t in mb["trajs"]) / seconds,
+        "tokens_per_s": sum(t.length for t in mb.trajs) / seconds,
         "seconds": seconds,
         "logprob_mismatch": mm_sum / mm_count if mm_count else None,
-        "temperature": run.temperature,
-        "ref_model": run.ref_model,
+        "temperature": round_fields["temperature"],
+        "ref_model": round_fields["ref_model"],
     }
 
 
 # ---------------------------------------------------------------- save
 
 
-def save(args, run, model, metrics, accelerator):
+def save(args, policy, model, metrics, global_step, metrics_path, accelerator):
     """The next policy and its optimiser state, renamed into --out together (every process
     takes part in gathering the weights and writing sharded optimiser state)."""
     accelerator.wait_for_everyone()
@@ -552,21 +621,21 @@ def save(args, run, model, metrics, accelerator):
             accelerator.save_state(os.path.join(tmp, OPTIMIZER_DIR))
         if accelerator.is_main_process:
             if args.save_optimizer:
-                write_json(os.path.join(tmp, OPTIMIZER_DIR, TRAINER_STATE), {"global_step": run.global_step})
+                write_json(os.path.join(tmp, OPTIMIZER_DIR, TRAINER_STATE), {"global_step": global_step})
             unwrapped = accelerator.unwrap_model(model)
             unwrapped.save_pretrained(tmp, state_dict=state_dict)
-            if not run.use_lora and run.saved_dtype:
+            if not policy.use_lora and policy.saved_dtype:
                 # save_pretrained records the float32 of the weights; engines should keep loading the input's dtype
                 saved = read_json(os.path.join(tmp, "config.json"))
-                write_json(os.path.join(tmp, "config.json"), saved | {"dtype": run.saved_dtype})
+                write_json(os.path.join(tmp, "config.json"), saved | {"dtype": policy.saved_dtype})
             for name in TOKENIZER_FILES:
-                for folder in (args.model, run.base_path):
+                for folder in (args.model, policy.base_path):
                     if os.path.isfile(os.path.join(folder, name)):
                         shutil.copy(os.path.join(folder, name), os.path.join(tmp, name))
                         break
-            write_jsonl(run.metrics_path, metrics)
+            write_jsonl(metrics_path, metrics)
     steps = sum(m["step"] > 0 for m in metrics)
-    accelerator.print(f"{steps} optimiser steps; policy written to {args.out}; metrics to {run.metrics_path}")
+    accelerator.print(f"{steps} optimiser steps; policy written to {args.out}; metrics to {metrics_path}")
     accelerator.end_training()
 
 

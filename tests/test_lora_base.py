@@ -85,23 +85,16 @@ def test_train_grpo_loads_the_adapters_base_from_elsewhere(layout, tiny_model, m
     import train_grpo
 
     monkeypatch.chdir(layout["cwd"])
-    rollouts, diagnoses = "rollouts.jsonl", "diagnoses.jsonl"
-    with open(rollouts, "w") as r, open(diagnoses, "w") as d:
-        for k, reward in enumerate((1, 0)):
-            r.write(json.dumps({"task_id": "t0", "sample_index": k, "tokens": {
-                "prompt_ids": [1, 2, 3], "ids": [4, 5], "mask": [1, 1], "logprobs": [-1.0, -1.0]},
-                "sampling": {"temperature": 1.0}}) + "\n")
-            d.write(json.dumps({"task_id": "t0", "sample_index": k, "reward": reward,
-                                "turn_labels": ["pass"], "evidence": [""], "profile": {"pass": 1.0}}) + "\n")
-    args = train_grpo.parse_args(["--model", layout["policy"], "--rollouts", rollouts, "--diagnoses", diagnoses,
-                                  "--out", "out", "--cpu"])
-    run = train_grpo.read_inputs(args)
-    assert os.path.realpath(run.base_path) == os.path.realpath(tiny_model)
-    assert (run.adapter_in, run.ref_source, run.ref_model) == (True, "base", run.base_path)
+    args = train_grpo.parser.parse_args(["--model", layout["policy"], "--rollouts", "rollouts.jsonl",
+                                         "--diagnoses", "diagnoses.jsonl", "--out", "out", "--cpu"])
+    policy = train_grpo.read_policy(args.model, args.lora)
+    assert os.path.realpath(policy.base_path) == os.path.realpath(tiny_model)
+    assert (policy.adapter_in, policy.use_lora) == (True, True)
+    assert train_grpo.choose_reference(args.kl_coef, args.ref_model, policy) == train_grpo.Reference("base", policy.base_path)
     AcceleratorState._reset_state(True)
     try:
-        model, *_ = train_grpo.load_policy(args, run, train_grpo.make_accelerator(args))
-        assert model.peft_config["default"].base_model_name_or_path == run.base_path  # what a save records
+        model, *_ = train_grpo.load_policy(args, policy, train_grpo.make_accelerator(args))
+        assert model.peft_config["default"].base_model_name_or_path == policy.base_path  # what a save records
         _same_weights(model.merge_and_unload().state_dict(), layout["merged"])
     finally:
         AcceleratorState._reset_state(True)

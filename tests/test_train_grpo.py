@@ -390,31 +390,31 @@ def test_zero_variance_keep_and_drop_gradients(tiny, data):
     AcceleratorState._reset_state(True)
     accelerator = Accelerator(cpu=True)
     model = accelerator.prepare(load(tiny))
-    run = SimpleNamespace(trajectories=join_trajectories(read_jsonl(data[0]), read_jsonl(data[1]), {LABEL: W}))
+    trajectories = join_trajectories(read_jsonl(data[0]), read_jsonl(data[1]), {LABEL: W})
     gen = torch.Generator().manual_seed(0)
-    for t in run.trajectories:
+    for t in trajectories:
         score_trajectories(model, [[t]], "cpu", "old_logprobs")
         t.ref_logprobs = t.old_logprobs + 0.3 * torch.randn(len(t.ids), generator=gen)  # a reference elsewhere
 
     def plan(mode):
         args = SimpleNamespace(zero_variance=mode, seed=0, mini_batch_tasks=8, max_tokens_per_micro_batch=100)
-        (mb,) = train_grpo.plan_mini_batches(args, run, accelerator)  # 4 or 3 groups < 8: one mini-batch
+        (mb,), _ = train_grpo.plan_mini_batches(args, trajectories, accelerator)  # 4 or 3 groups < 8: one mini-batch
         return mb
 
     def grad(mb, kl_coef):
         model.zero_grad(set_to_none=True)
-        accumulate_gradients(model, accelerator, mb["mine"], mb["norm"], kl_coef=kl_coef)
+        accumulate_gradients(model, accelerator, mb.mine, mb.norm, kl_coef=kl_coef)
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     keep, drop = plan("keep"), plan("drop")
-    t2 = [t for t in run.trajectories if t.task_id == "t2"]
-    only_t2 = {"mine": [t2], "norm": sum(t.model_tokens for t in t2)}
-    assert {t.task_id for t in keep["trajs"]} == {"t0", "t1", "t2", "t3"}
-    assert {t.task_id for t in drop["trajs"]} == {"t0", "t1", "t3"}
-    assert keep["norm"] == drop["norm"] + only_t2["norm"]
+    t2 = [t for t in trajectories if t.task_id == "t2"]
+    only_t2 = train_grpo.MiniBatch(trajs=t2, mine=[t2], norm=sum(t.model_tokens for t in t2))
+    assert {t.task_id for t in keep.trajs} == {"t0", "t1", "t2", "t3"}
+    assert {t.task_id for t in drop.trajs} == {"t0", "t1", "t3"}
+    assert keep.norm == drop.norm + only_t2.norm
     for kl_coef in (0.0, 0.5):
         g_keep, g_drop, g_t2 = grad(keep, kl_coef), grad(drop, kl_coef), grad(only_t2, kl_coef)
-        mixed = (drop["norm"] * g_drop + only_t2["norm"] * g_t2) / keep["norm"]
+        mixed = (drop.norm * g_drop + only_t2.norm * g_t2) / keep.norm
         assert torch.allclose(g_keep, mixed, rtol=1e-4, atol=1e-7)
         if kl_coef:
             assert g_t2.norm() > 1e-3 * g_drop.norm()  # the KL term pulls t2 towards the reference
