@@ -15,11 +15,11 @@ import json
 import os
 
 import pytest
+from trajectories import Scripted
 from transformers import AutoTokenizer
 
 from common import bfcl, play, prompts
 from common import calls as C
-from common.engines import Generation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _names = itertools.count()
@@ -41,19 +41,13 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-class Script:
-    """A policy that writes the texts `script(task_id, turn, step)` gives; real tokenizer, no model."""
+class Script(Scripted):
+    """Writes the texts `script(task_id, turn, step)` gives for the one trajectory it plays."""
 
     def __init__(self, tokenizer, script):
-        self.tokenizer, self.script = tokenizer, script
-        self.stop_ids = [tokenizer.eos_token_id]
+        super().__init__(tokenizer, lambda prompt: script(self.traj.task["id"], len(self.traj.turns) - 1,
+                                                          len(self.traj.turns[-1]["steps"])))
         self.traj = None
-
-    def generate(self, prompts_, max_new_tokens, temperature):
-        t = self.traj
-        text = self.script(t.task["id"], len(t.turns) - 1, len(t.turns[-1]["steps"]))
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        return [Generation(ids=ids, logprobs=[-0.5] * len(ids), finish="stop")]
 
 
 def ours(task, engine, handler="QwenFCHandler", fmt="json"):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from trajectories import Scripted
 from transformers import AutoTokenizer
 
 from common import bfcl, play, prompts, tiny
@@ -33,22 +34,6 @@ def tasks():
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
-
-
-class Scripted:
-    """A policy that writes `script(prompt_ids)`; real tokenizer, no model."""
-
-    def __init__(self, tokenizer, script):
-        self.tokenizer, self.script = tokenizer, script
-        self.stop_ids = [tokenizer.eos_token_id]
-
-    def generate(self, prompts, max_new_tokens, temperature):
-        out = []
-        for p, limit in zip(prompts, max_new_tokens, strict=True):
-            ids = self.tokenizer(self.script(p), add_special_tokens=False)["input_ids"][: limit - 1]
-            ids.append(self.tokenizer.eos_token_id)
-            out.append(Generation(ids=ids, logprobs=[-0.5] * len(ids), finish="stop"))
-        return out
 
 
 def rollout_cli(tmp_path, model, engine, *extra, n=2, name="r.jsonl"):

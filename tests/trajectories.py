@@ -18,6 +18,7 @@ from typing import Any
 
 from common import bfcl
 from common import calls as C
+from common.engines import Generation
 
 ANSWER = "Done."  # the plain answer that ends a turn (json format: no call, no parse error)
 GARBAGE = '<tool_call>\n{"name": "cd", "arguments": {"folder": \n</tool_call>'  # does not parse
@@ -266,3 +267,19 @@ def _with_changed_argument(task, gt, order):
                 if new is not None:
                     changed = {"name": call["name"], "arguments": {**call["arguments"], key: new}}
                     yield t, gt[t][:i] + [changed] + gt[t][i + 1 :]
+
+
+class Scripted:
+    """A policy that writes `script(prompt_ids)`; real tokenizer, no model."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script = tokenizer, script
+        self.stop_ids = [tokenizer.eos_token_id]
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        out = []
+        for p, limit in zip(prompts, max_new_tokens, strict=True):
+            ids = self.tokenizer(self.script(p), add_special_tokens=False)["input_ids"][: limit - 1]
+            ids.append(self.tokenizer.eos_token_id)
+            out.append(Generation(ids=ids, logprobs=[-0.5] * len(ids), finish="stop"))
+        return out
