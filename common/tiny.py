@@ -71,7 +71,6 @@ GENERATION_PROMPT = "<|im_start|>assistant\n"
 # Qwen2's pre-tokenizer split (as imposed by transformers' Qwen2Tokenizer).
 QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
                      r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
-DEFAULT_SYSTEM = "You are a helpful assistant."  # the chat template's system message when none is given
 
 # Qwen2.5-Instruct-like chat template (our own text). Assistant messages are rendered
 # from their raw `content` (token-in/token-out: the model's own text, tool calls
@@ -143,7 +142,6 @@ DEFAULTS = {
     "seed": 0,
     "eval_tasks": 32,
     "eval_max_new_tokens": 128,
-    "general_share": 0.0,
     "check_samples": 8,
     "check_temperature": 1.0,
     "check_max_new_tokens": 96,
@@ -433,26 +431,25 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     timings["tokenizer_s"] = round(time.time() - t0, 2)
 
     # --- tokenise the conversations and cut training examples
+    # With the preset's tasks (training tasks cut to their first turn), they are all the warm start
+    # learns: a 1 M model trained for minutes on the whole split writes the format but not the
+    # calls (measured: 0 of 7 call tasks solved at 300 steps, also with the preset's examples drawn
+    # 40x as often); on 8 tasks it learns the calls within ~100 steps, and `steps` stops it short,
+    # partly competent (build_info.json). Both views of their tool list: plain (vanilla) and with
+    # the schema cue (SEAL's Ω_0), whose annotations fill the 256-token window before the question.
     t0 = time.time()
-    examples = warm_start_examples(tok, bpe, tasks, convs, args["context"])
-    lens = [len(e[0]) for e in examples]
-    timings["examples_s"] = round(time.time() - t0, 2)
-    _log(f"{len(tasks)} tasks, {len(examples)} examples (mean {sum(lens) / len(lens):.0f} tokens)")
-    # The preset's tasks (training tasks cut to their first turn) get the share of the draws
-    # that the whole split does not (`general_share`): a 1 M model trained for minutes on the
-    # whole split writes the format but not the calls (measured: 0 of 7 call tasks solved at
-    # 300 steps, also with the preset's examples drawn 40x as often); on 8 tasks it learns the
-    # calls within ~100 steps, and `steps` stops it short, partly competent (build_info.json).
-    # Both views of their tool list: plain (vanilla) and with the schema cue (SEAL's Ω_0), whose
-    # annotations fill the 256-token window before the question.
     preset = list(bfcl.load_tasks(preset_path).values()) if preset_path else []
     preset_convs = [conversation(t) for t in preset]
-    focus = [e for omega in (None, omega_api.initial())
-             for e in warm_start_examples(tok, bpe, preset, preset_convs, args["context"], omega)]
-    share = args["general_share"] if focus else 1.0
-    # answers to tool results ("Done: ...") are easy: sample them less often
-    weights = [1.0 if first else args["answer_weight"] for _, _, first in examples]
-    weights = [w * share / sum(weights) for w in weights] + [(1 - share) / len(focus)] * len(focus)
+    examples = [e for omega in (None, omega_api.initial())
+                for e in warm_start_examples(tok, bpe, preset, preset_convs, args["context"], omega)]
+    weights = [1.0 / len(examples)] * len(examples) if examples else []
+    if not examples:  # no preset: the whole split, whose answers to tool results ("Done: ...") are
+        examples = warm_start_examples(tok, bpe, tasks, convs, args["context"])  # easy: drawn less often
+        weights = [1.0 if first else args["answer_weight"] for _, _, first in examples]
+        weights = [w / sum(weights) for w in weights]
+    lens = [len(e[0]) for e in examples]
+    timings["examples_s"] = round(time.time() - t0, 2)
+    _log(f"{len(tasks)} tasks, {len(examples)} warm-start examples (mean {sum(lens) / len(lens):.0f} tokens)")
 
     # --- model
     eos_id, pad_id = tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(PAD)
@@ -470,7 +467,7 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     # --- warm start
     t0 = time.time()
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
-    losses = warm_start(model, examples + focus, args, weights, on_step)
+    losses = warm_start(model, examples, args, weights, on_step)
     timings["train_s"] = round(time.time() - t0, 2)
     model.save_pretrained(folder)
 
@@ -495,7 +492,7 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     timings["total_s"] = round(time.time() - t_start, 2)
     info = {"args": args, "tasks": os.path.relpath(os.path.abspath(tasks_path), REPO),
             "preset_tasks": os.path.relpath(os.path.abspath(preset_path), REPO) if preset_path else None,
-            "n_examples": len(examples), "n_focus_examples": len(focus),
+            "n_examples": len(examples),
             "params": sum(p.numel() for p in model.parameters()),
             "loss_first": losses[0], "loss_last": losses[-1], "first_step_parse_rate": rate,
             "preset_sampled_reward": reward, "eval_tasks": len(samples), "eval_samples": samples,
