@@ -225,3 +225,25 @@ def test_vllm_lora_changes_output(vllm_engine, adapter, merged, prompts, hf_gree
     for p, g in zip(prompts, gens, strict=True):
         ref = forward_logprobs(merged, p, g.ids)
         assert max(abs(a - b) for a, b in zip(g.logprobs, ref, strict=True)) < 1e-3
+
+
+def test_every_eos_of_the_generation_config_stops(tmp_path, tiny_model):
+    """A model whose generation config has two eos ids (Qwen2.5: <|im_end|> and <|endoftext|>):
+    both stop a generation, whichever comes first."""
+    import shutil
+
+    from transformers import AutoTokenizer
+    folder = tmp_path / "two-eos"
+    shutil.copytree(tiny_model, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**cfg, "eos_token_id": [im_end, eot]}))
+    engine = make_engine("hf", str(folder), max_model_len=MAX_LEN)
+    try:
+        assert set(engine.stop_ids) == {im_end, eot}
+        for stop in (im_end, eot):
+            g = engine._finish([5, 6, stop, 7], [-0.1] * 4, 10)
+            assert g.ids == [5, 6, stop] and g.finish == "stop"
+    finally:
+        engine.close()

@@ -212,3 +212,13 @@ def test_ood_without_a_user_simulator_stops_before_round_0(tmp_path, tiny_model)
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert res.returncode == 2 and "needs a user simulator" in res.stderr
     assert not (tmp_path / "ood").exists()
+
+
+@pytest.mark.parametrize("setting, message", [("BFCL_HANDLER=NoSuchHandler", "choices: QwenFCHandler, LlamaHandler"),
+                                              ("PROMPTS=chat", "use bfcl or template")])
+def test_a_bad_prompt_setting_stops_before_round_0(tmp_path, tiny_model, setting, message):
+    res = subprocess.run(
+        ["bash", "loop.sh", "tiny", "--name", "bad", "--runs", str(tmp_path), *SMALL, "--set", setting],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert res.returncode == 2 and message in res.stderr
+    assert not (tmp_path / "bad").exists()
