@@ -10,6 +10,8 @@ import json
 import math
 import os
 import random
+import signal
+import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -68,10 +70,30 @@ def make_data(folder, rewards=REWARDS, seed=0, temperature=1.0):
     return paths["rollouts"], paths["diagnoses"]
 
 
+def ddp_launcher():
+    """accelerate launch over 2 CPU processes, on a port of its own: a rank still holding
+    accelerate's default 29500 (another suite, a run that hung) would stall the rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--multi_gpu",
+            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(port)]
+
+
 def run_train(model, rollouts, diagnoses, out, *extra, launcher=()):
     cmd = [*launcher, SCRIPT] if launcher else [sys.executable, SCRIPT]
     cmd += ["--model", model, "--rollouts", rollouts, "--diagnoses", diagnoses, "--out", out, *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    # its own process group: on a timeout every rank goes, not only the launcher
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def ok(proc):
@@ -185,10 +207,7 @@ def test_no_reweight_scales_update_by_w(tiny, data, weighted_run, tmp_path):
 def test_two_processes_match_one(tiny, data, weighted_run, tmp_path):
     """DDP over 2 CPU processes, same global mini-batches: same metrics and same final weights."""
     out = str(tmp_path / "policy")
-    launcher = [
-        os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--multi_gpu",
-        "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-    ]  # fmt: skip
+    launcher = ddp_launcher()
     interface = os.path.join(os.path.dirname(weighted_run), "interface.json")
     args = [*COMMON, "--epochs", "2", "--interface", interface]
     proc = ok(run_train(tiny, *data, out, *args, launcher=launcher))
@@ -490,14 +509,11 @@ def test_optimizer_state_carries_across_rounds(tiny, carried):
 
 
 def test_optimizer_state_carries_on_two_processes(tiny, data, carried, tmp_path):
-    launcher = [
-        os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--multi_gpu",
-        "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-    ]  # fmt: skip
+    launcher = ddp_launcher()
     a, b = str(tmp_path / "a" / "policy"), str(tmp_path / "b" / "policy")
     ok(run_train(tiny, *data, a, *CARRY, "--save-optimizer", launcher=launcher))
     state = os.path.join(a, "optimizer")
-    ok(run_train(a, *data, b, *CARRY, "--ref-model", tiny, "--optimizer-state", state, launcher=launcher))
+    ok(run_train(a, *data, b, *CARRY, "--ref-model", tiny, "--optimizer-state", state, launcher=ddp_launcher()))
     assert [m["global_step"] for m in metrics_of(b)] == [4, 5, 6]
     assert_continues_single_run(carried["single"], a, b)
 
