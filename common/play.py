@@ -157,7 +157,8 @@ class Trajectory:
     def advance(self, gen, text, max_steps_per_turn, max_model_len):
         """Take one model output: execute its calls and add what the model sees next."""
         stop_text = self._take_output(gen)
-        parsed = self.conv.add_assistant(text, len(self.next_prompt), len(gen.ids)) if self.conv else None
+        # Only a re-rendered prompt reads the handler's history; token-in/token-out keeps the ids.
+        parsed = self.conv.add_assistant(text, len(self.next_prompt), len(gen.ids)) if self.rerender else None
         step = {"text": text, **self.env.step(text, self.fmt), "feedback": None}
         if self.rerender:  # bfcl-eval's result files log these per step
             step.update(formatted_prompt=self.step_prompts[-1], prompt_tokens=len(self.next_prompt),
@@ -191,7 +192,7 @@ class Trajectory:
             names = list(names) + [""] * (len(contents) - len(names))  # the handler zips results with them
             if self.conv is None:
                 self.history += tool_messages(contents)
-            else:
+            elif self.rerender:
                 self.conv.add_results(contents, parsed, names)
         else:
             turn["end"] = "decode_error" if step["parse_error"] else "answer"
