@@ -65,6 +65,7 @@ class Trajectory:
         self.turns = []
         self.stop = None
         self.error = None  # bfcl-eval's inference error: the entry failed as a whole
+        self.closing = None  # how the format closes an assistant message (token-in/token-out)
         tools = bfcl.tools_at(task, 0)
         shown, system = omega_api.tool_view(tools, omega), omega_api.system_cue(omega)
         self.ids, self.mask, self.logprobs = [], [], []
@@ -225,8 +226,9 @@ class Trajectory:
         if self.rerender:  # the next prompt is rendered anew: the ids are only recorded
             self._append(list(gen.ids), 1, list(gen.logprobs))
             return ""
-        closing = self.renderer.closing() if self.conv is None else self.conv.continuation()
-        ids, logprobs, stop_text = kept_output(self.tok, gen, self.stop_ids, closing)
+        if self.closing is None:  # the same for every message of the conversation: rendered once
+            self.closing = self.renderer.closing() if self.conv is None else self.conv.continuation()
+        ids, logprobs, stop_text = kept_output(self.tok, gen, self.stop_ids, self.closing)
         self._append(ids, 1, logprobs)
         return stop_text
 
