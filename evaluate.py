@@ -236,11 +236,8 @@ def main(args):
         decoded = [dec for dec, _ in played]
         records = [{"task_id": t["id"], "turns": turns, "stop": "done"} for t, (_, turns) in zip(tasks, played, strict=True)]
     else:
-        run, engine = play.greedy_player(args, parser.error)
-        try:
+        with play.greedy_player(args, parser.error, os.path.join(args.out, "server.log")) as run:
             records = run(tasks)
-        finally:
-            engine.close()
         # Each step's prompt text (~25k characters) goes only into bfcl-eval's result files.
         write_jsonl(os.path.join(args.out, "rollouts.jsonl"), [without_prompts(r) for r in records])
         decoded = [[t.decoded for t in read_turns(task, rec["turns"]) if t.played]

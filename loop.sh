@@ -43,7 +43,7 @@ PY=.venv/bin/python
 # equal rewards and spreads a leftover over the other mini-batches; 18 rounds ~ 72 update steps),
 # lr 1e-6, KL 0.001, clip 0.2, temperature 1.0, 16k context; MAX_STEPS=20 is bfcl-eval's
 # step limit: a turn's 21st step with calls force-quits the task.
-ENGINE=vllm; DP=1; TP=1; NPROC=1; ACCEL_CONFIG=""; LORA=""; CALL_FORMAT=json
+ENGINE=vllm; SERVER=""; DP=1; TP=1; NPROC=1; ACCEL_CONFIG=""; LORA=""; CALL_FORMAT=json
 # What the model is shown: the prompts of bfcl-eval's handler BFCL_HANDLER, in training too
 # (PROMPTS=template: the model's chat template, verl's convention). Evaluation runs as
 # bfcl-eval's local inference: the model's own context and up to 4096 new tokens per call,
@@ -79,7 +79,7 @@ esac
 # The preset variables, one list for what --set may override and what config.json records, so
 # that no setting a run depends on goes unrecorded. VAR:key where the recorded key is not VAR in
 # lower case (those keys are what earlier runs recorded and what readers of config.json use).
-PRESET_VARS="MODEL ENGINE DP TP NPROC ACCEL_CONFIG:accelerate_config LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH
+PRESET_VARS="MODEL ENGINE SERVER DP TP NPROC ACCEL_CONFIG:accelerate_config LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH
   LR KL TEMP:temperature MAX_STEPS MAX_LEN:max_model_len MAX_NEW:max_new_tokens TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS
   EXTRA_TRAIN KEEP TASKS SEED OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME BFCL_HANDLER PROMPTS EVAL_LEN EVAL_NEW"
 OVERRIDABLE=" "
@@ -130,13 +130,11 @@ case $MODE in
 esac
 
 # Rollouts and every evaluation (held-in and OOD) play with the same engine, handler, step limit
-# and call format (COMMON_ARGS) on DP replicas of TP GPUs each (REPLICA_ARGS, which only decide
-# how fast results come); only their lengths differ (MAX_LEN/MAX_NEW, EVAL_LEN/EVAL_NEW).
+# and call format (COMMON_ARGS); only their lengths differ (MAX_LEN/MAX_NEW, EVAL_LEN/EVAL_NEW).
 # SCORE_ARGS is what decides the scores; its text is recorded in the base model's config.json.
 COMMON_ARGS=(--engine "$ENGINE" --handler "$BFCL_HANDLER" --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT")
-REPLICA_ARGS=(--data-parallel-size "$DP" --tensor-parallel-size "$TP")
 SCORE_ARGS=("${COMMON_ARGS[@]}" ${EVAL_LEN:+--max-model-len "$EVAL_LEN"} ${EVAL_NEW:+--max-new-tokens "$EVAL_NEW"})
-PLAY_ARGS=("${SCORE_ARGS[@]}" "${REPLICA_ARGS[@]}")
+PLAY_ARGS=("${SCORE_ARGS[@]}")
 # The base model's scores are shared by every run of the preset under $RUNS, so they must come
 # from one model and one set of evaluation settings: a run with others stops here. Where they
 # live is common/runinfo.py base_dir's rule (evaluate.py --compare and common/report.py find them by it).
@@ -175,8 +173,40 @@ run() {
 
 limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
 
+# ---------------------------------------------------------------------------- the engine
+# One vLLM server (common/serve.py: vLLM's own, data parallel over the node's GPUs) for the whole
+# run, or the servers SERVER names (URL[,URL...], started by the user). It is started at the
+# first stage that plays, on the policy that stage plays (a rerun: the last complete one), loads
+# each new policy in place, sleeps on GPUs while the trainer holds them, and is stopped with its
+# whole process group when the run ends, fails or is interrupted.
+SERVER_STATE=$RUN/server.json
+SERVER_LOG=$RUN/logs/server.log
+GPU=$($PY -c "from common.serve import cpu_build; print('' if cpu_build() else 1)")
+# the server's context holds rollouts (MAX_LEN) and evaluation (EVAL_LEN, else the model's own)
+SERVE_LEN=$($PY -c "import sys; from common.engines import model_context as c
+print(max(int(sys.argv[1]), int(sys.argv[2] or c(sys.argv[3]))))" "$MAX_LEN" "$EVAL_LEN" "$MODEL")
+SERVE_ARGS=(--max-model-len "$SERVE_LEN" --seed "$SEED" --tensor-parallel-size "$TP" --data-parallel-size "$DP"
+  ${LORA:+--lora-rank 16} ${GPU:+--sleep-mode})
+stop_server() { [ -z "$SERVER" ] && [ -f "$SERVER_STATE" ] && $PY -m common.serve stop --state "$SERVER_STATE"; true; }
+trap stop_server EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve POLICY first
+  local policy=$1 urls=$SERVER; shift
+  if [ "$ENGINE" != vllm ]; then "$@"; return; fi
+  if [ -z "$urls" ]; then
+    urls=$($PY -m common.serve start --model "$policy" --state "$SERVER_STATE" --log "$SERVER_LOG" \
+      "${SERVE_ARGS[@]}") || return 1
+    "$@" --server "$urls" --server-log "$SERVER_LOG"
+  else
+    $PY -m common.serve reload --server "$urls" --model "$policy" || return 1
+    "$@" --server "$urls"
+  fi
+}
+
 evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
-  run eval "$2" "$3/scores.json" $PY evaluate.py --policy "$1" --split heldin \
+  run eval "$2" "$3/scores.json" playing "$1" $PY evaluate.py --policy "$1" --split heldin \
     $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" --out "$3"
 }
 
@@ -185,7 +215,7 @@ ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR
   for b in $OOD; do
     extra=()
     if [ "$b" = tau2 ]; then extra=("${USER_ARGS[@]}"); fi
-    run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" $PY evaluate.py --suite "$b" --policy "$1" \
+    run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" playing "$1" $PY evaluate.py --suite "$b" --policy "$1" \
       $(limit_args "$OOD_LIMIT") "${PLAY_ARGS[@]}" "${extra[@]+"${extra[@]}"}" --out "$3/$b"
   done
 }
@@ -193,6 +223,9 @@ ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR
 train() {  # train ROUND_DIR POLICY: KL to the round-0 model, one optimiser carried from round to round
   local launch=($PY) state=()
   if [ "$2" != "$MODEL" ]; then state=(--optimizer-state "$2/optimizer"); fi
+  if [ -n "$GPU" ] && [ -z "$SERVER" ] && [ -f "$SERVER_STATE" ]; then
+    $PY -m common.serve sleep --state "$SERVER_STATE"  # the trainer takes the server's GPUs
+  fi
   if [ "$NPROC" -gt 1 ]; then
     launch=(.venv/bin/accelerate launch --num_processes "$NPROC")
     [ -n "$ACCEL_CONFIG" ] && launch+=(--config_file "$ACCEL_CONFIG")
@@ -225,9 +258,9 @@ for ((t = 0; t < ROUNDS; t++)); do
   NEXT=$RUN/round_$(printf %03d $((t + 1)))
   mkdir -p "$R" "$NEXT"
   run interface "$t" "$R/interface.json" $PY evolve.py --mode "$MODE" --out "$R/interface.json"
-  run rollout "$t" "$R/rollouts.jsonl" $PY rollout.py --model "$policy" --tasks "$TASKS" \
+  run rollout "$t" "$R/rollouts.jsonl" playing "$policy" $PY rollout.py --model "$policy" --tasks "$TASKS" \
     $(limit_args "$TRAIN_LIMIT") --batch "$TASKS_PER_ROUND" --round "$t" --n "$N" --interface "$R/interface.json" \
-    "${COMMON_ARGS[@]}" "${REPLICA_ARGS[@]}" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
+    "${COMMON_ARGS[@]}" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
     --temperature "$TEMP" --seed $((SEED * 1000 + t)) --prompts "$PROMPTS" \
     --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
   run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks "$TASKS" \

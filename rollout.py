@@ -3,7 +3,7 @@
     python rollout.py --model DIR --tasks data/train.jsonl --n 8 --out rollouts.jsonl \
         [--interface interface.json] [--engine vllm|hf] [--limit K] [--temperature 1.0] \
         [--seed S] [--max-steps-per-turn 20] [--max-model-len 16384] [--schedule async|lockstep] \
-        [--prompts bfcl|template] [--handler QwenFCHandler]
+        [--prompts bfcl|template] [--handler QwenFCHandler] [--server URL[,URL...]]
 
 Each task is played `--n` times against the real bfcl-eval environment; every
 trajectory is one JSONL record (docs/design.md §3) holding the transcript, the parsed
@@ -16,11 +16,14 @@ model's chat template instead). Turns follow bfcl-eval's inference loop
 (common/play.py): an output that does
 not decode into calls ends the turn, unless Ω's error feedback is on, which
 answers it with the parse error and a hint; the record's `decode_failure` says
-which. `--model` is a HF model folder or a LoRA adapter folder. On vLLM each
-trajectory's next generation is submitted as soon as its previous one is handled
-(`--schedule async`, the default); `lockstep` waits for the whole step, and is the
-only schedule of the HF engine. The summary reports the share of prompt tokens
-served from vLLM's prefix cache.
+which. `--model` is a HF model folder or a LoRA adapter folder. The engine is
+vLLM's own server (common/serve.py): the ones --server names, which must serve
+--model's weights (checked before anything plays), or one started for this
+stage's lifetime (its log beside --out). Each trajectory's next generation is
+submitted as soon as its previous one is handled (`--schedule async`, the default);
+`lockstep` waits for the whole step, and is the only schedule of `--engine hf`
+(transformers generate in this process). The summary reports the share of prompt
+tokens served from vLLM's prefix cache.
 """
 
 import argparse
@@ -31,7 +34,6 @@ import sys
 
 from common import bfcl, play, prompts
 from common import interface as omega_api
-from common.engines import make_engine
 from common.jsonl import RecordError, write_json, write_jsonl
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -79,19 +81,16 @@ def main(args):
         args.call_format = args.call_format or prompts.call_format(args.handler)
     except prompts.HandlerError as e:
         parser.error(f"--handler: {e}")
-    schedule = play.schedule_for(args.engine, args.schedule, parser.error, args.data_parallel_size)
+    schedule = play.schedule_for(args.engine, args.schedule, parser.error)
     tasks = select_tasks(args.tasks, args.limit, args.task_ids, args.batch, args.round)
     omega = omega_api.load(args.interface)
-    engine = make_engine(args.engine, args.model, max_model_len=args.max_model_len, seed=args.seed,
-                         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
-    try:
+    log = os.path.splitext(args.out)[0] + ".server.log"
+    with play.open_engine(args, args.model, seed=args.seed, log=log) as engine:
         records, timing = play.play(tasks, args.n, engine, omega=omega, fmt=args.call_format,
-                            temperature=args.temperature, max_steps_per_turn=args.max_steps_per_turn,
-                            max_model_len=args.max_model_len, max_new_tokens=args.max_new_tokens,
-                            round_=args.round, policy=os.path.abspath(args.model), schedule=schedule,
-                            prompts=args.prompts, handler=args.handler)
-    finally:
-        engine.close()
+                                    temperature=args.temperature, max_steps_per_turn=args.max_steps_per_turn,
+                                    max_model_len=args.max_model_len, max_new_tokens=args.max_new_tokens,
+                                    round_=args.round, policy=os.path.abspath(args.model), schedule=schedule,
+                                    prompts=args.prompts, handler=args.handler)
     write_jsonl(args.out, records)
     stats = {**play.summary(records), "schedule": schedule, **play.cache_summary(timing),
              "seconds": round(timing["seconds"], 3), "engine_seconds": round(timing["engine_seconds"], 3)}

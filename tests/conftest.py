@@ -19,3 +19,27 @@ def tiny_model():
     """Folder of the tiny offline model (built once into <repo>/.cache/tiny-<hash>/, then reused)."""
     from common.tiny import build_cached
     return build_cached()
+
+
+@pytest.fixture(scope="session")
+def tiny_server_state(tiny_model, tmp_path_factory):
+    """One vLLM server (common/serve.py, vLLM's own) on the tiny model for the whole session, the
+    engine every stage plays through: its state file (url, pid, log). LoRA is on so that adapters
+    load into it."""
+    from common import serve
+    from common.jsonl import write_json
+    folder = tmp_path_factory.mktemp("server")
+    state = serve.start(tiny_model, str(folder / "server.log"), max_model_len=16384, seed=0, lora_rank=16)
+    path = str(folder / "server.json")
+    write_json(path, state)
+    yield path
+    serve.stop(path)
+
+
+@pytest.fixture
+def tiny_server(tiny_server_state, tiny_model):
+    """The session's server URL, serving the tiny model (a test before may have loaded another policy)."""
+    from common import serve
+    from common.jsonl import read_json
+    serve.reload([read_json(tiny_server_state)["url"]], tiny_model, tiny_server_state)
+    return read_json(tiny_server_state)["url"]

@@ -145,10 +145,9 @@ def test_limits_are_checked(hf, tiny_model, prompts):
 # ----------------------------------------------------------------------------- vLLM
 
 
-@pytest.fixture(scope="module")
-def vllm_engine(tiny_model):
-    pytest.importorskip("vllm")
-    engine = make_engine("vllm", tiny_model, max_model_len=MAX_LEN, seed=0)
+@pytest.fixture
+def vllm_engine(tiny_model, tiny_server):
+    engine = make_engine("vllm", tiny_model, max_model_len=MAX_LEN, seed=0, servers=[tiny_server])
     yield engine
     engine.close()
 
@@ -213,9 +212,10 @@ def test_hf_lora_changes_output(adapter, merged, prompts, hf_greedy):
         assert max(abs(a - b) for a, b in zip(g.logprobs, ref, strict=True)) < 1e-4
 
 
-def test_vllm_lora_changes_output(vllm_engine, adapter, merged, prompts, hf_greedy):
-    vllm_engine.close()  # one vLLM engine at a time
-    engine = make_engine("vllm", adapter, max_model_len=MAX_LEN, seed=0)
+def test_vllm_lora_changes_output(tiny_server, adapter, merged, prompts, hf_greedy):
+    from common import serve
+    serve.reload([tiny_server], adapter)  # loaded at run time beside the base
+    engine = make_engine("vllm", adapter, max_model_len=MAX_LEN, seed=0, servers=[tiny_server])
     try:
         gens = engine.generate(prompts, [24] * 3, 0.0)
     finally:

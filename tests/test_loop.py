@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from common import serve
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two rounds of 2 tasks x 2 samples, 1 held-in task per category. One model call per turn
 # (a call ends the trajectory at the step limit) and the HF engine, which starts in a
@@ -222,3 +224,48 @@ def test_a_bad_prompt_setting_stops_before_round_0(tmp_path, tiny_model, setting
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert res.returncode == 2 and message in res.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_loop_keeps_one_vllm_server_for_the_run_and_leaves_none_behind(tmp_path, tiny_model):
+    """The GPU users' path on CPU: vLLM's own server started at the first stage that plays, each new
+    policy loaded into it, stopped with its process group when the loop is interrupted or ends; a
+    rerun starts it on the last complete policy and resumes."""
+    assert SMALL[-2:] == ["--set", "ENGINE=hf"]
+    run = tmp_path / "served"
+    cmd = ["bash", "loop.sh", "tiny", "--name", "served", "--runs", str(tmp_path), *SMALL[:-2]]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.time() + 900
+    while not (run / "round_000" / "rollouts.jsonl").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.2)
+    state = json.loads((run / "server.json").read_text())
+    assert _alive(state["pid"])
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C with the server up
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert not (run / "server.json").exists() and not _alive(state["pid"]), "the server outlived its loop"
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = finish(proc)
+    assert "round 0 rollout: done" in out
+    for rel in ARTIFACTS:
+        assert (run / rel).is_file(), rel
+    assert not (run / "server.json").exists()
+    log = (run / "logs" / "server.log").read_text()
+    starts = [line for line in log.splitlines() if line.startswith("# ")]
+    # once per loop command: the rerun's server, started on round 0's policy, loaded round 1's in
+    # place (a model with tied embeddings is restarted instead: vLLM cannot reload it in place)
+    assert len(starts) == 2 + serve.tied(tiny_model), starts
+    assert "in place" in out or serve.tied(tiny_model)
+    rollouts = jsonl(run / "round_001" / "rollouts.jsonl")
+    assert {r["policy"] for r in rollouts} == {str(run / "round_000" / "policy")}

