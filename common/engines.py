@@ -426,8 +426,11 @@ class ServerEngine(Engine):
         self.slots = []  # (url, served model name, data-parallel rank or None)
         self.seeded = {}  # url -> whether it takes per-request seeds
         for url in urls:
-            name = serve.check(url, model_dir)
-            info = serve.served(url)
+            try:
+                name = serve.check(url, model_dir)
+                info = serve.served(url)
+            except RecordError as e:
+                raise RecordError(f"{e}{self._log_hint(url)}") from None
             if info["max_model_len"] and info["max_model_len"] < max_model_len:
                 raise RecordError(f"server {url} serves a context of {info['max_model_len']} tokens, "
                                   f"less than the {max_model_len} asked for (--max-model-len)")

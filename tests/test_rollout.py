@@ -98,8 +98,10 @@ def check_record(task, rec, tokenizer, omega=None):
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_both_engines_write_valid_records(tmp_path, tiny_model, tasks, tokenizer, engine):
-    recs = rollout_cli(tmp_path, tiny_model, engine)
+def test_both_engines_write_valid_records(tmp_path, tiny_model, tasks, tokenizer, engine, request):
+    # vLLM: the session's server (a stage that starts its own is tests/test_tau.py's agent)
+    server = ["--server", request.getfixturevalue("tiny_server")] if engine == "vllm" else []
+    recs = rollout_cli(tmp_path, tiny_model, engine, *server)
     assert [(r["task_id"], r["sample_index"]) for r in recs] == [(t, k) for t in TASK_IDS for k in range(2)]
     for rec in recs:
         assert rec["interface_version"] is None and rec["stop"] in ("done", "step_limit", "context_limit")

@@ -210,12 +210,25 @@ def test_a_server_that_dies_mid_stage_fails_it_naming_the_server_and_its_log(sec
                              "--task-ids", ",".join(TASK_IDS), "--n", "4", "--max-new-tokens", "96",
                              "--server", second_server["url"], "--server-log", second_server["log"],
                              "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(15)  # its trajectories are playing (or it already failed its own way)
+    deadline = time.time() + 600
+    while _served_tokens(second_server["url"]) == 0:  # until its trajectories are playing
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.5)
     os.killpg(second_server["pid"], signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0, err[-2000:]
     assert second_server["url"] in err and second_server["log"] in err
     assert not out.exists()
+
+
+def _served_tokens(url):
+    """Prompt tokens the server has processed so far (its Prometheus counter)."""
+    import urllib.request
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:prompt_tokens_total"):
+                return float(line.split()[-1])
+    return 0
 
 
 def test_start_faults_are_clear_errors(tiny_model, tmp_path):
