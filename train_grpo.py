@@ -113,7 +113,7 @@ import sys
 import time
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedType,
@@ -321,9 +321,16 @@ def check_optimizer_state(path):
 
 def make_accelerator(args):
     mixed_precision = "bf16" if torch.cuda.is_available() and not args.cpu else "no"
-    return Accelerator(
-        cpu=args.cpu, mixed_precision=mixed_precision, **distributed_plugins(mixed_precision, args.grad_clip)
-    )
+    plugins = distributed_plugins(mixed_precision, args.grad_clip)
+    accelerator = Accelerator(cpu=args.cpu, mixed_precision=mixed_precision, **plugins)
+    if "fsdp_plugin" in plugins and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        # Accelerate 1.15 takes FSDP for accelerators only and would run DDP on CPU processes;
+        # torch's fully_shard runs on gloo, so configs/accelerate/fsdp_cpu.yaml gets FSDP2 as asked
+        # (PartialState too, as Accelerate's own FSDP setup does: AcceleratorState copies it back)
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugins["fsdp_plugin"]
+    return accelerator
 
 
 def distributed_plugins(mixed_precision, grad_clip):
