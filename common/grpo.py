@@ -452,7 +452,7 @@ def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, ma
     FSDP2 holds the output layer's weights gathered while the hooks use them; the hooks hand
     the model these log-probs in place of its logits.
     """
-    B, T = input_ids.shape
+    T = input_ids.shape[1]
     targets = input_ids[:, off:]
     mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask
     inner = extract_model_from_parallel(model)
