@@ -1,6 +1,7 @@
 """The numbers of common/grpo.py on hand-computed examples: group advantages (population std,
 zero-variance groups), the SEAL weight and its clip, the clipped surrogate, the k3 KL, the
-logits-to-token shift, loss masking (checked through gradients), token-mean normalisation,
+logits-to-token shift, loss masking (checked through gradients), the chunked log-probs
+against the full-logits computation (values and gradients), token-mean normalisation,
 micro-batch planning, and the join of rollouts with diagnoses.
 """
 

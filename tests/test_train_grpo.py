@@ -1,6 +1,7 @@
 """train_grpo.py end to end on a tiny random Qwen2 (built here, no hub): it learns in the
 direction of the weighted advantage, --no-reweight changes the update by exactly w,
-2 DDP processes on CPU give the 1-process update, LoRA adapters save/load/continue, the
+2 DDP or FSDP2 processes on CPU give the 1-process update (FSDP2 holding no unsharded
+gradient between micro-batches), LoRA adapters save/load/continue, the
 optimiser state carries across rounds (one process and DDP; a killed round reruns to the
 same state), the KL reference stays the initial policy, and bad input stops with file:line
 and no output.
