@@ -11,6 +11,7 @@ and takes one optimiser step per mini-batch of tasks with the PPO-clipped token-
         [--interface interface.json | --rho rho.json] --out round_001/policy \\
         [--ref-model ROUND0_MODEL] [--save-optimizer] [--optimizer-state round_000/policy/optimizer] [--lora]
     accelerate launch --multi_gpu --num_processes 2 train_grpo.py ... --cpu      # 2-process DDP on CPU
+    accelerate launch --config_file configs/accelerate/fsdp_cpu.yaml train_grpo.py ... --cpu  # FSDP2, 2 CPU processes
     accelerate launch --config_file configs/accelerate/fsdp_4gpu.yaml train_grpo.py ...   # 7B, 4 GPUs
     accelerate launch --config_file configs/accelerate/zero3_4gpu.yaml train_grpo.py ...  # needs deepspeed
 
@@ -113,7 +114,7 @@ import sys
 import time
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedType,
@@ -321,17 +322,24 @@ def check_optimizer_state(path):
 
 def make_accelerator(args):
     mixed_precision = "bf16" if torch.cuda.is_available() and not args.cpu else "no"
-    return Accelerator(
-        cpu=args.cpu, mixed_precision=mixed_precision, **distributed_plugins(mixed_precision, args.grad_clip)
-    )
+    plugins = distributed_plugins(mixed_precision, args.grad_clip)
+    accelerator = Accelerator(cpu=args.cpu, mixed_precision=mixed_precision, **plugins)
+    if "fsdp_plugin" in plugins and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        # Accelerate 1.15 takes FSDP for accelerators only and would run DDP on CPU processes;
+        # torch's fully_shard runs on gloo, so configs/accelerate/fsdp_cpu.yaml gets FSDP2 as asked
+        # (PartialState too, as Accelerate's own FSDP setup does: AcceleratorState copies it back)
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugins["fsdp_plugin"]
+    return accelerator
 
 
 def distributed_plugins(mixed_precision, grad_clip):
     """The FSDP or DeepSpeed plugin `accelerate launch` asked for (through its environment), as
     Accelerate would build it, except that gradients are accumulated and reduced in float32.
 
-    Accelerate's bf16 policy reduces in bf16: FSDP2 would accumulate the no_sync micro-batches
-    and reduce-scatter in bf16, ZeRO-3 likewise; at lr 1e-6 and 7B that rounding is the size
+    Accelerate's bf16 policy reduces in bf16: FSDP2 would reduce-scatter each micro-batch's
+    gradients in bf16, ZeRO-3 likewise; at lr 1e-6 and 7B that rounding is the size
     of the update (verl reduces in float32). Set here, not in the config files, so that no
     config can drop it. DDP needs nothing: its buckets take the float32 weights' dtype
     (checked in gradient_dtypes)."""

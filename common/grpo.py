@@ -26,12 +26,20 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import DistributedType, extract_model_from_parallel
+from torch.utils.checkpoint import checkpoint
 
 from common.jsonl import RecordError, read_json
 from common.taxonomy import RHO
 
 WEIGHT_MIN, WEIGHT_MAX = 0.5, 2.0
 ADV_EPS = 1e-6
+# Positions projected onto the vocabulary at once (sequence_logprobs). The log-prob pass peaks
+# at about LOGPROB_CHUNK x vocabulary x 14 bytes in backward (bf16 logits, their float32 copy,
+# log-softmax and its gradient): 2.2 GB at Qwen2.5's 152,064 entries, against 5.7-7.4 GB for
+# ONE float32 copy of a 10k-13k-token sequence. 1024 rows keep the projection a large matmul
+# (full GPU throughput); a 12k-token micro-batch is 12 chunks, launch overhead negligible.
+LOGPROB_CHUNK = 1024
 
 
 # ---------------------------------------------------------------- advantages and weights
@@ -94,23 +102,15 @@ def load_rho(interface_path=None, rho_path=None):
 def token_logprobs(logits, targets, temperature=1.0):
     """log softmax(logits / temperature)[targets], both already aligned: logits[..., t, :] scores
     targets[..., t]. The temperature is the one the rollout was sampled at (the engines record
-    log-probs of that distribution), as in verl and TRL."""
+    log-probs of that distribution), as in verl and TRL. Called on one chunk of positions at a
+    time (sequence_logprobs), so the float32 copy of bf16 logits is one chunk's."""
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()  # divided after the upcast: bf16 would round the scaled logits again
+    if temperature != 1.0:
+        logits = logits / temperature
     # cross_entropy is the fused log_softmax + gather: about twice as fast as
     # gather - logsumexp in forward + backward
-    if logits.dtype in (torch.float32, torch.float64):
-        if temperature != 1.0:
-            logits = logits / temperature
-        return -F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view(
-            targets.shape
-        )
-    # bf16 logits: upcast one sequence at a time; a float32 copy of the whole (B, T, V)
-    # block would be the largest tensor of the step for a 150k vocabulary. Divided after the
-    # upcast: bf16 would round the scaled logits again.
-    rows = [
-        -F.cross_entropy(row.float() / temperature, t, reduction="none")
-        for row, t in zip(logits, targets, strict=True)
-    ]
-    return torch.stack(rows)
+    return -F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
 
 
 def kl_k3(logp, ref_logp):
@@ -434,18 +434,63 @@ def collate(trajs, device):
     return {k: v.to(device) for k, v in batch.items()} | {"off": off}
 
 
-def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0):
+def _chunk_logprobs(head, hidden, targets, temperature):
+    return token_logprobs(head.forward(hidden), targets, temperature)
+
+
+def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, mask=None, chunk=LOGPROB_CHUNK):
     """log p of each token at positions off..T-1 given its prefix, at `temperature`: shape (B, T - off).
 
-    The logits at position t score the token at t+1, so positions off-1..T-2 are needed;
-    `logits_to_keep` makes the model run its output layer on those only (the prompt,
-    most of a BFCL sequence, never needs a vocabulary projection).
+    The hidden state at position t scores the token at t+1. Only the positions where `mask`
+    (B, T - off) is set are projected onto the vocabulary (the others are 0): the model's own
+    tokens, not the prompt, tool results or user turns. They are projected `chunk` positions
+    at a time, each chunk recomputed in backward (checkpointed), so the pass holds one
+    chunk's logits whatever the sequence length. mask None: every position.
+
+    The projection runs inside the model's own call, in hooks on its output layer: whatever
+    wraps the model (DDP, FSDP2, PEFT, Accelerate's autocast) sees an ordinary forward, and
+    FSDP2 holds the output layer's weights gathered while the hooks use them; the hooks hand
+    the model these log-probs in place of its logits.
     """
     T = input_ids.shape[1]
-    out = model(
-        input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T - off + 1, use_cache=False
-    )
-    return token_logprobs(out.logits[:, :-1], input_ids[:, off:], temperature)
+    targets = input_ids[:, off:]
+    mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask
+    inner = extract_model_from_parallel(model)
+    if getattr(inner.config, "final_logit_softcapping", None):
+        raise ValueError("sequence_logprobs: models that soft-cap their logits are not supported")
+    head = inner.get_output_embeddings()
+    hidden = []
+
+    def keep_hidden(module, args):
+        hidden.append(args[0])
+        return (args[0][:, :0],)  # the output layer itself projects nothing
+
+    def project(module, args, output):
+        h = hidden.pop()[:, :-1][mask]  # (N, H): the model tokens' predecessors
+        t = targets[mask]
+        # at least one (possibly empty) chunk: a micro-batch without model tokens still
+        # connects every weight to the loss (DDP waits for every gradient)
+        parts = []
+        for s in range(0, max(len(t), 1), chunk):
+            piece = (module, h[s : s + chunk], t[s : s + chunk], temperature)
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(_chunk_logprobs, *piece, use_reentrant=False))
+            else:
+                parts.append(_chunk_logprobs(*piece))
+        vals = torch.cat(parts)
+        return vals.new_zeros(mask.shape).masked_scatter(mask, vals)
+
+    # the post-hook goes first, so that FSDP2's own post-forward hook sees the log-probs as
+    # the output (it registers the pre-backward gather on them) with the weights still gathered
+    handles = [head.register_forward_pre_hook(keep_hidden), head.register_forward_hook(project, prepend=True)]
+    try:
+        out = model(
+            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T - off + 1, use_cache=False
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out.logits
 
 
 def _dummy_forward(model, device):
@@ -463,9 +508,9 @@ def score_trajectories(model, micro_batches, device, attr, temperature=1.0):
             _dummy_forward(model, device)
             continue
         b = collate(mb, device)
-        lp = (
-            sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["off"], temperature).float().cpu()
-        )
+        lp = sequence_logprobs(
+            model, b["input_ids"], b["attention_mask"], b["off"], temperature, b["mask"]
+        ).float().cpu()
         for row, t in zip(lp, mb, strict=True):
             s = len(t.prompt_ids) - b["off"]
             setattr(t, attr, row[s : s + len(t.ids)].clone())
@@ -479,20 +524,26 @@ def accumulate_gradients(
     `norm` is the model-token count of the whole mini-batch over all processes. The loss is
     multiplied by the process count because DDP/FSDP/ZeRO average gradients over processes:
     the synced gradient is then Σ_all tokens ∇loss / norm, the same as on one process.
-    Gradients are synced once, in the last micro-batch's backward.
+
+    DDP syncs once, in the last micro-batch's backward (no_sync before: each process adds up
+    its own full gradients). FSDP reduce-scatters in every micro-batch's backward and adds
+    into the sharded gradients: under no_sync it would hold every parameter's unsharded
+    gradient (in the float32 reduce dtype) until the last micro-batch, about 28 GiB per GPU
+    at 7B. The sum is the same up to float rounding.
     """
     totals = {"pg_sum": 0.0, "kl_sum": 0.0, "clip_count": 0, "dual_clip_count": 0, "tokens": 0}
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
     for k, mb in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
         # DeepSpeed reads this flag in backward to mark the accumulation boundary
         accelerator.sync_gradients = last
-        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+        with contextlib.nullcontext() if last or fsdp else accelerator.no_sync(model):
             if not mb:
                 accelerator.backward(_dummy_forward(model, accelerator.device))
                 continue
             b = collate(mb, accelerator.device)
             logp = sequence_logprobs(
-                model, b["input_ids"], b["attention_mask"], b["off"], temperature
+                model, b["input_ids"], b["attention_mask"], b["off"], temperature, b["mask"]
             ).float()
             loss, stats = token_loss(
                 logp, b["old"], b["ref"], b["adv"], b["mask"], max(norm, 1), clip, kl_coef, clip_ratio_c

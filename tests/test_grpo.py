@@ -1,6 +1,7 @@
 """The numbers of common/grpo.py on hand-computed examples: group advantages (population std,
 zero-variance groups), the SEAL weight and its clip, the clipped surrogate, the k3 KL, the
-logits-to-token shift, loss masking (checked through gradients), token-mean normalisation,
+logits-to-token shift, loss masking (checked through gradients), the chunked log-probs
+against the full-logits computation (values and gradients), token-mean normalisation,
 micro-batch planning, and the join of rollouts with diagnoses.
 """
 
@@ -201,49 +202,135 @@ def test_token_logprobs_against_log_softmax():
     assert torch.allclose(token_logprobs(logits.bfloat16(), targets), expect, atol=0.05)
 
 
-class LeafLogitsModel:
-    """Stands in for a causal LM: its logits are a leaf tensor, so the test can read the
-    gradient the loss sends to each position's logits."""
-
-    def __init__(self, batch, length, vocab):
-        self.logits = torch.zeros(batch, length, vocab, requires_grad=True)
-
-    def __call__(self, input_ids, attention_mask, logits_to_keep, use_cache):
-        class Out:
-            pass
-
-        out = Out()
-        out.logits = self.logits[:, -logits_to_keep:]
-        return out
-
-
 def traj(prompt, ids, mask, adv=1.0, weight=1.0):
     from common.grpo import TrainingSequence
 
     return TrainingSequence("t", 0, prompt, ids, mask, [None] * len(ids), 1.0, weight, adv)
 
 
+def small_qwen(vocab=64, tie=False):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=tie,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(cfg)
+
+
 def test_shift_and_mask_through_gradients():
-    """Loss flows only into the logits at position P+i-1 for each model token ids[i]
-    (mask 1), and only towards that token: prompt, cue/tool-response tokens (mask 0) and
-    padding get exactly zero gradient."""
+    """Loss flows only from the hidden state at position P+i-1 for each model token ids[i]
+    (mask 1) into the output layer: prompt, cue/tool-response tokens (mask 0) and padding
+    send exactly zero gradient (they are not even projected onto the vocabulary)."""
     a = traj([5, 6, 7], [1, 2, 3, 4, 8], [1, 0, 0, 1, 1])  # P = 3
     b = traj([5, 6], [9, 3], [1, 1])  # P = 2, shorter: right-padded
     batch = collate([a, b], "cpu")
     T = batch["input_ids"].shape[1]
     assert T == 8 and batch["off"] == 2
-    model = LeafLogitsModel(2, T, 12)
-    logp = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["off"])
+    model = small_qwen()
+    grads = []
+
+    def keep_grad(module, args, out):
+        out.register_hook(grads.append)
+
+    model.model.norm.register_forward_hook(keep_grad)
+    logp = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["off"], mask=batch["mask"])
+    assert logp.shape == (2, T - 2) and (logp[~batch["mask"]] == 0).all()
     loss, _ = token_loss(logp, batch["old"], batch["ref"], batch["adv"], batch["mask"], norm=5)
     loss.backward()
-    grad = model.logits.grad
+    (grad,) = grads
     touched = {(r, p) for r, p in (grad.abs().sum(-1) > 0).nonzero().tolist()}
-    # row a: model tokens ids[0], ids[3], ids[4] sit at positions 3, 6, 7 -> logits 2, 5, 6
-    # row b: ids[0], ids[1] at positions 2, 3 -> logits 1, 2
+    # row a: model tokens ids[0], ids[3], ids[4] sit at positions 3, 6, 7 -> hidden states 2, 5, 6
+    # row b: ids[0], ids[1] at positions 2, 3 -> hidden states 1, 2
     assert touched == {(0, 2), (0, 5), (0, 6), (1, 1), (1, 2)}
-    # at each such position the push is towards the target token (softmax gradient: -(1 - p))
-    for r, p, tok in [(0, 2, 1), (0, 5, 4), (0, 6, 8), (1, 1, 9), (1, 2, 3)]:
-        assert grad[r, p].argmin().item() == tok
+
+
+def full_logits_logprobs(model, batch, temperature):
+    """What sequence_logprobs computed before it was chunked: the whole (B, T - off, V) logits
+    block in one piece, then log-softmax and gather (the reference for the chunked path)."""
+    T, off = batch["input_ids"].shape[1], batch["off"]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=T - off + 1)
+    logits = out.logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, off:, None])[..., 0]
+
+
+CHUNK_TRAJS = [
+    traj([3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13], [1, 1, 0, 0, 1, 1, 1]),
+    traj([10, 11], [12, 13, 14, 15, 16, 17], [1, 1, 0, 0, 1, 0]),
+    traj([20, 21, 22], [23, 24], [0, 1]),
+]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1, 3, 1024])
+@pytest.mark.parametrize("tie", [False, True])
+def test_chunked_logprobs_match_full_logits(temperature, chunk, tie):
+    """Chunks of 1, 3 (ragged) and all positions: the values of the full-logits computation
+    (1e-5, float32) at model tokens, and the same gradient in every weight."""
+    batch = collate(CHUNK_TRAJS, "cpu")
+    mask = batch["mask"]
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    model = small_qwen(tie=tie)
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        lp = fn()
+        torch.where(mask, lp * weights, 0.0).sum().backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    lp, grads = run(lambda: sequence_logprobs(
+        model, batch["input_ids"], batch["attention_mask"], batch["off"], temperature, mask, chunk=chunk))
+    ref, ref_grads = run(lambda: full_logits_logprobs(model, batch, temperature))
+    assert torch.allclose(lp[mask], ref[mask], atol=1e-5)
+    assert (lp[~mask] == 0).all()
+    for n, g in ref_grads.items():  # float rounding apart (sums in another order)
+        assert (grads[n] - g).abs().max() <= 1e-5 * g.abs().max(), n
+
+
+def test_chunked_logprobs_hold_no_logits_for_backward():
+    """Nothing of vocabulary size is kept from forward to backward (each chunk's logits are
+    recomputed there); the full-logits computation keeps the whole block. The vocabulary
+    (97) is a size no other tensor of the model has."""
+    batch = collate(CHUNK_TRAJS, "cpu")
+    model = small_qwen(vocab=97)
+
+    def saved_shapes(fn):
+        shapes = []
+
+        def pack(t):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return shapes
+
+    chunked = saved_shapes(lambda: sequence_logprobs(
+        model, batch["input_ids"], batch["attention_mask"], batch["off"], 1.0, batch["mask"], chunk=3))
+    full = saved_shapes(lambda: full_logits_logprobs(model, batch, 1.0))
+    assert any(97 in s and len(s) == 3 for s in full)
+    assert not any(97 in s and math.prod(s) > 97 * 32 for s in chunked), chunked  # at most the head's weight
+
+
+def test_chunked_logprobs_without_model_tokens_and_through_lora():
+    """A micro-batch without model tokens still reaches every weight (zeros: DDP waits for
+    every gradient); a PEFT-wrapped model projects through its base's output layer."""
+    from peft import LoraConfig, get_peft_model
+
+    batch = collate(CHUNK_TRAJS, "cpu")
+    model = small_qwen()
+    none = torch.zeros_like(batch["mask"])
+    lp = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["off"], mask=none)
+    lp.sum().backward()
+    assert (lp == 0).all()
+    assert all(p.grad is not None and (p.grad == 0).all() for p in model.parameters())
+
+    peft = get_peft_model(small_qwen(), LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    with torch.no_grad():
+        lp = sequence_logprobs(peft, batch["input_ids"], batch["attention_mask"], batch["off"], 0.7, batch["mask"])
+        ref = full_logits_logprobs(peft, batch, 0.7)
+    assert torch.allclose(lp[batch["mask"]], ref[batch["mask"]], atol=1e-5)
 
 
 def test_sequence_logprobs_matches_unpadded_full_forward():

@@ -1,6 +1,7 @@
 """train_grpo.py end to end on a tiny random Qwen2 (built here, no hub): it learns in the
 direction of the weighted advantage, --no-reweight changes the update by exactly w,
-2 DDP processes on CPU give the 1-process update, LoRA adapters save/load/continue, the
+2 DDP or FSDP2 processes on CPU give the 1-process update (FSDP2 holding no unsharded
+gradient between micro-batches), LoRA adapters save/load/continue, the
 optimiser state carries across rounds (one process and DDP; a killed round reruns to the
 same state), the KL reference stays the initial policy, and bad input stops with file:line
 and no output.
@@ -70,20 +71,32 @@ def make_data(folder, rewards=REWARDS, seed=0, temperature=1.0):
     return paths["rollouts"], paths["diagnoses"]
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def ddp_launcher():
     """accelerate launch over 2 CPU processes, on a port of its own: a rank still holding
     accelerate's default 29500 (another suite, a run that hung) would stall the rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     return [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--multi_gpu",
             "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(port)]
+            "--main_process_port", str(free_port())]
 
 
-def run_train(model, rollouts, diagnoses, out, *extra, launcher=()):
-    cmd = [*launcher, SCRIPT] if launcher else [sys.executable, SCRIPT]
-    cmd += ["--model", model, "--rollouts", rollouts, "--diagnoses", diagnoses, "--out", out, *extra]
+def fsdp_launcher():
+    """accelerate launch with FSDP2 over 2 CPU processes (configs/accelerate/fsdp_cpu.yaml), on a port of its own."""
+    return [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
+            os.path.join(ROOT, "configs", "accelerate", "fsdp_cpu.yaml"), "--main_process_port", str(free_port())]
+
+
+def run_train(model, rollouts, diagnoses, out, *extra, launcher=(), script=SCRIPT):
+    cmd = [*launcher, script] if launcher else [sys.executable, script]
+    if script == SCRIPT:
+        cmd += ["--model", model, "--rollouts", rollouts, "--diagnoses", diagnoses, "--out", out, *extra]
+    else:
+        cmd += [model, rollouts, diagnoses, out]
     # its own process group: on a timeout every rank goes, not only the launcher
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -204,10 +217,12 @@ def test_no_reweight_scales_update_by_w(tiny, data, weighted_run, tmp_path):
     assert abs(plain["pg_loss"]) > 1e-3 and plain["grad_norm"] > 1e-3
 
 
-def test_two_processes_match_one(tiny, data, weighted_run, tmp_path):
-    """DDP over 2 CPU processes, same global mini-batches: same metrics and same final weights."""
+@pytest.mark.parametrize("launch", [ddp_launcher, fsdp_launcher], ids=["ddp", "fsdp2"])
+def test_two_processes_match_one(tiny, data, weighted_run, tmp_path, launch):
+    """DDP, and FSDP2 (gradients reduce-scattered every micro-batch), over 2 CPU processes, same
+    global mini-batches: same metrics and same final weights, saved as float32 HF folders."""
     out = str(tmp_path / "policy")
-    launcher = ddp_launcher()
+    launcher = launch()
     interface = os.path.join(os.path.dirname(weighted_run), "interface.json")
     args = [*COMMON, "--epochs", "2", "--interface", interface]
     proc = ok(run_train(tiny, *data, out, *args, launcher=launcher))
@@ -222,6 +237,45 @@ def test_two_processes_match_one(tiny, data, weighted_run, tmp_path):
     for k in sd1:
         assert torch.allclose(sd1[k], sd2[k], atol=2e-5), k
     assert max((sd1[k] - start[k]).abs().max().item() for k in sd1) > 1e-3  # and they did move
+    if launch is fsdp_launcher:
+        assert "gradients accumulated in torch.float32, reduced in torch.float32" in proc.stdout
+        assert {v.dtype for v in load_file(os.path.join(out, "model.safetensors")).values()} == {torch.float32}
+
+
+def test_fsdp_reduce_scatters_every_micro_batch(tiny, data, tmp_path):
+    """FSDP2 on 2 CPU processes (tests/fsdp_probe.py): before every micro-batch after the first,
+    each parameter's gradient is already its reduce-scattered shard and FSDP holds no unsharded
+    gradient (no_sync would keep them all until the last); the mini-batch's gradient equals
+    the one-process gradient."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import fsdp_probe
+
+    from common.grpo import accumulate_gradients, score_trajectories
+
+    out = str(tmp_path / "probe.pt")
+    ok(run_train(tiny, *data, out, launcher=fsdp_launcher(), script=os.path.join(ROOT, "tests", "fsdp_probe.py")))
+    probe = torch.load(out)
+    for p in probe["processes"]:
+        assert p["micro_batches"] >= 2 and len(p["checks"]) == p["micro_batches"] - 1, p
+        assert all(c["sharded"] and not c["held"] for c in p["checks"]), p
+
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(load(tiny))
+        trajectories = join_trajectories(read_jsonl(data[0]), read_jsonl(data[1]), {LABEL: W})
+        mb = fsdp_probe.plan(trajectories, accelerator)
+        score_trajectories(model, mb.mine, "cpu", "old_logprobs")
+        for t in (t for micro in mb.mine for t in micro):
+            t.ref_logprobs = t.old_logprobs + fsdp_probe.OFFSET
+        accumulate_gradients(model, accelerator, mb.mine, mb.norm, kl_coef=fsdp_probe.KL)
+        for n, p in model.named_parameters():
+            assert (probe["grads"][n] - p.grad).abs().max() <= 1e-5 * p.grad.abs().max(), n
+    finally:
+        AcceleratorState._reset_state(True)
 
 
 def test_lora_adapter_trains_saves_and_continues(tiny, data, tmp_path):
@@ -325,7 +379,7 @@ def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_p
 
 @pytest.mark.parametrize(
     "name, kind, procs",
-    [("fsdp_4gpu", "FSDP", 4), ("zero3_4gpu", "DEEPSPEED", 4), ("ddp_cpu2", "MULTI_GPU", 2)],
+    [("fsdp_4gpu", "FSDP", 4), ("zero3_4gpu", "DEEPSPEED", 4), ("ddp_cpu2", "MULTI_GPU", 2), ("fsdp_cpu", "FSDP", 2)],
 )
 def test_accelerate_configs_parse(name, kind, procs):
     from accelerate.commands.config.config_args import load_config_from_file
