@@ -3,6 +3,8 @@ the presets' architecture files, and loop.sh's --plan and its refusals."""
 
 import json
 import os
+import re
+import subprocess
 
 import pytest
 import torch
@@ -126,3 +128,34 @@ def test_plan_terms_match_memory_measured_on_cpu():
     for ckpt, res in results.items():
         for name, (measured, planned) in res.items():
             assert near(measured, planned), (ckpt, name, measured, planned, results)
+
+
+def loop(*args, env=None, timeout=120):
+    return subprocess.run(["bash", "loop.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("preset", ["qwen3b", "qwen7b", "toolace8b"])
+def test_every_gpu_preset_fits_its_gpus_and_plans_without_a_download(preset, tmp_path):
+    res = loop(preset, "--plan", env={"HF_HOME": str(tmp_path)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "rollout server" in out and "contexts of 16384" in out and "reference pass" in out
+    train = out.split("train stage", 1)[1]
+    sizes = [float(m[1]) for m in re.finditer(r"^ +([\d.]+) GiB  (?!peak)", train, re.M)]
+    assert len(sizes) >= 7 and sizes == sorted(sizes, reverse=True)  # largest term first
+    for term in ("AdamW moments", "weights (fp32, 1/4)", "gradients (fp32, 1/4)", "checkpointed", "log-prob chunk",
+                 "FSDP all-gathered", "CUDA context"):
+        assert term in train
+    assert out.count(": fits") == 3 and "DOES NOT FIT" not in out
+    assert not os.listdir(tmp_path)  # nothing fetched into HF_HOME
+
+
+def test_a_setting_that_cannot_fit_is_refused_naming_the_variable(tmp_path):
+    res = loop("qwen7b", "--plan", "--set", "EXTRA_TRAIN=")
+    assert res.returncode == 3 and "DOES NOT FIT" in res.stdout
+    assert "add --gradient-checkpointing to EXTRA_TRAIN" in res.stderr
+    # a run stops before round 0, before any check of the machine, and writes nothing
+    res = loop("qwen7b", "--set", "MICRO_TOKENS=262144", "--runs", str(tmp_path / "runs"), env={"HF_HOME": str(tmp_path)})
+    assert res.returncode == 2 and "lower MICRO_TOKENS to" in res.stderr and "stopped by the memory plan" in res.stderr
+    assert not os.listdir(tmp_path)
