@@ -99,6 +99,11 @@ def read_config(path):
             c = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise PlanError(f"{path}: cannot read the architecture numbers ({e})") from None
+    return read_config_dict(c, path)
+
+
+def read_config_dict(c, path="config"):
+    """Arch from a config.json's fields (or configs/models/'s, which add the parameter count)."""
     c = c.get("text_config", c)
     try:
         arch = Arch(

@@ -5,18 +5,18 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
-import torch
 
 from common import memplan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import plan_check  # noqa: E402
+
 PRESET_MODELS = ["Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "Team-ACE/ToolACE-2-Llama-3.1-8B"]
-# small, but with activations and the log-prob chunk well above allocator noise and parameters
-SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096, tie_word_embeddings=True)
-TOKENS = 512
+TOKENS = 512  # with plan_check.SMALL's shape: activations and the log-prob chunk well above the parameters
 
 
 @pytest.mark.parametrize("model", PRESET_MODELS)
@@ -26,108 +26,25 @@ def test_preset_architecture_files_hold_their_parameter_count(model):
     assert arch.params == json.load(open(memplan.arch_path(model)))["parameters"]
 
 
-class Memory:
-    """Bytes held by torch's CPU allocator over time, from the profiler's allocation events:
-    exact accounting of tensor memory, unlike RSS. mark(name) notes the level at a point."""
-
-    def __enter__(self):
-        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        self.prof.__enter__()
-        return self
-
-    def mark(self, name):
-        # a marker allocation of an odd size, found again in the event stream
-        self.markers = getattr(self, "markers", {}) | {name: 1_000_003 + len(getattr(self, "markers", {}))}
-        torch.empty(self.markers[name], dtype=torch.uint8)
-
-    def __exit__(self, *exc):
-        self.prof.__exit__(*exc)
-        events = sorted((e for e in self.prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns())
-        sizes = {v: k for k, v in getattr(self, "markers", {}).items()}
-        self.level, self.peak_after, cur, peaks = {}, {}, 0, []
-        for e in events:
-            if e.nbytes() in sizes and sizes[e.nbytes()] not in self.level:
-                self.level[sizes[e.nbytes()]] = cur
-                peaks.append((sizes[e.nbytes()], cur))
-                continue
-            if -e.nbytes() in sizes:
-                continue
-            cur += e.nbytes()
-            for name, _ in peaks:
-                self.peak_after[name] = max(self.peak_after.get(name, 0), cur)
-        self.peak = max(self.peak_after.values(), default=0)
-
-
-def one_step(checkpointing):
-    """One train_grpo-style update of a random Qwen2 on CPU (float32, Accelerate, the GRPO loss
-    of common/grpo.py, AdamW), measured on the second step (the first creates AdamW's state)."""
-    from accelerate import Accelerator
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from common.grpo import TrainingSequence, accumulate_gradients
-
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**SMALL))
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    accelerator = Accelerator(cpu=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    ids = torch.randint(0, SMALL["vocab_size"], (TOKENS,)).tolist()
-    traj = TrainingSequence("t", 0, ids[:1], ids[1:], [1] * (TOKENS - 1), [None] * (TOKENS - 1), 1.0, 1.0, 1.0)
-    traj.old_logprobs = traj.ref_logprobs = torch.zeros(TOKENS - 1)
-    model.train()
-    mem = None
-    hooks = [model.lm_head.register_forward_pre_hook(lambda *_: mem and mem.mark("trunk")),
-             model.model.norm.register_full_backward_pre_hook(lambda *_: mem and mem.mark("head done"))]
-    for step in range(2):
-        if step == 1:
-            mem = Memory().__enter__()
-            mem.mark("start")
-        accumulate_gradients(model, accelerator, [[traj]], TOKENS - 1, kl_coef=0.001)
-        grads = sum(p.grad.nbytes for p in model.parameters())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    mem.__exit__(None, None, None)
-    for h in hooks:
-        h.remove()
-    state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
-    return model, mem, grads, state
-
-
-def near(measured, planned, tol=0.15):
-    return abs(planned - measured) <= tol * measured
-
-
 def test_plan_terms_match_memory_measured_on_cpu():
-    """Each term the plan counts for one update, against the same model measured on CPU: weights,
-    gradients and AdamW state; activations kept for backward with and without gradient
-    checkpointing; the log-prob chunk; the layer recomputed in backward. Within 15 %."""
-    arch = memplan.Arch(hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, ffn=176, vocab=2048,
-                        tied=True, bias=True, max_pos=4096)
-    results = {}
+    """Each term the plan counts for one update of a small random Qwen2 (float32, Accelerate, the
+    GRPO loss of common/grpo.py, AdamW), against the same step measured on CPU by
+    bench/plan_check.py (the allocations torch's profiler records): weights, gradients and AdamW
+    state; activations kept for backward with and without gradient checkpointing; the log-prob
+    chunk; the layer recomputed in backward; each within 15 %, and the plan's peak not below
+    the measured one."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    arch = memplan.read_config_dict(plan_check.SMALL)
     for ckpt in (False, True):
-        model, mem, grads, state = one_step(ckpt)
-        plan = memplan.train_plan(arch, 1, False, TOKENS, ckpt, gpu_mem=2**40, on_gpu=False, chunk=TOKENS)
-        terms = {name.split(" (")[0].split(",")[0]: b for name, b, _ in plan.terms}
-        n_params = sum(p.numel() for p in model.parameters())
-        assert arch.params == n_params
-        assert terms["weights"] == 4 * n_params == sum(p.nbytes for p in model.parameters())
-        assert near(grads, terms["gradients"]) and near(state, terms["AdamW moments"])
-        start = mem.level["start"]
-        trunk = mem.level["trunk"] - start  # what forward keeps until the output layer
-        # from the output layer to the end of its backward; the output layer's (tied) gradient
-        # is the gradients term's
-        head = mem.peak_after["trunk"] - mem.level["trunk"] - 4 * arch.vocab * arch.hidden
-        results[ckpt] = dict(trunk=(trunk, terms["activations"]), chunk=(head, terms["one log-prob chunk"]))
-        if ckpt:
-            # after the head's backward: a layer recomputed, less its weights' gradients (the gradients term's)
-            layer = mem.peak_after["head done"] - mem.level["head done"] - 4 * arch.layer_params
-            results[ckpt]["recompute"] = (layer, terms["one layer recomputed in backward"])
-    for ckpt, res in results.items():
-        for name, (measured, planned) in res.items():
-            assert near(measured, planned), (ckpt, name, measured, planned, results)
+        model = plan_check.build(plan_check.SMALL, None, accelerator.device)
+        assert arch.params == sum(p.numel() for p in model.parameters())
+        measured = plan_check.measure_step(model, TOKENS, accelerator, ckpt)
+        rows = plan_check.rows(arch, *measured, TOKENS, 1, False, False, ckpt, chunk=TOKENS)
+        assert len(rows) == 7 + ckpt - 1
+        for term, planned, got in rows:
+            assert plan_check.agrees(term, planned, got), (ckpt, term, planned, got, rows)
 
 
 def loop(*args, env=None, timeout=120):
