@@ -73,7 +73,7 @@ case $PRESET in
     EXTRA_TRAIN="--cpu" ;;
   # GPU presets: 4 vLLM replicas x TP 1 for rollouts (a 3-8B model and its KV cache fit one
   # 80 GB GPU; docs/hardware.md §4), then FSDP over the same 4 GPUs for training.
-  # Their per-GPU memory: bash loop.sh PRESET --plan (docs/hardware.md §5).
+  # Their per-GPU memory: bash loop.sh PRESET --plan (docs/hardware.md §8).
   qwen3b)  # 4 GPUs (e.g. 4x A100/H100 80GB): vLLM rollouts (4 replicas), FSDP full fine-tuning with gradient checkpointing
     MODEL=Qwen/Qwen2.5-3B-Instruct; REVISION=aa8e72537993ba99e69dfaafa59ed015b17504d1
     NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml; GPU_MEM_GIB=79
