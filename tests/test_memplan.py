@@ -76,3 +76,11 @@ def test_a_setting_that_cannot_fit_is_refused_naming_the_variable(tmp_path):
     res = loop("qwen7b", "--set", "MICRO_TOKENS=262144", "--runs", str(tmp_path / "runs"), env={"HF_HOME": str(tmp_path)})
     assert res.returncode == 2 and "lower MICRO_TOKENS to" in res.stderr and "stopped by the memory plan" in res.stderr
     assert not os.listdir(tmp_path)
+
+
+def test_a_model_whose_numbers_cannot_be_read_is_named(tmp_path):
+    res = loop("qwen7b", "--plan", "--set", "MODEL=Org/Unknown-7B")
+    assert res.returncode != 0 and "configs/models/Org/Unknown-7B.json does not exist" in res.stderr
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
+    with pytest.raises(memplan.PlanError, match=f"{tmp_path}/config.json: cannot read the architecture numbers"):
+        memplan.load_arch(str(tmp_path))
