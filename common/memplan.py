@@ -179,7 +179,7 @@ class Plan:
     title: str
     terms: list  # (name, bytes, transient): the transient ones happen at different moments
     limit: float  # bytes the stage may use
-    note: str = ""
+    contexts: float | None = None  # the rollout server's: full MAX_LEN contexts its KV cache holds
 
     @property
     def peak(self):
@@ -259,9 +259,7 @@ def rollout_plan(arch, tp, gpu_mem, max_len):
                   ("CUDA context and graphs", fixed, False)])
     terms.append((f"KV cache: {max(kv, 0) / per_token / 1e6:.2f} M tokens of {per_token / 1024:.0f} KiB"
                   f" = {contexts:.1f} contexts of {max_len}", max(kv, 0), False))
-    plan = Plan(f"rollout server (vLLM, TP {tp}, gpu_memory_utilization {VLLM_UTILIZATION})", terms, budget)
-    plan.contexts = contexts
-    return plan
+    return Plan(f"rollout server (vLLM, TP {tp}, gpu_memory_utilization {VLLM_UTILIZATION})", terms, budget, contexts)
 
 
 def shard(n):
