@@ -81,6 +81,10 @@ Semantics:
   round resumes exactly); config.json keeps the input's dtype so engines load bf16. With
   LoRA the frozen base is bf16 on GPU and the adapter float32. CPU: float32 throughout.
 - --lr: 1e-6 is the paper's full fine-tuning value; LoRA usually needs about 1e-5.
+- Memory: on GPUs, common/memplan.py's plan of the update (the model's config.json, the largest
+  padded micro-batch, the processes and their sharding) is checked before any model loads; one
+  that cannot fit stops naming what to change (--max-tokens-per-micro-batch,
+  --gradient-checkpointing, more GPUs). The CPU path is not checked.
 
 Outputs: --out holds a Hugging Face model folder (plus the tokenizer and chat-template
 files of --model), or with --lora (or when --model is an adapter folder, whose training then
