@@ -2,10 +2,12 @@
 # The SEAL closed loop: rollout (under Ω_t) -> diagnose -> evolve (Ω_t+1) -> train, for N rounds.
 #
 #   bash loop.sh PRESET [--rounds N] [--mode seal|vanilla|no-env|no-reweight|no-closed-loop]
-#                       [--name NAME] [--eval-every K] [--runs DIR] [--ood] [--set VAR=VALUE ...]
+#                       [--name NAME] [--eval-every K] [--runs DIR] [--ood] [--set VAR=VALUE ...] [--plan]
 #
 # PRESET is tiny (CPU, minutes), qwen3b, qwen7b or toolace8b (GPU nodes; see README).
 # --set overrides one preset variable (e.g. --set N=4 --set TASKS_PER_ROUND=8).
+# --plan prints the GPU presets' per-GPU memory plan (common/memplan.py) and exits, downloading
+# nothing; a run whose plan does not fit stops before round 0 naming the variable to change.
 # Every artifact lands in runs/NAME/ (docs/design.md §3). Rerunning the same command resumes
 # from the first missing artifact: stages write atomically, so a file that exists is
 # complete, and complete artifacts are never recomputed. KEEP (a preset variable) says
@@ -16,10 +18,10 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -ge 1 ] || usage
 PRESET=$1; shift
-ROUNDS=""; MODE=seal; NAME=""; EVAL_EVERY=""; SETS=(); RUNS=runs
+ROUNDS=""; MODE=seal; NAME=""; EVAL_EVERY=""; SETS=(); RUNS=runs; PLAN=""
 while [ $# -gt 0 ]; do
   case $1 in
     --rounds) ROUNDS=$2; shift 2 ;;
@@ -29,6 +31,7 @@ while [ $# -gt 0 ]; do
     --set) SETS+=("$2"); shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
     --ood) SETS+=("OOD=bfcl-memory tau2"); shift ;;
+    --plan) PLAN=1; shift ;;
     -h|--help) usage ;;
     *) echo "loop: unknown argument $1" >&2; usage ;;
   esac
@@ -57,6 +60,10 @@ TRAIN_LIMIT=""; EVAL_LIMIT=""; MICRO_TOKENS=32768; EXTRA_TRAIN=""; TASKS=data/tr
 KEEP=evaluated
 # Out-of-distribution benches after the loop (off by default); OOD_LIMIT: first K per category/domain.
 OOD=""; OOD_LIMIT=""; USER_MODEL=""; USER_BASE_URL=""; USER_MODEL_NAME=""
+# GPU presets: memory of one GPU (GiB, as torch reports it: an 80 GB H100 has 79.6) for the memory
+# plan, and REVISION, the hub commit of MODEL that is downloaded and recorded (a resume never
+# depends on the hub's latest commit nor on HF_HOME). Empty GPU_MEM_GIB: a CPU preset.
+GPU_MEM_GIB=""; REVISION=""
 case $PRESET in
   tiny)  # the offline tiny model on CPU: 8 first-turn training tasks (data/tiny.jsonl), minutes per round
     MODEL=offline-tiny  # built (once, cached) below, unless --set MODEL=... names another
@@ -64,15 +71,21 @@ case $PRESET in
     LR=1e-4; MAX_STEPS=3; MAX_NEW=96; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2; OOD_LIMIT=1
     EVAL_NEW=256  # CPU minutes: a tiny model that misses its stop would write 4096 tokens a call
     EXTRA_TRAIN="--cpu" ;;
-  # GPU presets: 4 vLLM replicas x TP 1 for rollouts (a 3-8B model and its KV cache fit one
+  # GPU presets: one vLLM server, data parallel over 4 GPUs x TP 1, for rollouts (a 3-8B model and its KV cache fit one
   # 80 GB GPU; docs/hardware.md §4), then FSDP over the same 4 GPUs for training.
-  qwen3b)  # 4 GPUs (e.g. 4x A100/H100 80GB): vLLM rollouts (4 replicas), FSDP full fine-tuning
-    MODEL=Qwen/Qwen2.5-3B-Instruct; NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml ;;
-  qwen7b)  # 4 GPUs (80GB): vLLM rollouts (4 replicas), FSDP full fine-tuning with gradient checkpointing
-    MODEL=Qwen/Qwen2.5-7B-Instruct; NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
+  # Their per-GPU memory: bash loop.sh PRESET --plan (docs/hardware.md §8).
+  qwen3b)  # 4 GPUs (e.g. 4x A100/H100 80GB): vLLM rollouts (data parallel 4), FSDP full fine-tuning with gradient checkpointing
+    MODEL=Qwen/Qwen2.5-3B-Instruct; REVISION=aa8e72537993ba99e69dfaafa59ed015b17504d1
+    NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml; GPU_MEM_GIB=79
+    EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=16384 ;;
+  qwen7b)  # 4 GPUs (80GB): vLLM rollouts (data parallel 4), FSDP full fine-tuning with gradient checkpointing
+    MODEL=Qwen/Qwen2.5-7B-Instruct; REVISION=a09a35458c702b33eeacc393d103063234e8bc28
+    NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml; GPU_MEM_GIB=79
     EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
   toolace8b)  # 4 GPUs (80GB); ToolACE writes calls as a Python list [f(a=1)]
-    MODEL=Team-ACE/ToolACE-2-Llama-3.1-8B; NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
+    # REVISION: no commit of this repository was at hand to pin; set one with --set REVISION=<commit>
+    MODEL=Team-ACE/ToolACE-2-Llama-3.1-8B; REVISION=""
+    NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml; GPU_MEM_GIB=79
     BFCL_HANDLER=LlamaHandler; CALL_FORMAT=python; EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
   *) echo "loop: unknown preset $PRESET (tiny, qwen3b, qwen7b, toolace8b)" >&2; exit 2 ;;
 esac
@@ -81,7 +94,8 @@ esac
 # lower case (those keys are what earlier runs recorded and what readers of config.json use).
 PRESET_VARS="MODEL ENGINE SERVER DP TP NPROC ACCEL_CONFIG:accelerate_config LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH
   LR KL TEMP:temperature MAX_STEPS MAX_LEN:max_model_len MAX_NEW:max_new_tokens TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS
-  EXTRA_TRAIN KEEP TASKS SEED OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME BFCL_HANDLER PROMPTS EVAL_LEN EVAL_NEW"
+  EXTRA_TRAIN KEEP TASKS SEED OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME BFCL_HANDLER PROMPTS EVAL_LEN EVAL_NEW
+  REVISION GPU_MEM_GIB"
 OVERRIDABLE=" "
 for e in $PRESET_VARS; do OVERRIDABLE+="${e%%:*} "; done
 for kv in "${SETS[@]+"${SETS[@]}"}"; do
@@ -89,11 +103,32 @@ for kv in "${SETS[@]+"${SETS[@]}"}"; do
   case $OVERRIDABLE in *" $var "*) printf -v "$var" '%s' "${kv#*=}" ;;
     *) echo "loop: --set $var: not a preset variable ($OVERRIDABLE)" >&2; exit 2 ;; esac
 done
+# The memory plan of a GPU preset, from the architecture numbers in configs/models/ (nothing loads).
+PLAN_ARGS=()
+for var in PRESET MODEL NPROC TP GPU_MEM_GIB MAX_LEN MICRO_TOKENS EXTRA_TRAIN LORA ACCEL_CONFIG; do PLAN_ARGS+=("$var=${!var}"); done
+if [ -n "$PLAN" ]; then
+  if [ -z "$GPU_MEM_GIB" ]; then echo "loop: $PRESET runs on CPU: no GPU memory plan (set GPU_MEM_GIB for one)"; exit 0; fi
+  exec $PY -m common.memplan "${PLAN_ARGS[@]}"
+fi
+if [ "$MODEL" != offline-tiny ] && [ ! -d "$MODEL" ] && ! [[ $REVISION =~ ^[0-9a-f]{40}$ ]]; then
+  echo "loop: REVISION='$REVISION': $MODEL is a hub id and its commit must be pinned (--set REVISION=<40-hex commit>)," \
+    "so that a resume downloads the same weights" >&2
+  exit 2
+fi
+if [ -n "$GPU_MEM_GIB" ]; then
+  $PY -m common.memplan --brief "${PLAN_ARGS[@]}" \
+    || { echo "loop: stopped by the memory plan (bash loop.sh $PRESET --plan shows its terms)" >&2; exit 2; }
+  # before any download: a GPU preset on a machine without (enough) GPUs would only fail later
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+  need=$((NPROC > DP * TP ? NPROC : DP * TP))
+  if [ "$gpus" -lt "$need" ]; then
+    echo "loop: $PRESET runs on $need GPUs and this machine has $gpus (nvidia-smi -L); the preset that runs" \
+      "on CPU is tiny (bash loop.sh tiny), or lower NPROC, DP and TP with --set" >&2
+    exit 2
+  fi
+fi
 if [ "$MODEL" = offline-tiny ]; then
   MODEL=$($PY -c "from common.tiny import build_cached; print(build_cached())")
-elif [ ! -d "$MODEL" ]; then
-  # A hub id: fetch it once into the HF cache; every stage then works on a local folder.
-  MODEL=$($PY -c "import sys; from huggingface_hub import snapshot_download; print(snapshot_download(sys.argv[1]))" "$MODEL")
 fi
 case $KEEP in evaluated|latest|all) ;; *) echo "loop: KEEP=$KEEP: use evaluated, latest or all" >&2; exit 2 ;; esac
 case $PROMPTS in bfcl|template) ;; *) echo "loop: PROMPTS=$PROMPTS: use bfcl or template" >&2; exit 2 ;; esac
@@ -139,7 +174,7 @@ PLAY_ARGS=("${SCORE_ARGS[@]}")
 # from one model and one set of evaluation settings: a run with others stops here. Where they
 # live is common/runinfo.py base_dir's rule (evaluate.py --compare and common/report.py find them by it).
 BASE=$RUNS/base-$PRESET
-if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" eval_limit="$EVAL_LIMIT" play="${SCORE_ARGS[*]}"; then
+if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" revision="$REVISION" eval_limit="$EVAL_LIMIT" play="${SCORE_ARGS[*]}"; then
   echo "loop: $BASE holds the base model's scores for the settings above; use another --runs, or remove it" >&2
   exit 2
 fi
@@ -153,6 +188,11 @@ for e in PRESET MODE ROUNDS NAME EVAL_EVERY OMEGA REWEIGHT $PRESET_VARS; do
 done
 $PY -m common.runinfo "$RUN/config.json" "${SETTINGS[@]}" \
   || { echo "loop: $RUN was run with the settings above; use another --name, or remove it" >&2; exit 2; }
+if [ ! -d "$MODEL" ]; then
+  # A hub id at its pinned REVISION (recorded above as id and commit, not as a path under
+  # HF_HOME): fetched once into the HF cache; every stage then works on the local folder.
+  MODEL=$($PY -m common.fetch "$MODEL" "$REVISION") || exit 1
+fi
 
 # run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists (or was deleted by KEEP after a
 # later round used it), else run with a log and a timing line.

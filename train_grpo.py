@@ -82,6 +82,10 @@ Semantics:
   round resumes exactly); config.json keeps the input's dtype so engines load bf16. With
   LoRA the frozen base is bf16 on GPU and the adapter float32. CPU: float32 throughout.
 - --lr: 1e-6 is the paper's full fine-tuning value; LoRA usually needs about 1e-5.
+- Memory: on GPUs, common/memplan.py's plan of the update (the model's config.json, the largest
+  padded micro-batch, the processes and their sharding) is checked before any model loads; one
+  that cannot fit stops naming what to change (--max-tokens-per-micro-batch,
+  --gradient-checkpointing, more GPUs). The CPU path is not checked.
 
 Outputs: --out holds a Hugging Face model folder (plus the tokenizer and chat-template
 files of --model), or with --lora (or when --model is an adapter folder, whose training then
@@ -125,6 +129,7 @@ from accelerate.utils import (
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+from common import memplan
 from common.engines import resolve_model
 from common.grpo import (
     accumulate_gradients,
@@ -211,6 +216,7 @@ def train(args):
         print(warning, file=sys.stderr)
     set_seed(args.seed)
     mini_batches, zero_var_share = plan_mini_batches(args, trajectories, accelerator)
+    check_memory(args, policy, reference, mini_batches, accelerator)
     reference_logprobs(reference, mini_batches, temperature, accelerator)
     model, optimizer, params, global_step = load_policy(args, policy, accelerator)
     old_logprobs(model, reference, mini_batches, temperature, accelerator)
@@ -425,6 +431,40 @@ def plan_mini_batches(args, trajectories, accelerator):
         mine = [[trajs[k] for k in mb] for mb in plan[accelerator.process_index]]
         mini_batches.append(MiniBatch(trajs=trajs, mine=mine, norm=sum(t.model_tokens for t in trajs)))
     return mini_batches, zero_var_share
+
+
+# ---------------------------------------------------------------- memory plan
+
+
+def check_memory(args, policy, reference, mini_batches, accelerator):
+    """On GPUs, common/memplan.py's plan of this update (the model's config.json, the largest
+    padded micro-batch, this run's processes and sharding) before any model loads: one that
+    cannot fit stops here, naming the flag to change, not in an out-of-memory error minutes later."""
+    if accelerator.device.type != "cuda":
+        return
+    tokens = max((len(m) * max(t.length for t in m) for mb in mini_batches for m in mb.mine if m), default=0)
+    try:
+        arch = memplan.load_arch(policy.base_path)
+    except memplan.PlanError as e:
+        accelerator.print(f"memory plan skipped: {e}")
+        return
+    if not tokens:
+        return
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    gpu_mem = torch.cuda.get_device_properties(accelerator.device).total_memory
+    chunk = memplan.logprob_chunk()
+    plans = [memplan.train_plan(arch, accelerator.num_processes, sharded, tokens, args.gradient_checkpointing,
+                                gpu_mem, lora=policy.use_lora, chunk=chunk)]
+    if reference.source == "ref_model":
+        plans.append(memplan.reference_plan(arch, tokens, gpu_mem, chunk=chunk))
+    for plan in plans:
+        accelerator.print(memplan.render(plan, gpu_mem))
+        if not plan.fits:
+            raise RecordError(
+                f"memory plan: {plan.title} needs {plan.peak / memplan.GIB:.1f} GiB per GPU, over the limit of "
+                f"{plan.limit / memplan.GIB:.1f} GiB: lower --max-tokens-per-micro-batch (the largest micro-batch "
+                f"pads to {tokens} tokens), add --gradient-checkpointing, or shard over more GPUs"
+            )
 
 
 # ---------------------------------------------------------------- reference log-probs

@@ -15,7 +15,11 @@
 #      the table shows the dtypes gradients were accumulated and reduced in (float32)
 #   5. bench/update_throughput.py: Qwen2.5-3B-sized random model, gradient checkpointing,
 #      8 sequences of 8k tokens: tokens/s, peak GPU memory, MFU (989 TFLOP/s dense bf16)
-# Writes OUTDIR/gpu_check.md (the table), OUTDIR/*.log and the stage outputs.
+#   6. bench/plan_check.py: the memory plan (common/memplan.py) term by term against one measured
+#      update step through one-process FSDP2, 16384 tokens, random weights at the presets' shapes
+#      (configs/models/): Qwen2.5-3B whole, Qwen2.5-7B with 7 of its 28 layers (dry run: a small
+#      Qwen2 on CPU, without FSDP)
+# Writes OUTDIR/gpu_check.md (the table, then the plan check's rows), OUTDIR/*.log and the stage outputs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
@@ -27,7 +31,7 @@ if [ "${1:-}" = --fetch-wheels ]; then
   ls -l .wheels
   exit
 fi
-[ $# -ge 1 ] || { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT=$(realpath -m "$1"); DRY=${2:-}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}"
@@ -90,5 +94,17 @@ step train_accelerate "$(metrics train_accelerate)" \
      --out "$OUT/train_accelerate/policy"
 
 step update_throughput "tail -1 $OUT/update_throughput.log" -- $PY bench/update_throughput.py "${TPUT[@]}"
+
+PLAN=$OUT/plan_check.md; rm -f "$PLAN"
+plan_rows() { echo "$(grep -c '| ok |$' "$PLAN") of $(grep -cE '[|] (ok|OFF) [|]$' "$PLAN") rows agree so far"; }
+if [ "$DRY" = --cpu ]; then
+  step plan_small "plan_rows" -- $PY bench/plan_check.py --cpu --table "$PLAN"
+else
+  step plan_3b "plan_rows" -- $PY -m accelerate.commands.launch "${FSDP[@]}" bench/plan_check.py \
+    --model Qwen/Qwen2.5-3B-Instruct --tokens 16384 --table "$PLAN"
+  step plan_7b_7layers "plan_rows" -- $PY -m accelerate.commands.launch "${FSDP[@]}" bench/plan_check.py \
+    --model Qwen/Qwen2.5-7B-Instruct --layers 7 --tokens 16384 --table "$PLAN"
+fi
+[ -f "$PLAN" ] && { printf '\nThe memory plan against one measured step (bench/plan_check.py):\n\n'; cat "$PLAN"; } >> "$TABLE"
 
 cat "$TABLE"

