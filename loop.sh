@@ -10,13 +10,15 @@
 # from the first missing artifact: stages write atomically, so a file that exists is
 # complete, and complete artifacts are never recomputed. KEEP (a preset variable) says
 # which round policies stay on disk: evaluated (default), latest or all (docs/hardware.md §6).
+# --set REPORT_TO=tensorboard,wandb (or all) logs every round's figures to those trackers
+# (Accelerate's; TensorBoard's files under runs/NAME/tracking/; docs/tracking.md).
 # --ood (or --set OOD="bfcl-memory tau2") also scores the base model and the final policy on
 # the out-of-distribution benches after the last round (the paper's Table 2); τ²-bench needs
 # a user simulator: --set USER_MODEL=DIR, or USER_BASE_URL=URL and USER_MODEL_NAME=NAME.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -ge 1 ] || usage
 PRESET=$1; shift
 ROUNDS=""; MODE=seal; NAME=""; EVAL_EVERY=""; SETS=(); RUNS=runs
@@ -57,6 +59,8 @@ TRAIN_LIMIT=""; EVAL_LIMIT=""; MICRO_TOKENS=32768; EXTRA_TRAIN=""; TASKS=data/tr
 KEEP=evaluated
 # Out-of-distribution benches after the loop (off by default); OOD_LIMIT: first K per category/domain.
 OOD=""; OOD_LIMIT=""; USER_MODEL=""; USER_BASE_URL=""; USER_MODEL_NAME=""
+# Experiment trackers (Accelerate's log_with names, comma-separated; all; none): common/tracking.py.
+REPORT_TO=none
 case $PRESET in
   tiny)  # the offline tiny model on CPU: 8 first-turn training tasks (data/tiny.jsonl), minutes per round
     MODEL=offline-tiny  # built (once, cached) below, unless --set MODEL=... names another
@@ -81,7 +85,7 @@ esac
 # lower case (those keys are what earlier runs recorded and what readers of config.json use).
 PRESET_VARS="MODEL ENGINE DP TP NPROC ACCEL_CONFIG:accelerate_config LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH
   LR KL TEMP:temperature MAX_STEPS MAX_LEN:max_model_len MAX_NEW:max_new_tokens TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS
-  EXTRA_TRAIN KEEP TASKS SEED OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME BFCL_HANDLER PROMPTS EVAL_LEN EVAL_NEW"
+  EXTRA_TRAIN KEEP TASKS SEED OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME BFCL_HANDLER PROMPTS EVAL_LEN EVAL_NEW REPORT_TO"
 OVERRIDABLE=" "
 for e in $PRESET_VARS; do OVERRIDABLE+="${e%%:*} "; done
 for kv in "${SETS[@]+"${SETS[@]}"}"; do
@@ -97,6 +101,7 @@ elif [ ! -d "$MODEL" ]; then
 fi
 case $KEEP in evaluated|latest|all) ;; *) echo "loop: KEEP=$KEEP: use evaluated, latest or all" >&2; exit 2 ;; esac
 case $PROMPTS in bfcl|template) ;; *) echo "loop: PROMPTS=$PROMPTS: use bfcl or template" >&2; exit 2 ;; esac
+$PY -m common.tracking --check "$REPORT_TO" || exit 2  # a tracker that is not installed: its pip line
 $PY -c "import sys; from common.prompts import check_handler; check_handler(sys.argv[1])" "$BFCL_HANDLER" 2>/dev/null \
   || { $PY -c "import sys; from common.prompts import HANDLERS; print(f'loop: BFCL_HANDLER={sys.argv[1]}: not a handler'
        f' this project drives; choices: {\", \".join(HANDLERS)}', file=sys.stderr)" "$BFCL_HANDLER"; exit 2; }
@@ -173,6 +178,12 @@ run() {
     >> "$RUN/timing.jsonl"
 }
 
+track() {  # log what is new in the run's artifacts to the trackers; a failure is retried next round
+  if [ "$REPORT_TO" = none ] || [ -z "$REPORT_TO" ]; then return; fi
+  $PY -m common.tracking "$RUN" --report-to "$REPORT_TO" \
+    || echo "loop: logging to $REPORT_TO failed (the next call retries what was not logged)" >&2
+}
+
 limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
 
 evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
@@ -241,9 +252,11 @@ for ((t = 0; t < ROUNDS; t++)); do
   fi
   prune "$t"
   $PY -m common.report "$RUN" > /dev/null
+  track
 done
 if [ -n "$OOD" ]; then
   ood "$MODEL" base "$BASE/ood"
   ood "$policy" final "$RUN/ood/round_$(printf %03d $((ROUNDS - 1)))"
+  track
 fi
 $PY -m common.report "$RUN"
