@@ -353,7 +353,7 @@ class HFEngine(Engine):
         # the bar counts decoding steps up to the longest row limit; a call whose rows all stop
         # early ends short of it
         stops = torch.tensor(sorted({*self.stop_ids, self.pad_id}), device=self.device)
-        with torch.no_grad(), tqdm(total=int(row_limits.max()), desc=f"generate {len(batch)} rows", unit="tok",
+        with torch.no_grad(), tqdm(total=int(row_limits.max()), desc=f"generate {len(batch)} rows", unit="step",
                                    leave=False, disable=not self.progress) as bar:
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config,
