@@ -93,6 +93,8 @@ for kv in "${SETS[@]+"${SETS[@]}"}"; do
   case $OVERRIDABLE in *" $var "*) printf -v "$var" '%s' "${kv#*=}" ;;
     *) echo "loop: --set $var: not a preset variable ($OVERRIDABLE)" >&2; exit 2 ;; esac
 done
+# a tracker that is not installed stops here with its pip line, before any model is built or fetched
+$PY -m common.tracking --check "$REPORT_TO" || exit 2
 if [ "$MODEL" = offline-tiny ]; then
   MODEL=$($PY -c "from common.tiny import build_cached; print(build_cached())")
 elif [ ! -d "$MODEL" ]; then
@@ -101,7 +103,6 @@ elif [ ! -d "$MODEL" ]; then
 fi
 case $KEEP in evaluated|latest|all) ;; *) echo "loop: KEEP=$KEEP: use evaluated, latest or all" >&2; exit 2 ;; esac
 case $PROMPTS in bfcl|template) ;; *) echo "loop: PROMPTS=$PROMPTS: use bfcl or template" >&2; exit 2 ;; esac
-$PY -m common.tracking --check "$REPORT_TO" || exit 2  # a tracker that is not installed: its pip line
 $PY -c "import sys; from common.prompts import check_handler; check_handler(sys.argv[1])" "$BFCL_HANDLER" 2>/dev/null \
   || { $PY -c "import sys; from common.prompts import HANDLERS; print(f'loop: BFCL_HANDLER={sys.argv[1]}: not a handler'
        f' this project drives; choices: {\", \".join(HANDLERS)}', file=sys.stderr)" "$BFCL_HANDLER"; exit 2; }

@@ -199,7 +199,7 @@ def test_tensorboard_reads_back_every_round(runs):
                                                                               "eval round 1"]
 
 
-def test_a_tracker_that_is_not_installed_stops_before_round_0(tmp_path, tiny_model):
+def test_a_tracker_that_is_not_installed_stops_before_round_0(tmp_path):
     from common import tracking
     missing = next((n for n in ("comet_ml", "swanlab", "clearml", "aim", "dvclive") if not tracking.installed(n)), None)
     if missing is None:
