@@ -12,6 +12,8 @@
 # from the first missing artifact: stages write atomically, so a file that exists is
 # complete, and complete artifacts are never recomputed. KEEP (a preset variable) says
 # which round policies stay on disk: evaluated (default), latest or all (docs/hardware.md §6).
+# --set REPORT_TO=tensorboard,wandb (or all) logs every round's figures to those trackers
+# (Accelerate's; TensorBoard's files under runs/NAME/tracking/; docs/tracking.md).
 # --ood (or --set OOD="bfcl-memory tau2") also scores the base model and the final policy on
 # the out-of-distribution benches after the last round (the paper's Table 2); τ²-bench needs
 # a user simulator: --set USER_MODEL=DIR, or USER_BASE_URL=URL and USER_MODEL_NAME=NAME.
@@ -64,6 +66,8 @@ OOD=""; OOD_LIMIT=""; USER_MODEL=""; USER_BASE_URL=""; USER_MODEL_NAME=""
 # plan, and REVISION, the hub commit of MODEL that is downloaded and recorded (a resume never
 # depends on the hub's latest commit nor on HF_HOME). Empty GPU_MEM_GIB: a CPU preset.
 GPU_MEM_GIB=""; REVISION=""
+# Experiment trackers (Accelerate's log_with names, comma-separated; all; none): common/tracking.py.
+REPORT_TO=none
 case $PRESET in
   tiny)  # the offline tiny model on CPU: 8 first-turn training tasks (data/tiny.jsonl), minutes per round
     MODEL=offline-tiny  # built (once, cached) below, unless --set MODEL=... names another
@@ -95,7 +99,7 @@ esac
 PRESET_VARS="MODEL ENGINE SERVER DP TP NPROC ACCEL_CONFIG:accelerate_config LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH
   LR KL TEMP:temperature MAX_STEPS MAX_LEN:max_model_len MAX_NEW:max_new_tokens TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS
   EXTRA_TRAIN KEEP TASKS SEED OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME BFCL_HANDLER PROMPTS EVAL_LEN EVAL_NEW
-  REVISION GPU_MEM_GIB"
+  REVISION GPU_MEM_GIB REPORT_TO"
 OVERRIDABLE=" "
 for e in $PRESET_VARS; do OVERRIDABLE+="${e%%:*} "; done
 for kv in "${SETS[@]+"${SETS[@]}"}"; do
@@ -127,6 +131,8 @@ if [ -n "$GPU_MEM_GIB" ]; then
     exit 2
   fi
 fi
+# a tracker that is not installed stops here with its pip line, before any model is built or fetched
+$PY -m common.tracking --check "$REPORT_TO" || exit 2
 if [ "$MODEL" = offline-tiny ]; then
   MODEL=$($PY -c "from common.tiny import build_cached; print(build_cached())")
 fi
@@ -209,6 +215,12 @@ run() {
   local ms=$((($(date +%s%N) - t0) / 1000000))
   echo "{\"round\": $round, \"stage\": \"$stage\", \"seconds\": $((ms / 1000)).$(printf %03d $((ms % 1000)))}" \
     >> "$RUN/timing.jsonl"
+}
+
+track() {  # log what is new in the run's artifacts to the trackers; a failure is retried next round
+  if [ "$REPORT_TO" = none ] || [ -z "$REPORT_TO" ]; then return; fi
+  $PY -m common.tracking "$RUN" --report-to "$REPORT_TO" \
+    || echo "loop: logging to $REPORT_TO failed (the next call retries what was not logged)" >&2
 }
 
 limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
@@ -314,9 +326,11 @@ for ((t = 0; t < ROUNDS; t++)); do
   fi
   prune "$t"
   $PY -m common.report "$RUN" > /dev/null
+  track
 done
 if [ -n "$OOD" ]; then
   ood "$MODEL" base "$BASE/ood"
   ood "$policy" final "$RUN/ood/round_$(printf %03d $((ROUNDS - 1)))"
+  track
 fi
 $PY -m common.report "$RUN"

@@ -22,7 +22,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "
 import importlib.util, sys
 sys.exit(any(importlib.util.find_spec(m) is None for m in
              ('torch', 'transformers', 'accelerate', 'peft', 'vllm', 'bfcl_eval', 'matplotlib',
-              'tau2', 'litellm', 'sentence_transformers', 'faiss', 'rank_bm25')))" 2>/dev/null; then
+              'tau2', 'litellm', 'sentence_transformers', 'faiss', 'rank_bm25', 'tensorboard')))" 2>/dev/null; then
   echo "setup: .venv is up to date ($flavour)"
 else
   echo "setup: installing into .venv ($flavour build)"

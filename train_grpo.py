@@ -50,7 +50,7 @@ Semantics:
 - ρ: the interface file's "rho" if it has one, else --rho FILE (a JSON object), else
   common.taxonomy.RHO. A profile label missing from ρ is an error. --no-reweight sets w = 1.
 - Old log-probs are recomputed by this trainer with the input weights before the first
-  step; the engine's log-probs only feed the logprob_mismatch metric.
+  step; the engine's log-probs only feed the logprob_mismatch and is_ratio metrics.
 - Temperature: old, new and reference log-probs are those of softmax(logits / T), T the
   sampling temperature the rollout records carry ("sampling": {"temperature", "top_p",
   "top_k"}, written by common/play.py), as verl and TRL score them; there is no flag that
@@ -100,7 +100,8 @@ clipping), w_mean, w_std, wa_mean (mean w_j·A_j over the step's trajectories), 
 (of the step's labelled turns, those the rollout never played), zero_var_share (of the
 round's groups), reward_mean (of the step's trajectories), model_tokens, tokens_per_s (prompt
 + response tokens per second of the update step), seconds (of the update step),
-logprob_mismatch (mean |engine - trainer| log-prob over model tokens), temperature (of the
+logprob_mismatch (mean |engine - trainer| log-prob over model tokens), is_ratio_mean and
+is_ratio_max (of exp(trainer - engine log-prob) over those tokens), temperature (of the
 rollouts), lr, ref_model (absolute folder of the KL reference; null without KL). A round with
 nothing to learn writes one line with step 0, the global step so far, the weights,
 zero-variance share, reward of all trajectories, temperature and ref_model.
@@ -571,7 +572,8 @@ def optimise(
     round_fields: zero_var_share, temperature and ref_model, which every line records."""
     metrics, step = [], 0
     max_norm = args.grad_clip if args.grad_clip > 0 else math.inf
-    bar = tqdm(total=len(mini_batches) * args.epochs, desc="grpo", disable=not accelerator.is_main_process)
+    bar = tqdm(total=len(mini_batches) * args.epochs, desc="grpo optimiser steps", unit="step",
+               disable=not accelerator.is_main_process)
     model.train()
     for epoch in range(args.epochs):
         # drawn from the global step, so a run split into rounds keeps one run's order
@@ -616,23 +618,34 @@ def weight_stats(trajs):
 
 
 def logprob_mismatch(mb):
-    """(Σ |engine - trainer| old log-prob, count) over this process's model tokens of a
-    mini-batch that the engine gave a log-prob for."""
-    mm_sum = mm_count = 0.0
+    """(Σ |engine - trainer| old log-prob, count, Σ ratio, max ratio) over this process's model
+    tokens of a mini-batch that the engine gave a log-prob for; ratio = exp(trainer - engine),
+    the importance ratio of the trainer's input policy to the engine's samples (TRL's
+    importance_sampling_ratio)."""
+    mm_sum = mm_count = ratio_sum = 0.0
+    ratio_max = -math.inf
     for t in (t for micro in mb.mine for t in micro):
         engine = torch.tensor([math.nan if e is None else e for e in t.engine_logprobs])
         used = torch.tensor(t.mask, dtype=torch.bool) & ~engine.isnan()
-        mm_sum += (engine - t.old_logprobs)[used].abs().sum().item()
+        diff = (t.old_logprobs - engine)[used]
+        mm_sum += diff.abs().sum().item()
         mm_count += used.sum().item()
-    return mm_sum, mm_count
+        if used.any():
+            ratio = diff.double().exp()
+            ratio_sum += ratio.sum().item()
+            ratio_max = max(ratio_max, ratio.max().item())
+    return mm_sum, mm_count, ratio_sum, ratio_max
 
 
 def step_metrics(kl_coef, mb, sums, grad_norm, seconds, round_fields, accelerator):
     keys = ("pg_sum", "kl_sum", "clip_count", "dual_clip_count", "tokens")
-    local = [sums[k] for k in keys] + list(logprob_mismatch(mb))
-    pg, kl, clipped, dual, tokens, mm_sum, mm_count = accelerator.reduce(
+    mm_sum, mm_count, ratio_sum, ratio_max = logprob_mismatch(mb)
+    local = [sums[k] for k in keys] + [mm_sum, mm_count, ratio_sum]
+    pg, kl, clipped, dual, tokens, mm_sum, mm_count, ratio_sum = accelerator.reduce(
         torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum"
     ).tolist()
+    ratio_max = accelerator.gather(torch.tensor([ratio_max], dtype=torch.float64, device=accelerator.device))
+    ratio_max = ratio_max.max().item()
     tokens = max(tokens, 1)
     labelled = sum(t.labelled_turns for t in mb.trajs)
     return {
@@ -651,6 +664,8 @@ def step_metrics(kl_coef, mb, sums, grad_norm, seconds, round_fields, accelerato
         "tokens_per_s": sum(t.length for t in mb.trajs) / seconds,
         "seconds": seconds,
         "logprob_mismatch": mm_sum / mm_count if mm_count else None,
+        "is_ratio_mean": ratio_sum / mm_count if mm_count else None,
+        "is_ratio_max": ratio_max if mm_count else None,
         "temperature": round_fields["temperature"],
         "ref_model": round_fields["ref_model"],
     }

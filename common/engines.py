@@ -255,6 +255,7 @@ class HFEngine(Engine):
         self.max_model_len = max_model_len
         self.seed = seed
         self.calls = 0
+        self.progress = True  # a bar per batched generate call (decoding steps)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.float32 if self.device.type == "cpu" else "auto"
@@ -300,7 +301,23 @@ class HFEngine(Engine):
 
     def _run(self, batch, prompts, limits, sampling, results):
         import torch
-        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+        from tqdm import tqdm
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+        class Progress(StoppingCriteria):
+            """Stops nothing: moves the bar one decoding step (a new token for every row still
+            generating) at a time, so a long batched call shows how far it is, not a count of
+            trajectories that all finish when it returns."""
+
+            def __init__(self, bar, stop_ids):
+                self.bar, self.stop_ids = bar, stop_ids
+
+            def __call__(self, input_ids, scores, **kwargs):
+                new = input_ids.shape[1] - width
+                live = ~torch.isin(input_ids[:, -1], self.stop_ids) & (new < row_limits)
+                self.bar.update(1)
+                self.bar.set_postfix(rows=int(live.sum()), refresh=False)
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
         width = max(len(prompts[i]) for i in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
@@ -323,11 +340,15 @@ class HFEngine(Engine):
             bos_token_id=None, return_dict_in_generate=True, **warpers)
         recorder_cls, row_limit_cls = _hf_helpers()
         recorder = recorder_cls(temperature if sample else 1.0)
-        with torch.no_grad():
+        # the bar counts decoding steps up to the longest row limit; a call whose rows all stop
+        # early ends short of it
+        stops = torch.tensor(sorted({*self.stop_ids, self.pad_id}), device=self.device)
+        with torch.no_grad(), tqdm(total=int(row_limits.max()), desc=f"generate {len(batch)} rows", unit="step",
+                                   leave=False, disable=not self.progress) as bar:
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
-                stopping_criteria=StoppingCriteriaList([row_limit_cls(width, row_limits)]))
+                stopping_criteria=StoppingCriteriaList([row_limit_cls(width, row_limits), Progress(bar, stops)]))
         new = out.sequences[:, width:]
         logprobs = recorder.finish(new)
         new, logprobs = new.tolist(), logprobs.tolist()

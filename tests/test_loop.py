@@ -26,8 +26,8 @@ ARTIFACTS = ["config.json", "timing.jsonl", "report.md", "curves.png", "eval/rou
                      "interface.json", "rollouts.jsonl", "rollout_summary.json", "diagnoses.jsonl",
                      "train_metrics.jsonl")] + [
                  f"round_001/policy/{f}" for f in ("config.json", "model.safetensors", "tokenizer.json")]
-# The seal run keeps the default KEEP=evaluated, the vanilla run KEEP=all.
-KEEP = {"seal": [], "vanilla": ["--set", "KEEP=all"], "resumed": [], "other": []}
+# The seal run keeps the default KEEP=evaluated and logs to TensorBoard, the vanilla run KEEP=all.
+KEEP = {"seal": ["--set", "REPORT_TO=tensorboard"], "vanilla": ["--set", "KEEP=all"], "resumed": [], "other": []}
 
 
 def loop(runs, name, mode, *extra, **kw):
@@ -151,6 +151,86 @@ def test_interrupted_loop_resumes_to_the_same_artifacts(runs):
         json.loads((run / "eval/round_001/scores.json").read_text())
 
 
+def scalars(run):
+    """{tag: [(step, value)]} as TensorBoard's own reader reads the run's event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run / "tracking" / "seal"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+# One tag of each family (docs/tracking.md), logged at every round's step.
+ROUND_TAGS = ["critic/score/mean", "reward_std", "frac_reward_zero_std", "response_length/mean", "response_length/max", "response_length/clip_ratio", "prompt_length/mean",
+              "num_turns/mean", "rollout/steps/mean", "tools/calls_per_step", "tools/failure_frequency",
+              "rollout/parse_error_rate", "seal/cue_tokens/mean", "seal/label/pass", "seal/w/mean", "seal/w/std",
+              "seal/cue/schema", "seal/cue/error_feedback", "seal/cue/capability/invalid_tool_call",
+              "timing_s/rollout", "timing_s/train", "timing_s/round", "perf/gen_throughput", "training/global_step"]
+POLICY_TAGS = ["actor/pg_loss", "actor/kl_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/grad_norm",
+               "actor/lr", "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean",
+               "seal/wa/mean", "perf/throughput"]
+
+
+def test_tensorboard_reads_back_every_round(runs):
+    """REPORT_TO=tensorboard: one step per round with the figures its artifacts hold, held-in
+    scores at 0 (base) and 2 (after round 1), the run's id and what was logged kept in the run."""
+    run = runs / "seal"
+    tags = scalars(run)
+    for tag in ROUND_TAGS:
+        assert [s for s, _ in tags.get(tag, [])] == [0, 1], tag
+    for t in (0, 1):
+        diag = jsonl(run / f"round_00{t}" / "diagnoses.jsonl")
+        metrics = jsonl(run / f"round_00{t}" / "train_metrics.jsonl")
+        assert tags["critic/score/mean"][t][1] == pytest.approx(sum(d["reward"] for d in diag) / len(diag))
+        assert tags["training/global_step"][t][1] == metrics[-1]["global_step"]
+        for c in {d["category"] for d in diag}:
+            mine = [d["reward"] for d in diag if d["category"] == c]
+            assert dict(tags[f"reward/{c}/mean"])[t] == pytest.approx(sum(mine) / len(mine))
+            assert t in dict(tags[f"reward/{c}/pass_at_n"])
+        assert sum(v[t][1] for k, v in tags.items() if k.startswith("seal/label/")) == pytest.approx(1)
+        (train_s,) = [x["seconds"] for x in jsonl(run / "timing.jsonl") if (x["round"], x["stage"]) == (t, "train")]
+        assert tags["timing_s/train"][t][1] == pytest.approx(train_s, abs=1e-3)
+        # policy figures exist for a round that took optimiser steps (the tiny model may not)
+        stepped = any(m["step"] > 0 for m in metrics)
+        for tag in POLICY_TAGS:
+            assert (t in [s for s, _ in tags.get(tag, [])]) == stepped, (tag, t)
+    assert [s for s, _ in tags["val-core/heldin/average"]] == [0, 2]
+    scores = json.loads((run / "eval" / "round_001" / "scores.json").read_text())
+    assert tags["val-core/heldin/average"][1][1] == pytest.approx(scores["average"])
+    state = json.loads((run / "tracking" / "state.json").read_text())
+    assert len(state["run_id"]) == 32 and state["logged"]["tensorboard"] == ["eval base", "round 0", "round 1",
+                                                                              "eval round 1"]
+
+
+def test_a_tracker_that_is_not_installed_stops_before_round_0(tmp_path):
+    from common import tracking
+    missing = next((n for n in ("comet_ml", "swanlab", "clearml", "aim", "dvclive") if not tracking.installed(n)), None)
+    if missing is None:
+        pytest.skip("every tracker this test could name is installed")
+    res = subprocess.run(
+        ["bash", "loop.sh", "tiny", "--name", "bad", "--runs", str(tmp_path), *SMALL, "--set", f"REPORT_TO={missing}"],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert res.returncode == 2 and f"pip install {tracking.PACKAGES[missing]}" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "bad").exists()
+
+
+def test_wandb_offline_writes_its_run_once(runs, tmp_path, monkeypatch):
+    """W&B in offline mode (nothing leaves the machine), where wandb is installed: the run's
+    figures go to runs/NAME/tracking/wandb/ under the run's id; a second call logs nothing."""
+    pytest.importorskip("wandb")
+    import shutil
+
+    from common import tracking
+    run = tmp_path / "seal"
+    shutil.copytree(runs / "seal", run, ignore=shutil.ignore_patterns("policy", "tracking"))
+    shutil.copytree(runs / "base-tiny", tmp_path / "base-tiny")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert tracking.log(str(run), "wandb") == {"wandb": ["eval base", "round 0", "round 1", "eval round 1"]}
+    run_id = json.loads((run / "tracking" / "state.json").read_text())["run_id"]
+    assert list((run / "tracking" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert tracking.log(str(run), "wandb") == {}
+
+
 def test_compare_prints_runs_side_by_side(runs):
     res = subprocess.run([sys.executable, "evaluate.py", "--compare", str(runs / "seal"), str(runs / "vanilla")],
                          cwd=ROOT, capture_output=True, text=True)
@@ -165,9 +245,11 @@ def test_finished_loop_reruns_nothing_after_deletions(runs):
     KEEP may change on a rerun (config.json follows); other settings may not."""
     run = runs / "seal"
     timing = (run / "timing.jsonl").read_text()
+    logged = scalars(run)
     out = finish(loop(runs, "seal", "seal", "--set", "KEEP=latest"))
     assert "round 0 train: done" in out and "round 1 train: done" in out
     assert (run / "timing.jsonl").read_text() == timing
+    assert scalars(run) == logged  # the tracker run got no step twice
     assert not (run / "round_000" / "policy").exists() and (run / "round_001" / "policy").is_dir()
     assert json.loads((run / "config.json").read_text())["settings"]["keep"] == "latest"
     bad = loop(runs, "seal", "seal", "--set", "LR=7e-7")

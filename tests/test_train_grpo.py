@@ -375,6 +375,8 @@ def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_p
     (m,) = metrics_of(out)
     assert m["temperature"] == 0.7 and m["model_tokens"] > 0
     assert m["logprob_mismatch"] < 1e-3, m["logprob_mismatch"]
+    # the importance ratio trainer/engine (TRL's importance_sampling_ratio) is then 1
+    assert abs(m["is_ratio_mean"] - 1) < 1e-3 and abs(m["is_ratio_max"] - 1) < 1e-2, m
 
 
 @pytest.mark.parametrize(
