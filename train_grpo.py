@@ -234,7 +234,7 @@ def train(args):
     set_seed(args.seed)
     mini_batches, zero_var_share = plan_mini_batches(args, trajectories, accelerator)
     reference_logprobs(reference, mini_batches, temperature, accelerator)
-    model, optimizer, params, global_step = load_policy(args, policy, state_info, accelerator)
+    model, optimizer, params, global_step = load_policy(args, policy, accelerator, state_info)
     old_logprobs(model, reference, mini_batches, temperature, accelerator)
     round_fields = {
         "zero_var_share": zero_var_share,
@@ -481,7 +481,7 @@ def reference_logprobs(reference, mini_batches, temperature, accelerator):
 # ---------------------------------------------------------------- model
 
 
-def load_policy(args, policy, state_info, accelerator):
+def load_policy(args, policy, accelerator, state_info=None):
     """The policy (full model, or base + LoRA adapter) and its AdamW, prepared; with
     --optimizer-state, the optimiser (and the float32 master weights, where the policy folder
     holds fewer bits) continue from the previous round. Returns the global step."""
