@@ -1,9 +1,12 @@
 """train_grpo.py end to end on a tiny random Qwen2 (built here, no hub): it learns in the
 direction of the weighted advantage, --no-reweight changes the update by exactly w,
-2 DDP processes on CPU give the 1-process update, LoRA adapters save/load/continue, the
-optimiser state carries across rounds (one process and DDP; a killed round reruns to the
-same state), the KL reference stays the initial policy, and bad input stops with file:line
-and no output.
+2 DDP processes on CPU give the 1-process update (and two machine ranks the 2-process one),
+LoRA adapters save/load/continue, the optimiser state (torch.distributed.checkpoint) carries
+across rounds (one process, DDP and FSDP2; a killed round reruns to the same state, bit for
+bit; a bf16 policy resumes from the float32 master; a 2-process state loads on one process),
+the KL reference stays the initial policy, and bad input stops with file:line and no output.
+A multi-process run past its timeout prints every rank's stack (faulthandler, SIGABRT) and is
+killed with its ranks, which torchrun starts in sessions of their own.
 """
 
 import contextlib
