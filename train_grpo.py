@@ -679,7 +679,7 @@ def save(args, policy, model, optimizer, metrics, global_step, metrics_path, acc
             write_jsonl(metrics_path, metrics)
     steps = sum(m["step"] > 0 for m in metrics)
     accelerator.print(
-        f"{steps} optimiser steps; policy ({str(dtype)[6:]}) written to {args.out}; metrics to {metrics_path}"
+        f"{steps} optimiser steps; policy written to {args.out} ({str(dtype)[6:]}); metrics to {metrics_path}"
     )
     accelerator.end_training()
 
