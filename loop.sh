@@ -273,15 +273,16 @@ ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR
 }
 
 train() {  # train ROUND_DIR POLICY: KL to the round-0 model, one optimiser carried from round to round
-  local launch=($PY) state=()
+  # (its state folder also holds the float32 master weights when the policy is saved in bf16)
+  local words launch state=()
   if [ "$2" != "$MODEL" ]; then state=(--optimizer-state "$2/optimizer"); fi
   if [ -n "$GPU" ] && [ -z "$SERVER" ] && [ -f "$SERVER_STATE" ]; then
     $PY -m common.serve sleep --state "$SERVER_STATE"  # the trainer takes the server's GPUs
   fi
-  if [ "$NPROC" -gt 1 ]; then
-    launch=(.venv/bin/accelerate launch --num_processes "$NPROC")
-    [ -n "$ACCEL_CONFIG" ] && launch+=(--config_file "$ACCEL_CONFIG")
-  fi
+  # one process, accelerate launch over NPROC, or in a SLURM allocation of several nodes one
+  # accelerate launch per node through srun (common/launch.py)
+  words=$($PY -m common.launch "$PY" "$NPROC" "$ACCEL_CONFIG") || return 1
+  mapfile -t launch <<< "$words"
   "${launch[@]}" train_grpo.py --model "$2" --rollouts "$1/rollouts.jsonl" --diagnoses "$1/diagnoses.jsonl" \
     --interface "$1/interface.json" $REWEIGHT --lr "$LR" --kl-coef "$KL" --mini-batch-tasks "$MINI_BATCH" \
     --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA $EXTRA_TRAIN --seed "$SEED" --ref-model "$MODEL" \
@@ -293,7 +294,7 @@ prune() {  # prune ROUND: what KEEP lets go once round ROUND's policy exists (ne
   local s dir
   for ((s = 0; s < $1; s++)); do
     dir=$RUN/round_$(printf %03d "$s")/policy
-    rm -rf "$dir/optimizer"
+    rm -rf "$dir/optimizer" "$(dirname "$dir")"/.tmp-policy-*  # and what a killed save left there
     if [ -d "$dir" ] && { [ "$KEEP" = latest ] || [ ! -e "$RUN/eval/round_$(printf %03d "$s")/scores.json" ]; }; then
       # the marker first: it tells a rerun that this round is done, even if rm is interrupted
       echo "deleted by loop.sh (KEEP=$KEEP) once round $1's policy existed" > "$dir.deleted"

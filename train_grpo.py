@@ -17,8 +17,9 @@ and takes one optimiser step per mini-batch of tasks with the PPO-clipped token-
 
 Multi-node: the same command on every node with `--num_machines N --machine_rank R
 --main_process_ip HOST --main_process_port PORT --num_processes <total GPUs>` added after
-`accelerate launch` (or in the config file); every node needs the input files and --model,
-and --out on a filesystem all nodes share (each process writes its part of the optimiser state).
+`accelerate launch` (loop.sh does it through srun inside a SLURM allocation: common/launch.py);
+every node needs the input files and --model, and --out on a filesystem all nodes share (each
+process writes its shard of the optimiser state).
 
 Semantics:
 - Group = all samples of one task_id in the rollouts file. A = (r - mean)/(std + 1e-6) with
@@ -65,10 +66,14 @@ Semantics:
   computed before the policy is loaded (or, with LoRA, with its adapter off), so only one
   model is held while training. --kl-coef 0 skips it.
 - One optimiser across rounds: --save-optimizer writes the optimiser state (AdamW moments and
-  step counts, sharded as the run is) to <out>/optimizer with Accelerate's save_state, plus
-  the global step count; --optimizer-state DIR (the previous round's <out>/optimizer) loads
-  it with load_state, so round t+1 continues round t's optimisation: the same code path in
-  one process, DDP, FSDP and DeepSpeed ZeRO-3. The learning rate is constant (no schedule,
+  step counts, and the float32 master weights when the policy is saved below float32) to
+  <out>/optimizer with torch.distributed.checkpoint, every process its shard, plus the global
+  step count (common/checkpoint.py; under DeepSpeed ZeRO-3 its own checkpoint, through
+  Accelerate's save_state); --optimizer-state DIR (the previous round's <out>/optimizer) loads
+  it, on any number of processes (DCP reshards), so round t+1 continues round t's optimisation
+  from the float32 weights, bit-identically to one longer run of the same steps: one process,
+  DDP and FSDP2 alike. --timeout (minutes, default 60) is how long a process waits for the
+  others at a collective, a slow save included. The learning rate is constant (no schedule,
   as in the paper); --lr overrides the saved one. Each epoch's order of mini-batches is
   drawn from --seed and the global step it starts at, so k rounds of one epoch on the same
   rollouts take the same steps as one run of k epochs.
@@ -78,9 +83,11 @@ Semantics:
   a bf16 weight cannot absorb an lr-1e-6 update. Gradients are accumulated over micro-batches
   and reduced across processes in float32 on every path (FSDP's reduce_dtype and DeepSpeed's
   communication/accumulation dtypes are set in code, whatever the config file says; DDP's
-  follow the float32 weights); the log states them. The saved weights stay float32 (the next
-  round resumes exactly); config.json keeps the input's dtype so engines load bf16. With
-  LoRA the frozen base is bf16 on GPU and the adapter float32. CPU: float32 throughout.
+  follow the float32 weights); the log states them. The policy is saved once, in --policy-dtype:
+  by default on GPU the input config's 16-bit dtype (what the engines load), on CPU float32;
+  below float32 the next round resumes from the master weights of <out>/optimizer, not from the
+  rounded policy. config.json keeps the input's dtype. With LoRA the frozen base is bf16 on
+  GPU and the adapter float32 (its own master). CPU: float32 throughout.
 - --lr: 1e-6 is the paper's full fine-tuning value; LoRA usually needs about 1e-5.
 - Memory: on GPUs, common/memplan.py's plan of the update (the model's config.json, the largest
   padded micro-batch, the processes and their sharding) is checked before any model loads; one
@@ -90,8 +97,9 @@ Semantics:
 Outputs: --out holds a Hugging Face model folder (plus the tokenizer and chat-template
 files of --model), or with --lora (or when --model is an adapter folder, whose training then
 continues) a PEFT adapter folder whose adapter_config.json names the base model's absolute
-path (an input adapter's relative base is read as common/engines.py resolve_model reads it); with --save-optimizer also <out>/optimizer/ (Accelerate state; trainer_state.json
-holds global_step). Policy and optimiser state appear together or not at all.
+path (an input adapter's relative base is read as common/engines.py resolve_model reads it); with --save-optimizer also <out>/optimizer/ (a torch.distributed.checkpoint folder;
+trainer_state.json holds global_step). Policy and optimiser state appear together or not at
+all; a temporary folder a killed save left beside --out is removed by the rerun.
 --metrics (default: train_metrics.jsonl next to --out) gets one line per optimiser step:
 step (in this round), global_step (across rounds, carried in the optimiser state), epoch,
 loss, pg_loss, kl, clip_frac (model tokens where PPO's clip applied), dual_clip_frac (tokens
@@ -111,12 +119,14 @@ Bad input stops with `error: file:line: ...`, a non-zero exit and no output.
 import argparse
 import contextlib
 import dataclasses
+import glob
 import math
 import os
 import random
 import shutil
 import sys
 import time
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -124,13 +134,15 @@ from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedType,
     FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
     broadcast_object_list,
     set_seed,
 )
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from common import memplan
+from common import checkpoint, memplan
 from common.engines import resolve_model
 from common.grpo import (
     accumulate_gradients,
@@ -172,7 +184,12 @@ parser.add_argument("--lora-r", type=int, default=16)
 parser.add_argument("--lora-alpha", type=int, default=32)
 parser.add_argument("--gradient-checkpointing", action="store_true")
 parser.add_argument("--save-optimizer", action="store_true", help="write <out>/optimizer/")
-parser.add_argument("--optimizer-state", help="previous <out>/optimizer/")
+parser.add_argument("--optimizer-state", help="previous <out>/optimizer/ (its master weights, if any, replace --model's)")
+parser.add_argument("--policy-dtype", choices=("float32", "bfloat16", "float16"),
+                    help="dtype of the saved policy; default: the input config's 16-bit dtype when training on GPU, "
+                         "else float32 (below float32, <out>/optimizer keeps the float32 master weights)")
+parser.add_argument("--timeout", type=float, default=60,
+                    help="minutes a process waits for the others at a collective (a slow save on a busy disk)")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--cpu", action="store_true", help="force CPU (Accelerator(cpu=True))")
 # fmt: on
@@ -182,7 +199,8 @@ TOKENIZER_FILES = (
     "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )  # fmt: skip
 OPTIMIZER_DIR = "optimizer"  # inside --out
-TRAINER_STATE = "trainer_state.json"  # inside the optimiser folder: {"global_step": N}
+TRAINER_STATE = checkpoint.INFO  # inside the optimiser folder: {"global_step": N, ...}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def main(argv=None):
@@ -191,6 +209,10 @@ def main(argv=None):
         parser.error("--mini-batch-tasks, --epochs and --max-tokens-per-micro-batch must be positive")
     if args.clip_ratio_c != 0 and args.clip_ratio_c <= 1:
         parser.error("--clip-ratio-c must be above 1 (or 0 to disable the dual clip)")
+    if args.lora and args.policy_dtype not in (None, "float32"):
+        parser.error("--policy-dtype: an adapter is saved in float32 (it is its own master copy)")
+    if args.timeout <= 0:
+        parser.error("--timeout must be positive")
     try:
         train(args)
     except RecordError as e:
@@ -207,7 +229,7 @@ def train(args):
     policy = read_policy(args.model, args.lora)
     check_vocabulary(trajectories, rollouts, policy.vocab_size, args.rollouts)
     reference = choose_reference(args.kl_coef, args.ref_model, policy)
-    check_optimizer_state(args.optimizer_state)
+    state_info = check_optimizer_state(args.optimizer_state)
     metrics_path = args.metrics or os.path.join(
         os.path.dirname(os.path.abspath(args.out)), "train_metrics.jsonl"
     )
@@ -219,7 +241,7 @@ def train(args):
     mini_batches, zero_var_share = plan_mini_batches(args, trajectories, accelerator)
     check_memory(args, policy, reference, mini_batches, accelerator)
     reference_logprobs(reference, mini_batches, temperature, accelerator)
-    model, optimizer, params, global_step = load_policy(args, policy, accelerator)
+    model, optimizer, params, global_step = load_policy(args, policy, accelerator, state_info)
     old_logprobs(model, reference, mini_batches, temperature, accelerator)
     round_fields = {
         "zero_var_share": zero_var_share,
@@ -229,7 +251,7 @@ def train(args):
     metrics, global_step = optimise(
         args, model, optimizer, params, global_step, mini_batches, trajectories, round_fields, accelerator
     )
-    save(args, policy, model, metrics, global_step, metrics_path, accelerator)
+    save(args, policy, model, optimizer, metrics, global_step, metrics_path, accelerator)
 
 
 # ---------------------------------------------------------------- inputs
@@ -319,9 +341,12 @@ def choose_reference(kl_coef, ref_model, policy):
 
 
 def check_optimizer_state(path):
-    """--optimizer-state, if given, is a folder this trainer wrote (it holds the global step)."""
-    if path and not os.path.isfile(os.path.join(path, TRAINER_STATE)):
-        raise RecordError(f"{path}: not an optimiser state folder (no {TRAINER_STATE})")
+    """--optimizer-state, if given, is a folder this trainer wrote in the format this run reads
+    (DCP; DeepSpeed's own under ZeRO-3): its trainer_state.json, or None."""
+    if not path:
+        return None
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    return checkpoint.read_info(path, "deepspeed" if deepspeed else checkpoint.FORMAT)
 
 
 # ---------------------------------------------------------------- accelerator
@@ -329,8 +354,11 @@ def check_optimizer_state(path):
 
 def make_accelerator(args):
     mixed_precision = "bf16" if torch.cuda.is_available() and not args.cpu else "no"
+    # torch's default 10 minutes (NCCL) would abort the other ranks while a slow disk takes
+    # the save, or a rank loads a large model
+    timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=args.timeout))
     plugins = distributed_plugins(mixed_precision, args.grad_clip)
-    accelerator = Accelerator(cpu=args.cpu, mixed_precision=mixed_precision, **plugins)
+    accelerator = Accelerator(cpu=args.cpu, mixed_precision=mixed_precision, kwargs_handlers=[timeout], **plugins)
     if "fsdp_plugin" in plugins and accelerator.distributed_type == DistributedType.MULTI_CPU:
         # Accelerate 1.15 takes FSDP for accelerators only and would run DDP on CPU processes;
         # torch's fully_shard runs on gloo, so configs/accelerate/fsdp_cpu.yaml gets FSDP2 as asked
@@ -496,9 +524,10 @@ def reference_logprobs(reference, mini_batches, temperature, accelerator):
 # ---------------------------------------------------------------- model
 
 
-def load_policy(args, policy, accelerator):
+def load_policy(args, policy, accelerator, state_info=None):
     """The policy (full model, or base + LoRA adapter) and its AdamW, prepared; with
-    --optimizer-state, the optimiser continues from the previous round. Returns the global step."""
+    --optimizer-state, the optimiser (and the float32 master weights, where the policy folder
+    holds fewer bits) continue from the previous round. Returns the global step."""
     on_gpu = accelerator.device.type != "cpu"
     dtype = torch.bfloat16 if policy.use_lora and on_gpu else torch.float32
     model = AutoModelForCausalLM.from_pretrained(policy.base_path, dtype=dtype)
@@ -526,21 +555,24 @@ def load_policy(args, policy, accelerator):
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them with sharded ones
     dtypes = gradient_dtypes(accelerator, model, params)
     accelerator.print(f"gradients accumulated in {dtypes['grad']}, reduced in {dtypes['reduce']}")
-    # one-process and DDP state would also hold the weights, which the policy folder already has
-    accelerator.register_save_state_pre_hook(lambda models, weights, out: weights.clear())
-    accelerator.register_load_state_pre_hook(lambda models, inp: models.clear())
     global_step = 0
     if args.optimizer_state:
-        try:
-            accelerator.load_state(args.optimizer_state)
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise RecordError(
-                f"{args.optimizer_state}: does not match this model's trainable parameters ({e})"
-            ) from None
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            try:  # DeepSpeed's checkpoint: partitioned float32 master weights and moments
+                accelerator.load_state(args.optimizer_state)
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise RecordError(
+                    f"{args.optimizer_state}: does not match this model's trainable parameters ({e})"
+                ) from None
+        else:
+            checkpoint.load(args.optimizer_state, state_info, model, optimizer)
         for g in optimizer.param_groups:
             g["lr"] = args.lr
-        global_step = read_json(os.path.join(args.optimizer_state, TRAINER_STATE))["global_step"]
-        accelerator.print(f"resuming optimiser state from {args.optimizer_state} (global step {global_step})")
+        global_step = state_info["global_step"]
+        master = " and float32 master weights" if state_info.get("master_weights") else ""
+        accelerator.print(
+            f"resuming optimiser state{master} from {args.optimizer_state} (global step {global_step})"
+        )
     return model, optimizer, params, global_step
 
 
@@ -674,21 +706,26 @@ def step_metrics(kl_coef, mb, sums, grad_norm, seconds, round_fields, accelerato
 # ---------------------------------------------------------------- save
 
 
-def save(args, policy, model, metrics, global_step, metrics_path, accelerator):
-    """The next policy and its optimiser state, renamed into --out together (every process
-    takes part in gathering the weights and writing sharded optimiser state)."""
+def save(args, policy, model, optimizer, metrics, global_step, metrics_path, accelerator):
+    """The next policy, written once by the main process in --policy-dtype, and the training
+    state (written by every process, its own shard), renamed into --out together."""
+    dtype = saved_dtype(args, policy, accelerator)
+    master = not policy.use_lora and dtype != torch.float32
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
     with shared_atomic_dir(args.out, accelerator) as tmp:
         if args.save_optimizer:
-            accelerator.save_state(os.path.join(tmp, OPTIMIZER_DIR))
+            save_training_state(
+                os.path.join(tmp, OPTIMIZER_DIR), model, optimizer, global_step, master, accelerator
+            )
+        state_dict = whole_state_dict(model, accelerator)
         if accelerator.is_main_process:
-            if args.save_optimizer:
-                write_json(os.path.join(tmp, OPTIMIZER_DIR, TRAINER_STATE), {"global_step": global_step})
-            unwrapped = accelerator.unwrap_model(model)
-            unwrapped.save_pretrained(tmp, state_dict=state_dict)
+            cast = {}  # tied weights share one tensor, and keep sharing it
+            for k, v in state_dict.items():
+                state_dict[k] = cast.setdefault(v.data_ptr(), v.to(dtype))  # the float32 one freed as it goes
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
+            del state_dict, cast
             if not policy.use_lora and policy.saved_dtype:
-                # save_pretrained records the float32 of the weights; engines should keep loading the input's dtype
+                # save_pretrained records the dtype of the weights; engines should keep loading the input's
                 saved = read_json(os.path.join(tmp, "config.json"))
                 write_json(os.path.join(tmp, "config.json"), saved | {"dtype": policy.saved_dtype})
             for name in TOKENIZER_FILES:
@@ -698,13 +735,64 @@ def save(args, policy, model, metrics, global_step, metrics_path, accelerator):
                         break
             write_jsonl(metrics_path, metrics)
     steps = sum(m["step"] > 0 for m in metrics)
-    accelerator.print(f"{steps} optimiser steps; policy written to {args.out}; metrics to {metrics_path}")
+    accelerator.print(
+        f"{steps} optimiser steps; policy written to {args.out} ({str(dtype)[6:]}); metrics to {metrics_path}"
+    )
     accelerator.end_training()
+
+
+def whole_state_dict(model, accelerator):
+    """The weights, whole, on the main process (empty elsewhere); every process must call it:
+    under FSDP2 it gathers the shards. (Not accelerator.get_state_dict: it picks FSDP2's gather
+    by Accelerate's distributed_type, which on CPU processes says MULTI_CPU, and would hand
+    the main process sharded DTensors whose every use in save_pretrained is a collective the
+    other processes never enter.)"""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.get_state_dict(model)  # ZeRO-3's 16-bit gather
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def saved_dtype(args, policy, accelerator):
+    """--policy-dtype, else: on GPU (bf16 compute) the input config's 16-bit dtype, which the
+    engines load anyway; on CPU, and for an adapter (its own master copy), float32."""
+    if args.policy_dtype:
+        return DTYPES[args.policy_dtype]
+    if (
+        accelerator.mixed_precision != "no"
+        and not policy.use_lora
+        and policy.saved_dtype in ("bfloat16", "float16")
+    ):
+        return DTYPES[policy.saved_dtype]
+    return torch.float32
+
+
+def save_training_state(folder, model, optimizer, global_step, master, accelerator):
+    """<out>/optimizer: AdamW's state and (`master`) the float32 weights, sharded (common/checkpoint.py)."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # DCP does not know ZeRO-3's partitions; DeepSpeed's own checkpoint holds the float32
+        # master weights and moments, each rank its partition
+        accelerator.save_state(folder)
+        if accelerator.is_main_process:
+            write_json(
+                os.path.join(folder, TRAINER_STATE), {"format": "deepspeed", "global_step": global_step}
+            )
+        return
+    checkpoint.save(
+        folder, model, optimizer, global_step, master, world_size=accelerator.num_processes,
+        distributed_type=accelerator.distributed_type.value, main=accelerator.is_main_process,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
 def shared_atomic_dir(path, accelerator):
-    """common.jsonl.atomic_dir opened by the main process, its temporary folder shared with all."""
+    """common.jsonl.atomic_dir opened by the main process, its temporary folder shared with all.
+    The temporary folders of earlier runs that were killed before their rename (no except
+    clause runs on SIGKILL) are removed first: nothing else writes --out."""
+    if accelerator.is_main_process:
+        for stale in glob.glob(
+            os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{os.path.basename(path)}-*")
+        ):
+            shutil.rmtree(stale, ignore_errors=True)
     with atomic_dir(path) if accelerator.is_main_process else contextlib.nullcontext() as tmp:
         tmp = broadcast_object_list([tmp])[0]
         yield tmp

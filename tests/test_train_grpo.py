@@ -1,12 +1,16 @@
 """train_grpo.py end to end on a tiny random Qwen2 (built here, no hub): it learns in the
 direction of the weighted advantage, --no-reweight changes the update by exactly w,
 2 DDP or FSDP2 processes on CPU give the 1-process update (FSDP2 holding no unsharded
-gradient between micro-batches), LoRA adapters save/load/continue, the
-optimiser state carries across rounds (one process and DDP; a killed round reruns to the
-same state), the KL reference stays the initial policy, and bad input stops with file:line
-and no output.
+gradient between micro-batches; two machine ranks give the 2-process one), LoRA adapters
+save/load/continue, the optimiser state (torch.distributed.checkpoint) carries across rounds
+(one process, DDP and FSDP2; a killed round reruns to the same state, bit for bit; a bf16
+policy resumes from the float32 master; a 2-process state loads on one process), the KL
+reference stays the initial policy, and bad input stops with file:line and no output.
+A multi-process run past its timeout prints every rank's stack (faulthandler, SIGABRT) and is
+killed with its ranks, which torchrun starts in sessions of their own.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -26,7 +30,8 @@ from common.jsonl import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "train_grpo.py")
-ENV = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                   "PYTHONFAULTHANDLER": "1"}  # fmt: skip
 
 # task -> rewards of its 4 samples; t2 has no variance and must be left out of the update
 REWARDS = {"t0": [1, 0, 0, 1], "t1": [0, 0, 0, 1], "t2": [0, 0, 0, 0], "t3": [1, 1, 0, 1]}
@@ -91,21 +96,37 @@ def fsdp_launcher():
             os.path.join(ROOT, "configs", "accelerate", "fsdp_cpu.yaml"), "--main_process_port", str(free_port())]
 
 
+def kill_tree(pid, sig=signal.SIGKILL):
+    """`pid` and every process under it: torchrun starts each rank in a session of its own,
+    so killing the launcher's process group would leave the ranks running."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+
+
 def run_train(model, rollouts, diagnoses, out, *extra, launcher=(), script=SCRIPT):
     cmd = [*launcher, script] if launcher else [sys.executable, script]
     if script == SCRIPT:
         cmd += ["--model", model, "--rollouts", rollouts, "--diagnoses", diagnoses, "--out", out, *extra]
     else:
         cmd += [model, rollouts, diagnoses, out]
-    # its own process group: on a timeout every rank goes, not only the launcher
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+        # where every rank waits (PYTHONFAULTHANDLER prints each thread's stack on SIGABRT), then gone
+        kill_tree(proc.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=20)
+        finally:
+            kill_tree(proc.pid)
+        pytest.fail(f"{' '.join(cmd)} ran past 300 s:\n{stdout}\n{stderr[-20000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
@@ -534,6 +555,24 @@ def carried(tiny, data, tmp_path_factory):
     return out
 
 
+def training_state(policy, tmp):
+    """<policy>/optimizer (sharded, torch.distributed.checkpoint) as whole tensors: {"optim":
+    {"state": {name: {step, exp_avg, exp_avg_sq}}, "param_groups"}, "model": float32 weights}."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = os.path.join(tmp, f"state-{len(os.listdir(tmp))}.pt")
+    dcp_to_torch_save(os.path.join(policy, "optimizer"), path)
+    return torch.load(path, weights_only=False)
+
+
+def assert_same_state(s1, s2):
+    assert s1.keys() == s2.keys() and s1["optim"]["state"].keys() == s2["optim"]["state"].keys()
+    for k in s1["optim"]["state"]:
+        assert all(torch.equal(s1["optim"]["state"][k][n], s2["optim"]["state"][k][n]) for n in ("step", "exp_avg", "exp_avg_sq"))
+    for k in s1.get("model", {}):
+        assert torch.equal(s1["model"][k], s2["model"][k]), k
+
+
 def distance(a, b):
     return math.sqrt(sum(((a[k] - b[k]) ** 2).sum().item() for k in a))
 
@@ -549,7 +588,7 @@ def assert_continues_single_run(single, a, b, fresh=None):
         assert distance(load(fresh).state_dict(), s) > 0.2 * moved
 
 
-def test_optimizer_state_carries_across_rounds(tiny, carried):
+def test_optimizer_state_carries_across_rounds(tiny, carried, tmp_path):
     assert_continues_single_run(carried["single"], carried["a"], carried["b"], carried["fresh"])
     single, a, b = (metrics_of(carried[k]) for k in ("single", "a", "b"))
     assert [(m["step"], m["global_step"]) for m in a + b] == [(1, 1), (2, 2), (3, 3), (1, 4), (2, 5), (3, 6)]
@@ -557,47 +596,168 @@ def test_optimizer_state_carries_across_rounds(tiny, carried):
     # KL to the initial policy in every row: round B's reference is --ref-model, not its input
     assert {m["ref_model"] for m in single + a + b} == {os.path.abspath(tiny)}
     assert b[0]["kl"] == pytest.approx(single[3]["kl"], rel=1e-4) and b[0]["kl"] > 0
-    state = torch.load(os.path.join(carried["b"], "optimizer", "optimizer.bin"), weights_only=False)
-    assert {float(s["step"]) for s in state["state"].values()} == {6.0}
-    assert json.load(open(os.path.join(carried["b"], "optimizer", "trainer_state.json"))) == {"global_step": 6}
-    # the optimiser folder holds no second copy of the weights (the policy folder has them)
-    assert not [f for f in os.listdir(os.path.join(carried["b"], "optimizer")) if "model" in f]
+    state = training_state(carried["b"], tmp_path)
+    assert {float(s["step"]) for s in state["optim"]["state"].values()} == {6.0}
+    assert json.load(open(os.path.join(carried["b"], "optimizer", "trainer_state.json"))) == {
+        "format": "torch.distributed.checkpoint", "global_step": 6, "master_weights": False, "optimizer": True,
+        "world_size": 1, "distributed_type": "NO",
+    }  # fmt: skip
+    # the policy is float32 on CPU: the optimiser folder holds no second copy of the weights
+    assert "model" not in state
 
 
-def test_optimizer_state_carries_on_two_processes(tiny, data, carried, tmp_path):
-    launcher = ddp_launcher()
-    a, b = str(tmp_path / "a" / "policy"), str(tmp_path / "b" / "policy")
-    ok(run_train(tiny, *data, a, *CARRY, "--save-optimizer", launcher=launcher))
-    state = os.path.join(a, "optimizer")
-    ok(run_train(a, *data, b, *CARRY, "--ref-model", tiny, "--optimizer-state", state, launcher=ddp_launcher()))
+def fsdp_launcher():
+    """FSDP2 over 2 CPU processes (configs/accelerate/fsdp_cpu.yaml), on a port of its own."""
+    return [*ddp_launcher()[:2], "--config_file", os.path.join(ROOT, "configs", "accelerate", "fsdp_cpu.yaml"),
+            *ddp_launcher()[-2:]]  # fmt: skip
+
+
+def killed_then_rerun(model, data, out, args, launcher=()):
+    """Round B killed as soon as it has loaded its state (its whole process group), a stale
+    temporary folder (what a save killed mid-way leaves) beside --out, then the rerun: the
+    kill wrote nothing, left the input state as it was, and the rerun removes the stale folder."""
+    state = args[args.index("--optimizer-state") + 1]
+    before = {f: open(os.path.join(state, f), "rb").read() for f in os.listdir(state)}
+    cmd = [*launcher, SCRIPT] if launcher else [sys.executable, SCRIPT]
+    cmd += ["--model", model, "--rollouts", data[0], "--diagnoses", data[1], "--out", out, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV | {"PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # killed as soon as it has loaded the state, before it trains
+        if line.startswith("resuming optimiser state"):
+            kill_tree(proc.pid)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode != 0 and not os.path.exists(out)
+    assert {f: open(os.path.join(state, f), "rb").read() for f in os.listdir(state)} == before
+    stale = os.path.join(os.path.dirname(out), ".tmp-policy-killed")
+    os.makedirs(os.path.join(stale, "optimizer"))
+    ok(run_train(model, *data, out, *args, launcher=launcher))
+    assert not os.path.exists(stale)
+
+
+@pytest.fixture(scope="module")
+def ddp_rounds(tiny, data, tmp_path_factory):
+    """Rounds A and B (B continues A's optimiser) on 2 DDP processes."""
+    folder = tmp_path_factory.mktemp("ddp")
+    a, b = str(folder / "a" / "policy"), str(folder / "b" / "policy")
+    ok(run_train(tiny, *data, a, *CARRY, "--save-optimizer", launcher=ddp_launcher()))
+    args = [*CARRY, "--ref-model", tiny, "--optimizer-state", os.path.join(a, "optimizer"), "--save-optimizer"]
+    ok(run_train(a, *data, b, *args, launcher=ddp_launcher()))
+    return {"a": a, "b": b, "b_args": args}
+
+
+def test_optimizer_state_carries_on_two_processes(tiny, data, carried, ddp_rounds, tmp_path):
+    a, b = ddp_rounds["a"], ddp_rounds["b"]
     assert [m["global_step"] for m in metrics_of(b)] == [4, 5, 6]
     assert_continues_single_run(carried["single"], a, b)
+    info = json.load(open(os.path.join(b, "optimizer", "trainer_state.json")))
+    assert (info["world_size"], info["distributed_type"], info["master_weights"]) == (2, "MULTI_CPU", False)
+    assert sorted(f for f in os.listdir(os.path.join(b, "optimizer")) if f.endswith(".distcp")) == [
+        "__0_0.distcp", "__1_0.distcp",
+    ]  # fmt: skip
+    # a killed round B reruns to the same weights and optimiser state
+    out = str(tmp_path / "b" / "policy")
+    killed_then_rerun(a, data, out, ddp_rounds["b_args"], launcher=ddp_launcher())
+    ref, new = load(b).state_dict(), load(out).state_dict()
+    assert all(torch.equal(ref[k], new[k]) for k in ref)
+    assert_same_state(training_state(b, tmp_path), training_state(out, tmp_path))
+
+
+def test_two_machines_match_one(tiny, data, ddp_rounds, tmp_path):
+    """Two machine ranks on this host (two `accelerate launch --num_machines 2` of one process
+    each, as common/launch.py builds them for a SLURM allocation) train as one machine with two
+    processes does."""
+    from common.launch import accelerate_command
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    config = os.path.join(ROOT, "configs", "accelerate", "ddp_cpu2.yaml")
+    out = str(tmp_path / "policy")
+    cmd = [SCRIPT, "--model", tiny, "--rollouts", data[0], "--diagnoses", data[1], "--out", out, *CARRY, "--save-optimizer"]
+    machines = [
+        subprocess.Popen([*accelerate_command(accelerate, 2, config, 2, "127.0.0.1", port), "--machine_rank", str(r), *cmd],
+                         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:
+        logs = [m.communicate(timeout=300)[0] for m in machines]
+    finally:
+        for m in machines:
+            kill_tree(m.pid)
+    assert [m.returncode for m in machines] == [0, 0], "\n".join(logs)
+    ref, new = load(ddp_rounds["a"]).state_dict(), load(out).state_dict()
+    assert all(torch.equal(ref[k], new[k]) for k in ref)
+    assert [m["loss"] for m in metrics_of(out)] == [m["loss"] for m in metrics_of(ddp_rounds["a"])]
 
 
 def test_killed_round_reruns_to_the_same_weights_and_optimizer_state(tiny, data, carried, tmp_path):
     """Round B killed mid-way leaves no output and its input state untouched; the rerun
     gives the uninterrupted round B's weights and optimiser state."""
     state = os.path.join(carried["a"], "optimizer")
-    before = {f: open(os.path.join(state, f), "rb").read() for f in os.listdir(state)}
     out = str(tmp_path / "b" / "policy")
-    args = [*CARRY, "--ref-model", tiny, "--optimizer-state", state, "--save-optimizer"]
-    cmd = [sys.executable, SCRIPT, "--model", carried["a"], "--rollouts", data[0], "--diagnoses", data[1],
-           "--out", out, *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV | {"PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:  # killed as soon as it has loaded the state, before it trains
-        if line.startswith("resuming optimiser state"):
-            proc.kill()
-            break
-    proc.wait(timeout=60)
-    assert proc.returncode != 0 and not os.path.exists(out)
-    assert {f: open(os.path.join(state, f), "rb").read() for f in os.listdir(state)} == before
-
-    ok(run_train(carried["a"], *data, out, *args))
+    killed_then_rerun(carried["a"], data, out, [*CARRY, "--ref-model", tiny, "--optimizer-state", state, "--save-optimizer"])
     ref, new = load(carried["b"]).state_dict(), load(out).state_dict()
     assert all(torch.equal(ref[k], new[k]) for k in ref)
-    s1, s2 = (torch.load(os.path.join(x, "optimizer", "optimizer.bin"), weights_only=False) for x in (carried["b"], out))
-    assert s1["state"].keys() == s2["state"].keys()
-    for k in s1["state"]:
-        assert all(torch.equal(s1["state"][k][n], s2["state"][k][n]) for n in ("step", "exp_avg", "exp_avg_sq"))
+    assert_same_state(training_state(carried["b"], tmp_path), training_state(out, tmp_path))
     assert [m["global_step"] for m in metrics_of(out)] == [4, 5, 6]
 
+
+def test_bf16_policy_resumes_from_the_float32_master(tiny, data, carried, tmp_path):
+    """--policy-dtype bfloat16 (the GPU presets' default): the policy folder is bf16, the state
+    folder holds the float32 master weights, and round B continues from those, not from the
+    rounded policy: it ends bit-identical to round B after a float32 round A."""
+    a, b = str(tmp_path / "a" / "policy"), str(tmp_path / "b" / "policy")
+    ok(run_train(tiny, *data, a, *CARRY, "--save-optimizer", "--policy-dtype", "bfloat16"))
+    weights = load_file(os.path.join(a, "model.safetensors"))
+    assert {v.dtype for v in weights.values()} == {torch.bfloat16}
+    state = training_state(a, tmp_path)
+    fp32 = load(carried["a"]).state_dict()
+    assert all(torch.equal(state["model"][k], fp32[k]) for k in state["model"])
+    assert any(not torch.equal(weights[k].float(), fp32[k]) for k in weights)  # rounding the policy matters
+    args = [*CARRY, "--ref-model", tiny, "--optimizer-state", os.path.join(a, "optimizer"), "--save-optimizer"]
+    proc = ok(run_train(a, *data, b, *args))
+    assert "resuming optimiser state and float32 master weights" in proc.stdout
+    ref, new = load(carried["b"]).state_dict(), load(b).state_dict()
+    assert all(torch.equal(ref[k], new[k]) for k in ref)
+
+
+def test_fsdp2_state_is_sharded_resumes_exactly_and_reshards(tiny, data, tmp_path):
+    """FSDP2 on 2 CPU processes: each writes its shard (master weights and moments); a killed
+    round B reruns bit-identical; one process reads the 2-process state (DCP reshards)."""
+    a, b, b1 = (str(tmp_path / k / "policy") for k in ("a", "b", "one"))
+    ok(run_train(tiny, *data, a, *CARRY, "--save-optimizer", "--policy-dtype", "bfloat16", launcher=fsdp_launcher()))
+    files = os.listdir(os.path.join(a, "optimizer"))
+    assert sorted(f for f in files if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    args = [*CARRY, "--ref-model", tiny, "--optimizer-state", os.path.join(a, "optimizer"), "--save-optimizer"]
+    ok(run_train(a, *data, b, *args, launcher=fsdp_launcher()))
+    killed_then_rerun(a, data, str(tmp_path / "again" / "policy"), args, launcher=fsdp_launcher())
+    ref, new = load(b).state_dict(), load(str(tmp_path / "again" / "policy")).state_dict()
+    assert all(torch.equal(ref[k], new[k]) for k in ref)
+    assert_same_state(training_state(b, tmp_path), training_state(str(tmp_path / "again" / "policy"), tmp_path))
+    # one process continues the 2-process state: the same round within float tolerance
+    proc = ok(run_train(a, *data, b1, *args))
+    assert "resuming optimiser state and float32 master weights" in proc.stdout
+    one = load(b1).state_dict()
+    assert all(torch.allclose(ref[k], one[k], atol=1e-6) for k in ref)
+    assert [m["global_step"] for m in metrics_of(b1)] == [4, 5, 6]
+
+
+def test_state_from_another_format_is_refused(tiny, data, tmp_path):
+    """An optimiser folder in Accelerate's old save_state format (or half copied) names the
+    folder, exits non-zero and writes nothing."""
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "trainer_state.json").write_text('{"global_step": 3}')
+    (old / "optimizer.bin").write_bytes(b"")
+    out = str(tmp_path / "run" / "policy")
+    proc = run_train(tiny, *data, out, *CARRY, "--optimizer-state", str(old))
+    assert proc.returncode != 0 and not os.path.exists(os.path.dirname(out))
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {old}: optimiser state in the format Accelerate's")
+    (old / "trainer_state.json").write_text(json.dumps({
+        "format": "torch.distributed.checkpoint", "global_step": 3, "master_weights": True, "optimizer": True,
+    }))  # fmt: skip
+    proc = run_train(tiny, *data, out, *CARRY, "--optimizer-state", str(old))
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {old}: trainer_state.json but no .metadata: an incomplete torch.distributed.checkpoint folder"
+    )

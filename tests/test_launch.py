@@ -1,0 +1,59 @@
+"""common/launch.py: the train stage's command line on one process, one node, and a two-node
+SLURM allocation (fake SLURM variables: only the command is built here; that two machine ranks
+train as one machine does is tests/test_train_grpo.py's test_two_machines_match_one)."""
+
+import shlex
+import subprocess
+
+import pytest
+
+from common import launch
+
+PY = ".venv/bin/python"
+
+
+def test_one_node():
+    assert launch.train_command(PY, 1, None, env={}) == [PY]
+    assert launch.train_command(PY, 4, "configs/accelerate/fsdp_4gpu.yaml", env={}) == [
+        ".venv/bin/accelerate", "launch", "--num_processes", "4", "--config_file", "configs/accelerate/fsdp_4gpu.yaml",
+    ]  # fmt: skip
+    # an allocation of one node is a node
+    one = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "gpu01"}
+    assert launch.train_command(PY, 4, None, env=one) == [".venv/bin/accelerate", "launch", "--num_processes", "4"]
+
+
+def test_two_node_allocation(monkeypatch):
+    monkeypatch.setattr(launch.shutil, "which", lambda name: None)  # no scontrol here: the list is parsed
+    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    cmd = launch.train_command(PY, 4, "configs/accelerate/fsdp_4gpu.yaml", env=env)
+    assert cmd[:7] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c", cmd[6]]
+    assert cmd[7:] == ["train"]  # $0 of the shell; the script and its arguments follow as "$@"
+    assert cmd[6] == (
+        "exec .venv/bin/accelerate launch --num_processes 8 --config_file configs/accelerate/fsdp_4gpu.yaml"
+        " --num_machines 2 --main_process_ip gpu07 --main_process_port 29742"
+        ' --machine_rank "$SLURM_NODEID" "$@"'
+    )
+    # what srun's shell on the second node runs: its own rank, the script's arguments intact
+    words = [*cmd[4:], "train_grpo.py", "--out", "runs/a b/policy"]
+    shown = subprocess.run(
+        [*words[:2], words[2].replace("exec ", "printf '%s\\n' "), *words[3:]],
+        env={"SLURM_NODEID": "1"}, capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    assert shown[0] == ".venv/bin/accelerate"
+    assert shown[-5:] == ["--machine_rank", "1", "train_grpo.py", "--out", "runs/a b/policy"]
+    # no config file: accelerate's multi-GPU launcher; MASTER_PORT wins over the job's port
+    cmd = launch.train_command(PY, 2, None, env=env | {"MASTER_PORT": "31000"})
+    assert "--multi_gpu" in shlex.split(cmd[6]) and "--main_process_port 31000" in cmd[6]
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("gpu07", ["gpu07"]),
+        ("gpu[07-09,12]", ["gpu07", "gpu08", "gpu09", "gpu12"]),
+        ("a[1-2],login1,b[009-010]", ["a1", "a2", "login1", "b009", "b010"]),
+    ],
+)
+def test_node_lists(monkeypatch, nodelist, hosts):
+    monkeypatch.setattr(launch.shutil, "which", lambda name: None)
+    assert launch.hostnames(nodelist) == hosts
