@@ -142,7 +142,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from common import checkpoint, memplan
+from common import checkpoint, memplan, serve
 from common.engines import resolve_model
 from common.grpo import (
     accumulate_gradients,
@@ -711,6 +711,7 @@ def save(args, policy, model, optimizer, metrics, global_step, metrics_path, acc
     state (written by every process, its own shard), renamed into --out together."""
     dtype = saved_dtype(args, policy, accelerator)
     master = not policy.use_lora and dtype != torch.float32
+    probe = None if policy.use_lora else weights_probe(args, model, dtype, accelerator)
     accelerator.wait_for_everyone()
     with shared_atomic_dir(args.out, accelerator) as tmp:
         if args.save_optimizer:
@@ -733,12 +734,32 @@ def save(args, policy, model, optimizer, metrics, global_step, metrics_path, acc
                     if os.path.isfile(os.path.join(folder, name)):
                         shutil.copy(os.path.join(folder, name), os.path.join(tmp, name))
                         break
+            if probe:
+                write_json(os.path.join(tmp, serve.PROBE), probe)
             write_jsonl(metrics_path, metrics)
     steps = sum(m["step"] > 0 for m in metrics)
     accelerator.print(
         f"{steps} optimiser steps; policy written to {args.out} ({str(dtype)[6:]}); metrics to {metrics_path}"
     )
     accelerator.end_training()
+
+
+def weights_probe(args, model, dtype, accelerator):
+    """The log-probabilities of common/serve.py's fixed probe sequence under the weights being
+    saved: a vLLM server that says it serves this policy is checked against them (a stale or
+    half-loaded engine is refused before it plays). Every process runs the forward (FSDP and
+    ZeRO-3 gather the weights in it); an adapter is checked by its name instead."""
+    from common.engines import load_tokenizer
+
+    ids = serve.probe_ids(load_tokenizer(args.model))
+    x = torch.tensor([ids], device=accelerator.device)
+    training = model.training
+    model.eval()
+    with torch.no_grad(), accelerator.autocast():
+        logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0, :-1].float()
+    model.train(training)
+    lp = torch.log_softmax(logits, dim=-1).gather(1, x[0, 1:, None])[:, 0]
+    return {"ids": ids, "logprobs": lp.tolist(), "dtype": str(dtype).removeprefix("torch.")}
 
 
 def whole_state_dict(model, accelerator):

@@ -46,9 +46,10 @@ import urllib.request
 from common.jsonl import RecordError, read_json, write_json
 
 PROBE = "probe.json"  # in a policy folder: {"ids", "logprobs", "dtype"} from the trainer
-# Largest |Δ log p| of one probe token between the trainer and the server. float32 on both
-# sides agrees to ~1e-5 (different kernels); bf16 rounds logits at ~1e-2.
-PROBE_TOL = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
+# Mean |Δ log p| over the probe's tokens between the trainer and the server. float32 on both
+# sides agrees to ~1e-6 (different kernels); bf16 rounds weights and logits at ~1e-2. A
+# half-loaded engine (tied embeddings, vLLM 0.32) was off by ~0.3 on average, ~1 at most.
+PROBE_TOL = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.05}
 PROBE_TEXT = ('<tool_call>\n{"name": "ls", "arguments": {"a": true}}\n</tool_call>\n'
               "Current directory: /workspace/document. Files: report.txt, notes.md, data.csv. "
               "The total of 128 and 512 is 640; the file was moved to archive/2024.")
@@ -246,11 +247,12 @@ def check(url, model_dir):
     if os.path.isfile(probe_path):
         probe = read_json(probe_path)
         got = server_logprobs(url, info["name"], probe["ids"])
-        worst = max((abs(a - b) for a, b in zip(got, probe["logprobs"], strict=True)), default=0.0)
+        diffs = [abs(a - b) for a, b in zip(got, probe["logprobs"], strict=True)]
+        mean = sum(diffs) / max(len(diffs), 1)
         tol = PROBE_TOL.get(probe.get("dtype"), PROBE_TOL["bfloat16"])
-        if worst > tol:
-            raise RecordError(f"server {url}: its weights are not {base}'s: probe log-probabilities differ by up to "
-                              f"{worst:.4g} (tolerance {tol} for {probe.get('dtype')})")
+        if mean > tol:
+            raise RecordError(f"server {url}: its weights are not {base}'s: probe log-probabilities differ by "
+                              f"{mean:.4g} on average, {max(diffs):.4g} at most (tolerance {tol} for {probe.get('dtype')})")
     return info["name"]
 
 

@@ -359,3 +359,6 @@ def test_the_loop_keeps_one_vllm_server_for_the_run_and_leaves_none_behind(tmp_p
     assert "in place" in out or serve.tied(tiny_model)
     rollouts = jsonl(run / "round_001" / "rollouts.jsonl")
     assert {r["policy"] for r in rollouts} == {str(run / "round_000" / "policy")}
+    # the server was checked against the trainer's probe of each policy before it played
+    probe = json.loads((run / "round_001" / "policy" / serve.PROBE).read_text())
+    assert probe["dtype"] == "float32" and len(probe["ids"]) == len(probe["logprobs"]) + 1
