@@ -71,7 +71,7 @@ step install "$versions" -- bash -c install_wheels
 
 step prepare "echo tasks ready" -- $PY data/prepare.py
 [ -f data/tiny.jsonl ] && TASKS=data/tiny.jsonl || TASKS=data/train.jsonl
-step build_model "cat $OUT/model_path; $PY -c \"import json,sys; i=json.load(open(sys.argv[1])); print('parse rate', i['first_step_parse_rate'], 'build s', i['timings']['total_s'])\" \$(cat $OUT/model_path)/build_info.json" \
+step build_model "cat $OUT/model_path; $PY -c \"import json,sys; i=json.load(open(sys.argv[1])); print('build s', i['timings']['total_s'], 'training s', i['timings']['train_s'])\" \$(cat $OUT/model_path)/build_info.json" \
   -- bash -c "$PY -c 'from common.tiny import build_cached; print(build_cached())' > $OUT/model_path"
 M=$(cat "$OUT/model_path" 2>/dev/null)
 

@@ -1,8 +1,10 @@
 """A tiny Qwen2-style tool-calling model, built offline on CPU (the `tiny` preset, tests).
 
-    python -m common.tiny --out DIR [--steps N] [--tasks data/train.jsonl]
+    python -m common.tiny                    # build once into .cache/ (or reuse), print the folder
+    python -m common.tiny --out DIR [--steps N] [--seed K]
+    python -m common.tiny --measure          # then measure it (minutes; the tests do not need it)
 
-Builds a normal Hugging Face model folder in three steps (about 2 minutes on 2 idle cores):
+Builds a normal Hugging Face model folder in three steps (under a minute of 2 idle cores):
 
 1. Tokenizer: a ~4k byte-level BPE trained with the `tokenizers` library on text of
    the task file (questions, tool documentation, rendered ground-truth turns). It uses
@@ -27,10 +29,14 @@ Builds a normal Hugging Face model folder in three steps (about 2 minutes on 2 i
    the short training examples are exactly what the model meets at inference, all
    32k positions work, and the KV cache stays small. transformers and vLLM both
    implement Qwen2's window (vLLM's CPU attention too); their log-probabilities agree.
-3. Warm start: a short supervised fine-tune (AdamW, fp32) on ground-truth
-   conversations of the task file with real tool results from common.bfcl.Environment
-   (see `conversation`), rendered as rollouts show them: bfcl-eval's QwenFCHandler
-   prompts, token-in/token-out (`render`, common/prompts.py). Loss only on assistant
+3. Warm start: a short supervised fine-tune (AdamW, fp32) on conversations of the preset's
+   tasks with real tool results from common.bfcl.Environment (see `conversation`), rendered
+   as rollouts show them: bfcl-eval's QwenFCHandler prompts, token-in/token-out (`render`,
+   common/prompts.py). Each call task is taught its ground truth and, `miss_share` (40 %) of
+   the time, a near miss (`near_miss`: one file or folder name suffixed "_old", which the
+   official checker fails), so the model's samples split between a right and a wrong answer
+   and GRPO's groups are mixed (most of them at temperature 0.7; at 1.0 other sampling errors
+   still dominate: docs/learning-on-cpu.md §1a). Loss only on assistant
    tokens (their content and the closing `<|im_end|>`), averaged per message, then
    over the batch (so the few 30-call turns do not teach "one more call" to all).
 
@@ -38,17 +44,19 @@ Builds a normal Hugging Face model folder in three steps (about 2 minutes on 2 i
    tokens before it (= the attention window) and the message itself (at most
    MAX_TARGET tokens). For the first step of turn 0 that is the end of the tool list,
    the user message and the generation prompt. The language-model head is applied
-   only at the loss positions (it is half the model's compute). Messages answering a
-   user message (tool calls, or "something is missing" on empty-ground-truth turns)
-   are sampled 4x as often as the closing answers after tool results.
+   only at the loss positions (it is half the model's compute). Without a preset (the
+   whole task file), messages answering a user message (tool calls, or "something is
+   missing" on empty-ground-truth turns) are sampled 4x as often as the closing answers
+   after tool results.
 
-The chat template is kept for `--prompts template`. The build ends by measuring, on
-`eval_tasks` tasks with their full turn-0 prompt (bfcl-eval's) and
-greedy decoding, how often the first output parses as at least one tool call
-(common.calls.parse(text, "json")); the rate is printed and kept in build_info.json.
+The chat template is kept for `--prompts template`. Measurements are opt-in (`--measure`,
+`measure`): the first-step parse rate (greedy first output of `eval_tasks` training tasks
+with their full turn-0 prompt, parsed as at least one tool call) and, per view of the tool
+list and temperature, the sampled reward on the preset's tasks as its round 0 plays them:
+per task the samples the official checker solved, and the share of mixed groups.
 
 `build_cached()` builds once into `<repo>/.cache/tiny-<hash>/` (hash of this file,
-the arguments and the task file) and reuses it.
+the arguments and the task files) and reuses it.
 """
 
 import argparse
@@ -116,6 +124,7 @@ CHAT_TEMPLATE = r"""
 """
 
 DONE_ANSWER = "Done: the requested operations have been carried out."
+NEAR_MISS_SUFFIX = "_old"
 MISSING_ANSWER = {
     "miss_func": "I cannot do this with the functions I have: the function it needs is missing.",
     "miss_param": "I cannot do this yet: some required information is missing. Please provide it.",
@@ -140,11 +149,15 @@ DEFAULTS = {
     "answer_weight": 0.25,
     "warmup": 6,
     "seed": 0,
+    "miss_share": 0.4,
+}
+# Measurement settings (`measure`, opt-in: not part of the build or its cache key).
+MEASURE = {
+    "seed": 0,
     "eval_tasks": 32,
     "eval_max_new_tokens": 128,
     "check_samples": 8,
-    "check_temperature": 1.0,
-    "check_max_new_tokens": 96,
+    "check_max_new_tokens": 96,  # the tiny preset's MAX_NEW and MAX_STEPS (loop.sh)
     "check_max_steps": 3,
 }
 MAX_TARGET = 384  # tokens of one assistant message trained on (a few ground-truth turns are longer)
@@ -153,18 +166,37 @@ MAX_TARGET = 384  # tokens of one assistant message trained on (a few ground-tru
 # ----------------------------------------------------------------------------- tools and text
 
 
-def conversation(task):
+def near_miss(calls):
+    """`calls` with "_old" appended to the last string argument of the last call that has one (a
+    file or folder that is not the asked one), or None when no call has a string argument.
+
+    The suffix comes after the whole right value: the two answers part at one token, the same
+    in every task, whose split the model learns as a shared habit. (A prefix, "new_", made the
+    shared token compete with each task's own value, which the model recalls less surely:
+    it then wrote the near miss on most tasks, greedy and sampled.)"""
+    calls = [{"name": c["name"], "arguments": dict(c["arguments"])} for c in calls]
+    for c in reversed(calls):
+        keys = [k for k, v in c["arguments"].items() if isinstance(v, str)]
+        if keys:
+            c["arguments"][keys[-1]] += NEAR_MISS_SUFFIX
+            return calls
+    return None
+
+
+def conversation(task, miss=False):
     """The ground-truth conversation of `task` as chat messages, with real tool results.
 
     Per turn: the user message(s); if the turn's ground truth is not empty, one
     assistant message holding all its calls as Qwen <tool_call> blocks, the tool
     messages with what the environment returned, and a short closing answer;
-    otherwise a short answer saying what is missing.
+    otherwise a short answer saying what is missing. With `miss`, every turn's calls are
+    their `near_miss` (executed, so the results are real too); None when the task has no calls
+    or a turn's calls have no near miss.
     """
     from common import bfcl
     from common import calls as C
 
-    messages = []
+    messages, missed = [], False
     with bfcl.Environment(task) as env:
         for turn in range(len(task["questions"])):
             env.start_turn(turn)
@@ -174,11 +206,16 @@ def conversation(task):
                 messages.append({"role": "assistant",
                                  "content": MISSING_ANSWER.get(task["category"], DEFAULT_MISSING)})
                 continue
+            if miss:
+                gt = near_miss(gt)
+                if gt is None:
+                    return None
+                missed = True
             results, _ = env.run_calls(gt)
             messages.append({"role": "assistant", "content": C.format_calls(gt, "json")})
             messages.extend({"role": "tool", "content": r} for r in results)
             messages.append({"role": "assistant", "content": DONE_ANSWER})
-    return messages
+    return messages if missed or not miss else None
 
 
 def pick_eval_tasks(tasks, n):
@@ -434,19 +471,31 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     # With the preset's tasks (training tasks cut to their first turn), they are all the warm start
     # learns: a 1 M model trained for minutes on the whole split writes the format but not the
     # calls (measured: 0 of 7 call tasks solved at 300 steps, also with the preset's examples drawn
-    # 40x as often); on 8 tasks it learns the calls within ~100 steps, and `steps` stops it short,
-    # partly competent (build_info.json). Both views of their tool list: plain (vanilla) and with
-    # the schema cue (SEAL's Ω_0), whose annotations fill the 256-token window before the question.
+    # 40x as often); on 8 tasks it learns them within ~100 steps. Both views of their tool list:
+    # plain (vanilla) and with the schema cue (SEAL's Ω_0), whose annotations fill the 256-token
+    # window before the question.
+    # Each call task is learnt twice: its ground truth, and, `miss_share` of the time, a near miss
+    # (the same calls, one name suffixed "_old": the official checker says 0). The two differ in
+    # one token, whose split the model learns, so GRPO groups are mixed where the rest of the calls
+    # is sampled right (at temperature 0.7 most are, at 1.0 not yet); a model taught the ground
+    # truth alone is nearly deterministic on it, solved always or never (docs/learning-on-cpu.md §1a).
     t0 = time.time()
     preset = list(bfcl.load_tasks(preset_path).values()) if preset_path else []
-    preset_convs = [conversation(t) for t in preset]
-    examples = [e for omega in (None, omega_api.initial())
-                for e in warm_start_examples(tok, bpe, preset, preset_convs, args["context"], omega)]
-    weights = [1.0 / len(examples)] * len(examples) if examples else []
-    if not examples:  # no preset: the whole split, whose answers to tool results ("Done: ...") are
-        examples = warm_start_examples(tok, bpe, tasks, convs, args["context"])  # easy: drawn less often
+    examples, weights = [], []
+    if preset:
+        pairs = [(t, conversation(t), conversation(t, miss=True)) for t in preset]
+        share = args["miss_share"]
+        for omega in (None, omega_api.initial()):
+            for task, right, miss in pairs:
+                for msgs, w in ((right, 1.0 - share if miss else 1.0), (miss, share)):
+                    if msgs is not None and w > 0:
+                        ex = warm_start_examples(tok, bpe, [task], [msgs], args["context"], omega)
+                        examples += ex
+                        weights += [w] * len(ex)
+    else:  # no preset: the whole split, whose answers to tool results ("Done: ...") are easy: drawn less often
+        examples = warm_start_examples(tok, bpe, tasks, convs, args["context"])
         weights = [1.0 if first else args["answer_weight"] for _, _, first in examples]
-        weights = [w / sum(weights) for w in weights]
+    weights = [w / sum(weights) for w in weights]
     lens = [len(e[0]) for e in examples]
     timings["examples_s"] = round(time.time() - t0, 2)
     _log(f"{len(tasks)} tasks, {len(examples)} warm-start examples (mean {sum(lens) / len(lens):.0f} tokens)")
@@ -470,43 +519,55 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     losses = warm_start(model, examples, args, weights, on_step)
     timings["train_s"] = round(time.time() - t0, 2)
     model.save_pretrained(folder)
-
-    # --- measure: first-step greedy output on full turn-0 prompts
-    t0 = time.time()
-    # one batched generate call with nothing to report until it returns: say what is running
-    _log(f"measuring the first-step parse rate: greedy first output on {args['eval_tasks']} tasks")
-    rate, samples = first_step_parse_rate(folder, pick_eval_tasks(tasks, args["eval_tasks"]),
-                                          args["eval_max_new_tokens"])
-    timings["eval_s"] = round(time.time() - t0, 2)
-    # --- measure: sampled reward (official verdict) on the preset's tasks, as its round 0 plays them
-    t0 = time.time()
-    reward = None
-    if preset:
-        reward = {}
-        for view, omega in (("plain", None), ("schema_cue", omega_api.initial())):
-            # the build's longest silent step otherwise: every trajectory played to its end
-            _log(f"measuring the sampled reward ({view} view): {args['check_samples']} samples "
-                 f"of each of {len(preset)} tasks")
-            reward[view] = preset_reward(folder, preset, args, omega=omega, progress=True)
-    timings["reward_s"] = round(time.time() - t0, 2)
     timings["total_s"] = round(time.time() - t_start, 2)
     info = {"args": args, "tasks": os.path.relpath(os.path.abspath(tasks_path), REPO),
             "preset_tasks": os.path.relpath(os.path.abspath(preset_path), REPO) if preset_path else None,
-            "n_examples": len(examples),
-            "params": sum(p.numel() for p in model.parameters()),
-            "loss_first": losses[0], "loss_last": losses[-1], "first_step_parse_rate": rate,
-            "preset_sampled_reward": reward, "eval_tasks": len(samples), "eval_samples": samples,
-            "timings": timings}
+            "n_examples": len(examples), "params": sum(p.numel() for p in model.parameters()),
+            "loss_first": losses[0], "loss_last": losses[-1], "timings": timings}
     write_json(os.path.join(folder, "build_info.json"), info)
-    _log(f"first-step parse rate {rate:.2f} on {len(samples)} tasks; preset sampled reward {reward}; "
-         f"timings {timings}")
+    _log(f"built in {timings['total_s']:.0f} s ({timings['train_s']:.0f} s training); "
+         f"measure it with: python -m common.tiny --measure")
     return info
+
+
+# ----------------------------------------------------------------------------- measurements (opt-in)
+
+
+def measure(model_dir, *, temperatures=(1.0, 0.7), samples=None, eval_tasks=None, tasks_path=DEFAULT_TASKS,
+            preset_path=PRESET_TASKS, progress=True):
+    """What the tests do not measure, on demand: the first-step parse rate on `eval_tasks`
+    training tasks (greedy) and the sampled reward on the preset's tasks, per view of the tool
+    list and temperature: per task the samples the official checker solved, and the share of
+    mixed groups (some but not all solved), GRPO's signal."""
+    from common import bfcl
+    from common import interface as omega_api
+
+    m = {**MEASURE, **({"check_samples": samples} if samples else {}),
+         **({"eval_tasks": eval_tasks} if eval_tasks is not None else {})}
+    out = {"model": model_dir, "settings": m}
+    t0 = time.time()
+    if m["eval_tasks"]:
+        tasks = list(bfcl.load_tasks(tasks_path).values())
+        _log(f"measuring the first-step parse rate: greedy first output on {m['eval_tasks']} tasks")
+        rate, _ = first_step_parse_rate(model_dir, pick_eval_tasks(tasks, m["eval_tasks"]), m["eval_max_new_tokens"])
+        out["first_step_parse_rate"] = round(rate, 4)
+    preset = list(bfcl.load_tasks(preset_path).values())
+    out["sampled_reward"] = {}
+    for view, omega in (("plain", None), ("schema_cue", omega_api.initial())):
+        for temp in temperatures:
+            _log(f"measuring the sampled reward ({view} view, temperature {temp}): {m['check_samples']} "
+                 f"samples of each of {len(preset)} tasks")
+            out["sampled_reward"][f"{view} T={temp}"] = preset_reward(
+                model_dir, preset, {**m, "check_temperature": temp}, omega=omega, progress=progress)
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
 
 
 def preset_reward(model_dir, tasks, args, engine=None, omega=None, progress=False):
     """Sampled reward on `tasks` as the preset's rollouts play them (under the interface `omega`):
     `check_samples` per task at `check_temperature`, scored by the official checker.
-    {"mean", "per_task": {id: mean}}."""
+    {"mean", "per_task": {id: mean}, "solved": {id: samples solved}, "mixed": share of tasks
+    whose samples are neither all solved nor all failed}."""
     from common import play, taxonomy
     from common.engines import make_engine
 
@@ -526,7 +587,9 @@ def preset_reward(model_dir, tasks, args, engine=None, omega=None, progress=Fals
         per_task.setdefault(r["task_id"], []).append(taxonomy.diagnose(by_id[r["task_id"]], r)["reward"])
     rewards = [x for v in per_task.values() for x in v]
     return {"mean": round(sum(rewards) / len(rewards), 4),
-            "per_task": {k: round(sum(v) / len(v), 3) for k, v in per_task.items()}}
+            "per_task": {k: round(sum(v) / len(v), 3) for k, v in per_task.items()},
+            "solved": {k: sum(v) for k, v in per_task.items()},
+            "mixed": round(sum(0 < sum(v) < len(v) for v in per_task.values()) / len(per_task), 4)}
 
 
 def warm_start(model, examples, args, weights, on_step=None):
@@ -636,17 +699,29 @@ def build_cached(cache_root=None, *, tasks_path=DEFAULT_TASKS, preset_path=PRESE
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Build the tiny offline tool-calling model (HF model folder).")
-    p.add_argument("--out", required=True, help="output model folder (replaced atomically)")
+    p = argparse.ArgumentParser(description="Build the tiny offline tool-calling model (HF model folder); "
+                                "--measure: measure it.")
+    p.add_argument("--out", help="build into this folder (replaced atomically); default: the cached build "
+                   "(.cache/tiny-<hash>, built if missing)")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="warm-start optimiser steps")
-    p.add_argument("--tasks", default=DEFAULT_TASKS, help="task file (JSONL) to train on")
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    p.add_argument("--eval-tasks", type=int, default=DEFAULTS["eval_tasks"],
-                   help="tasks on which to measure the first-step parse rate")
+    p.add_argument("--seed", type=int, default=int(os.environ.get("SEAL_TINY_SEED", DEFAULTS["seed"])))
+    p.add_argument("--measure", action="store_true",
+                   help="then measure it: first-step parse rate, sampled reward and mixed groups per view and temperature")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7], help="with --measure")
+    p.add_argument("--samples", type=int, default=MEASURE["check_samples"], help="with --measure: samples per task")
+    p.add_argument("--eval-tasks", type=int, default=MEASURE["eval_tasks"],
+                   help="with --measure: training tasks for the first-step parse rate (0: skip)")
     a = p.parse_args(argv)
-    info = build(a.out, tasks_path=a.tasks, steps=a.steps, seed=a.seed, eval_tasks=a.eval_tasks)
-    print(json.dumps({"out": a.out, "first_step_parse_rate": info["first_step_parse_rate"],
-                      "timings": info["timings"]}))
+    if a.out:
+        build(a.out, steps=a.steps, seed=a.seed)
+        folder = a.out
+    else:
+        folder = build_cached(steps=a.steps, seed=a.seed)
+    if a.measure:
+        print(json.dumps(measure(folder, temperatures=a.temperatures, samples=a.samples, eval_tasks=a.eval_tasks),
+                         indent=1))
+    else:
+        print(folder)
 
 
 if __name__ == "__main__":

@@ -193,25 +193,53 @@ def test_examples_cover_assistant_tokens_only():
     assert [x1[p + 1] for p in p1] == list(range(70, 75))
 
 
-def test_build_cached_reuses(tiny_model):
+def test_build_cached_reuses(tiny_model, capsys):
     assert tiny.build_cached() == tiny_model
     # the fixture's model is the seed SEAL_TINY_SEED asks for (default: the build's own)
     seed = int(os.environ.get("SEAL_TINY_SEED", tiny.DEFAULTS["seed"]))
     assert os.path.basename(tiny_model) == "tiny-" + tiny.build_key(seed=seed)
+    tiny.main([])  # the command line without --measure: the cached folder, no measurement
+    assert capsys.readouterr().out.strip() == tiny_model
+    info = json.load(open(os.path.join(tiny_model, "build_info.json")))
+    assert info["args"]["seed"] == seed and info["n_examples"] > 0 and info["timings"]["train_s"] > 0
 
 
 # ----------------------------------------------------------------------------- warm start
 
 
+def test_near_misses_fail_where_the_ground_truth_passes():
+    # The warm start teaches each preset call task its ground truth and a near miss; GRPO's
+    # groups are mixed only if the official checker tells the two apart.
+    for task in bfcl.load_tasks(tiny.PRESET_TASKS).values():
+        right, miss = tiny.conversation(task), tiny.conversation(task, miss=True)
+        gt = bfcl.ground_truth_calls(task, 0)
+        if not gt:
+            assert miss is None  # an abstention has no near miss
+            continue
+        calls, err = C.parse(miss[1]["content"], "json")
+        assert err is None and len(calls) == len(gt) and calls[:-1] == gt[:-1], task["id"]
+        changed = [k for k in gt[-1]["arguments"] if calls[-1]["arguments"][k] != gt[-1]["arguments"][k]]
+        assert len(changed) == 1 and calls[-1]["arguments"][changed[0]].endswith(tiny.NEAR_MISS_SUFFIX)
+        assert [m["role"] for m in miss] == [m["role"] for m in right]
+        assert bfcl.official_verdict(task, [[[C.render(c) for c in gt]]])["valid"], task["id"]
+        assert not bfcl.official_verdict(task, [[[C.render(c) for c in calls]]])["valid"], task["id"]
+    assert tiny.near_miss([{"name": "f", "arguments": {"n": 1}}]) is None
+
+
 def test_warm_start_first_step_parses(tiny_model):
-    # The warm start teaches the preset's tasks (data/tiny.jsonl); their first outputs are calls.
+    # The warm start teaches the preset's tasks (data/tiny.jsonl); their first outputs are calls
+    # (the ground truth or its near miss: both parse).
     tasks = tiny.pick_eval_tasks(list(bfcl.load_tasks(tiny.PRESET_TASKS).values()), 8)
     assert len(tasks) >= 6 and len({t["category"] for t in tasks}) == 4
     rate, samples = tiny.first_step_parse_rate(tiny_model, tasks, 128)
     assert rate >= 0.5, samples
-    info = json.load(open(os.path.join(tiny_model, "build_info.json")))
-    assert 0.0 <= info["first_step_parse_rate"] <= 1.0 and info["eval_tasks"] >= 32
-    # the build measured its sampled reward on every preset task (official verdict), both views
-    for reward in (info["preset_sampled_reward"]["plain"], info["preset_sampled_reward"]["schema_cue"]):
-        assert set(reward["per_task"]) == {t["id"] for t in bfcl.load_tasks(tiny.PRESET_TASKS).values()}
-        assert 0.0 <= reward["mean"] <= 1.0
+
+
+def test_preset_reward_counts_solved_samples_and_mixed_groups(tiny_model):
+    # the opt-in measurement (python -m common.tiny --measure), on two tasks and two samples
+    tasks = list(bfcl.load_tasks(tiny.PRESET_TASKS).values())[:2]
+    r = tiny.preset_reward(tiny_model, tasks, {**tiny.MEASURE, "check_samples": 2, "check_temperature": 1.0})
+    assert set(r["solved"]) == set(r["per_task"]) == {t["id"] for t in tasks}
+    assert all(0 <= k <= 2 and r["per_task"][i] == k / 2 for i, k in r["solved"].items())
+    assert r["mixed"] == sum(k == 1 for k in r["solved"].values()) / 2
+    assert r["mean"] == sum(r["solved"].values()) / 4
