@@ -16,9 +16,12 @@ Builds a normal Hugging Face model folder in three steps (under a minute of 2 id
    `<tool_response>`, `</tool_response>`. The chat template (CHAT_TEMPLATE) behaves
    like Qwen2.5-Instruct's.
 2. Model: a randomly initialised Qwen2 (hidden 128, 2 layers, 4 heads, 2 KV heads,
-   tied embeddings, ~1M parameters, 32k positions) whose layers all use Qwen2's
+   untied embeddings, ~1.5M parameters, 32k positions) whose layers all use Qwen2's
    sliding-window attention over the last `sliding_window` (256) tokens, with
-   rope_theta 1e4 (plenty of resolution for distances under 256).
+   rope_theta 1e4 (plenty of resolution for distances under 256). The output layer
+   is its own, as Qwen2.5-7B's is: vLLM reloads an untied model in place between
+   rounds, while a tied one serves a mix of old and new weights (common/serve.py),
+   so the tiny loop runs the engine path the 7B preset runs.
 
    Why a sliding window: BFCL prompts are ~5k tokens with this BPE (up to ~11k plus
    the conversation), far beyond what a CPU warm start can train on. A full-attention
@@ -508,7 +511,7 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
         intermediate_size=args["intermediate_size"], max_position_embeddings=args["max_positions"],
         rope_parameters={"rope_type": "default", "rope_theta": args["rope_theta"]},
         use_sliding_window=args["sliding_window"] is not None, sliding_window=args["sliding_window"],
-        max_window_layers=0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos_id,
+        max_window_layers=0, tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos_id,
         pad_token_id=pad_id, dtype="float32")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
