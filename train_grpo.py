@@ -752,7 +752,9 @@ def weights_probe(args, model, dtype, accelerator):
     from common.engines import load_tokenizer
 
     ids = serve.probe_ids(load_tokenizer(args.model))
-    x = torch.tensor([ids], device=accelerator.device)
+    if len(ids) < 2:  # a tokenizer that cannot spell it: the label alone is checked
+        return None
+    x = torch.tensor([ids], dtype=torch.long, device=accelerator.device)
     training = model.training
     model.eval()
     with torch.no_grad(), accelerator.autocast():

@@ -169,9 +169,11 @@ def trunk_extra_bytes(arch, a):
 
 
 def chunk_bytes(arch, positions, a):
-    """One log-prob chunk: logits in the compute dtype (when narrower than float32) and three
-    float32 positions × vocabulary buffers."""
-    return positions * arch.vocab * (12 + (a if a < 4 else 0))
+    """One log-prob chunk in backward (common/grpo.py recomputes it): float32 logits and their
+    gradient (8 bytes a position × vocabulary entry, measured 7.0 on CPU: the log-softmax is
+    freed as it goes); in a narrower compute dtype also the logits in it and their float32 copy
+    (14 bytes a entry in bf16)."""
+    return positions * arch.vocab * (8 + (a + 4 if a < 4 else 0))
 
 
 @dataclasses.dataclass

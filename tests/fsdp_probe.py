@@ -45,7 +45,7 @@ def unsharded_grads(model):
 
 
 def main(model_dir, rollouts, diagnoses, out):
-    accelerator = train_grpo.make_accelerator(SimpleNamespace(cpu=True, grad_clip=1.0))
+    accelerator = train_grpo.make_accelerator(SimpleNamespace(cpu=True, grad_clip=1.0, timeout=10))
     assert accelerator.is_fsdp2, accelerator.distributed_type
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))

@@ -152,9 +152,12 @@ def test_interrupted_loop_resumes_to_the_same_artifacts(runs):
     wa = load_file(ref / "round_001" / "policy" / "model.safetensors")
     wb = load_file(run / "round_001" / "policy" / "model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
-    sa, sb = (optimizer_state(r / "round_001" / "policy" / "optimizer", runs / f"{r.name}.pt") for r in (ref, run))
-    assert sa["state"].keys() == sb["state"].keys() and sa["param_groups"] == sb["param_groups"]
-    assert all(torch.equal(sa["state"][k][n], sb["state"][k][n]) for k in sa["state"] for n in sa["state"][k])
+    infos = [json.loads((r / "round_001" / "policy" / "optimizer" / "trainer_state.json").read_text()) for r in (ref, run)]
+    assert infos[0] == infos[1]
+    if infos[0]["optimizer"]:  # AdamW has state once a step was taken (the tiny model's groups may all be flat)
+        sa, sb = (optimizer_state(r / "round_001" / "policy" / "optimizer", runs / f"{r.name}.pt") for r in (ref, run))
+        assert sa["state"].keys() == sb["state"].keys() and sa["param_groups"] == sb["param_groups"]
+        assert all(torch.equal(sa["state"][k][n], sb["state"][k][n]) for k in sa["state"] for n in sa["state"][k])
     assert json.loads((ref / "eval/round_001/scores.json").read_text()) == \
         json.loads((run / "eval/round_001/scores.json").read_text())
 
