@@ -468,6 +468,7 @@ class ServerEngine(Engine):
         self.local = threading.local()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vllm-http")
         self.prompt_tokens = self.cached_tokens = 0
+        self.calls = 0  # generate() calls: their keys (and so their per-request seeds) differ
 
     def _connection(self, url):
         import http.client
@@ -572,7 +573,8 @@ class ServerEngine(Engine):
         limits = self._limits(prompts, max_new_tokens)
         if self.pending:
             raise RuntimeError("generate() while submitted requests are pending")
-        keys = [("generate", self.calls_made(), i) for i in range(len(prompts))]
+        self.calls += 1
+        keys = [("generate", self.calls, i) for i in range(len(prompts))]
         for key, p, m in zip(keys, prompts, limits, strict=True):
             self.submit(key, p, m, sampling)
         results = {}
@@ -585,10 +587,6 @@ class ServerEngine(Engine):
         for key in keys:
             self.release(key)
         return [results[k] for k in keys]
-
-    def calls_made(self):
-        self._calls = getattr(self, "_calls", -1) + 1
-        return self._calls
 
     def abort(self):
         """Forget every pending generation (their answers are dropped; the server finishes them
