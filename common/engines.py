@@ -144,19 +144,48 @@ def model_context(model_dir):
 
 
 def load_tokenizer(model_dir):
-    """The policy's tokenizer: the adapter folder's own copy if it has one, else the base model's."""
-    from transformers import AutoTokenizer
+    """The policy's tokenizer: the adapter folder's own copy if it has one, else the base model's.
+
+    The class AutoTokenizer would pick, without importing AutoTokenizer where the folder names
+    its model type's own tokenizer class (Qwen2's Qwen2Tokenizer): transformers' auto module
+    imports every model's code (torch, generation, scikit-learn: 10 s of a 13 s start on two
+    cores), which a stage that only plays through a server never needs. Anything else (a generic
+    or remote-code class, another model type's) goes through AutoTokenizer itself."""
     base, adapter, _ = resolve_model(model_dir)
     where = adapter if adapter and os.path.isfile(os.path.join(adapter, "tokenizer_config.json")) else base
-    return AutoTokenizer.from_pretrained(where)
+    cls = _own_tokenizer_class(where, base)
+    if cls is None:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(where)
+    return cls.from_pretrained(where)
+
+
+def _own_tokenizer_class(where, base):
+    """The tokenizer class `where` names if it is its model type's own (defined in
+    transformers/models/<model_type>/), else None."""
+    try:
+        with open(os.path.join(where, "tokenizer_config.json"), encoding="utf-8") as f:
+            tok_cfg = json.load(f)
+        with open(os.path.join(base, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
+    name = tok_cfg.get("tokenizer_class")
+    if not isinstance(name, str) or "auto_map" in tok_cfg or not model_type:
+        return None
+    import transformers
+    cls = getattr(transformers, name.removesuffix("Fast"), None)
+    own = f"transformers.models.{model_type}.tokenization_{model_type}"
+    return cls if cls is not None and cls.__module__ == own else None
 
 
 def _stop_ids(tokenizer, base):
     """The tokenizer's eos plus the eos ids of the model's generation_config."""
-    from transformers import GenerationConfig
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    # read as GenerationConfig.from_pretrained would, without importing transformers' generation code
     try:
-        eos = GenerationConfig.from_pretrained(base).eos_token_id
+        with open(os.path.join(base, "generation_config.json"), encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
     except OSError:  # no generation_config.json
         eos = None
     for i in eos if isinstance(eos, list) else [eos]:

@@ -247,3 +247,30 @@ def test_every_eos_of_the_generation_config_stops(tmp_path, tiny_model):
             assert g.ids == [5, 6, stop] and g.finish == "stop"
     finally:
         engine.close()
+
+
+def test_tokenizer_is_autotokenizers_without_its_imports(tiny_model, tmp_path):
+    """load_tokenizer picks AutoTokenizer's class (the model type's own) without importing
+    transformers' auto module; a folder naming a generic class goes through AutoTokenizer."""
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from common.engines import load_tokenizer
+    auto, ours = AutoTokenizer.from_pretrained(tiny_model), load_tokenizer(tiny_model)
+    assert type(ours) is type(auto) and type(ours).__name__ == "Qwen2Tokenizer"
+    text = first_prompt(tiny.pick_eval_tasks(list(bfcl.load_tasks(tiny.PRESET_TASKS).values()), 1)[0])
+    assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    assert ours.eos_token_id == auto.eos_token_id and ours.chat_template == auto.chat_template
+    probe = "import sys; from common.engines import load_tokenizer; load_tokenizer(sys.argv[1]); " \
+            "print(sorted(m for m in ('torch', 'sklearn', 'transformers.models.auto.tokenization_auto') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe, tiny_model], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+    generic = tmp_path / "generic"
+    shutil.copytree(tiny_model, generic, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((generic / "tokenizer_config.json").read_text())
+    (generic / "tokenizer_config.json").write_text(json.dumps(cfg | {"tokenizer_class": "PreTrainedTokenizerFast"}))
+    assert type(load_tokenizer(str(generic))) is type(AutoTokenizer.from_pretrained(str(generic)))
