@@ -118,10 +118,13 @@ def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_m
         argv += ["--enable-sleep-mode"]
     if lora_rank:
         argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    # No usage report: vLLM otherwise sends one from every server start (a `pip list` and a
+    # request to its stats service), which these machines must not and our users need not make.
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1",
+           "VLLM_DO_NOT_TRACK": "1"}
     if cpu:
-        # One process instead of three (API server, engine core, worker), each importing torch and
-        # vLLM: on 2 busy cores each import is most of a minute. torch.compile costs ~25 s at start
+        # Two processes instead of three (the API server, and the engine core with its worker
+        # inside), each importing torch and vLLM: on 2 busy cores each import is most of a minute. torch.compile costs ~25 s at start
         # on CPU and gains little for small models.
         argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -25,11 +25,13 @@ def tiny_model():
 def tiny_server_state(tiny_model, tmp_path_factory):
     """One vLLM server (common/serve.py, vLLM's own) on the tiny model for the whole session, the
     engine every stage plays through: its state file (url, pid, log). LoRA is on so that adapters
-    load into it."""
+    load into it; its context is the model's, as loop.sh serves it (evaluation asks for that much)."""
     from common import serve
+    from common.engines import model_context
     from common.jsonl import write_json
     folder = tmp_path_factory.mktemp("server")
-    state = serve.start(tiny_model, str(folder / "server.log"), max_model_len=16384, seed=0, lora_rank=16)
+    state = serve.start(tiny_model, str(folder / "server.log"), max_model_len=model_context(tiny_model), seed=0,
+                        lora_rank=16)
     path = str(folder / "server.json")
     write_json(path, state)
     yield path

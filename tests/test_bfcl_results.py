@@ -92,9 +92,9 @@ def test_oracle_result_files_score_the_same_in_bfcl_evals_runner(tmp_path, fmt):
     assert_same_verdicts(out, tmp_path, model)
 
 
-def test_tiny_model_result_files_score_the_same_in_bfcl_evals_runner(tmp_path, tiny_model):
+def test_tiny_model_result_files_score_the_same_in_bfcl_evals_runner(tmp_path, tiny_model, tiny_server):
     out = tmp_path / "tiny"
-    evaluate(out, "--policy", tiny_model, "--engine", "hf", "--limit", "1", "--max-new-tokens", "32")
+    evaluate(out, "--policy", tiny_model, "--server", tiny_server, "--limit", "1", "--max-new-tokens", "32")
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     entries = {json.loads(line)["id"]: json.loads(line)
                for f in (out / "result" / dir_name(MODEL) / "multi_turn").iterdir()

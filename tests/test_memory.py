@@ -157,17 +157,17 @@ def test_oracle_scores_100_on_every_backend(tmp_path):
     assert question["messages"][0]["role"] == "system" and rec_sum["memory"] in question["messages"][0]["content"]
 
 
-def test_tiny_model_plays_a_scenario_end_to_end(tmp_path, tiny_model):
+def test_tiny_model_plays_a_scenario_end_to_end(tmp_path, tiny_model, tiny_server):
     """The policy plays the prerequisite conversations (its own memory writes) and a question,
-    greedy, on the HF engine; the contract of the outputs, not what the model says."""
+    greedy, on vLLM's server; the contract of the outputs, not what the model says."""
     out = tmp_path / "tiny"
-    res = evaluate_cli(out, "--policy", tiny_model, "--engine", "hf", "--memory-backend", "kv",
+    res = evaluate_cli(out, "--policy", tiny_model, "--server", tiny_server, "--memory-backend", "kv",
                        "--memory-scenario", "notetaker", "--limit", "1", "--max-new-tokens", "16",
                        "--max-steps-per-turn", "1")
     assert res.returncode == 0, res.stderr[-3000:]
     scores = json.loads((out / "scores.json").read_text())
     assert scores["memory_kv"] in (0.0, 100.0) and scores["memory"] == scores["memory_kv"]
-    assert scores["run"]["engine"] == "hf" and scores["run"]["prerequisite_conversations"] == NOTETAKER_PREREQS
+    assert scores["run"]["engine"] == "vllm" and scores["run"]["prerequisite_conversations"] == NOTETAKER_PREREQS
     [result] = read_jsonl(out / "results.jsonl")
     assert result["task_id"] == "memory_kv_130-notetaker-0" and isinstance(result["valid"], bool)
     assert result["valid"] == (scores["memory_kv"] == 100.0)

@@ -51,6 +51,7 @@ def test_gpu_command_lines_are_vllm_serve_with_the_presets_settings():
                     "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--max-model-len", "32768",
                     "--data-parallel-size", "4", "--enable-sleep-mode"]
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in env
+    assert env["VLLM_NO_USAGE_STATS"] == "1"  # no report to vLLM's stats service from a user's cluster
     argv, _ = serve.command("/m/toolace", port=8000, cpu=False, **PRESETS["toolace8b"])
     assert argv[-5:] == ["--enable-sleep-mode", "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"][-5:]
     cpu, env = serve.command("/m/tiny", port=9, cpu=True, max_model_len=16384)
@@ -249,7 +250,8 @@ def test_start_stop_and_reuse_through_the_state_file(tiny_server_state, tiny_mod
     before = json.dumps(state)
     # `start` on a state file whose server runs with the same settings reuses it (no new process)
     res = subprocess.run([sys.executable, "-m", "common.serve", "start", "--model", tiny_model,
-                          "--state", tiny_server_state, "--log", state["log"], "--max-model-len", "16384",
+                          "--state", tiny_server_state, "--log", state["log"], "--max-model-len",
+                          str(state["settings"]["max_model_len"]),
                           "--lora-rank", "16"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == state["url"] and json.dumps(read_json(tiny_server_state)) == before

@@ -125,12 +125,15 @@ def _servers(model):
     return pids
 
 
-def test_tiny_model_plays_each_domain_against_served_user(tmp_path, tiny_model):
-    """Three episodes at once (their agent outputs batched), rows still in domain order."""
+def test_tiny_model_plays_each_domain_against_served_user(tmp_path, tiny_model, tiny_server):
+    """Three episodes at once (their agent outputs batched), rows still in domain order. The
+    agent plays on the session's server; the user simulator's server is the stage's own,
+    started and stopped by it."""
     before = _servers(tiny_model)
     out = tmp_path / "tiny"
     t0 = time.perf_counter()
-    res = evaluate("--policy", tiny_model, "--user-model", tiny_model, "--limit", "1", "--engine", "vllm",
+    res = evaluate("--policy", tiny_model, "--server", tiny_server, "--user-model", tiny_model, "--limit", "1",
+                   "--engine", "vllm",
                    "--max-new-tokens", "24", "--user-max-tokens", "24", "--max-episode-steps", "4",
                    "--max-model-len", "16384", "--concurrency", "3", "--out", str(out), timeout=900)
     seconds = time.perf_counter() - t0
