@@ -110,9 +110,10 @@ round's groups), reward_mean (of the step's trajectories), model_tokens, tokens_
 + response tokens per second of the update step), seconds (of the update step),
 logprob_mismatch (mean |engine - trainer| log-prob over model tokens), is_ratio_mean and
 is_ratio_max (of exp(trainer - engine log-prob) over those tokens), temperature (of the
-rollouts), lr, ref_model (absolute folder of the KL reference; null without KL). A round with
-nothing to learn writes one line with step 0, the global step so far, the weights,
-zero-variance share, reward of all trajectories, temperature and ref_model.
+rollouts), lr, ref_model (absolute folder of the KL reference; null without KL),
+logprob_seconds (the round's reference and old-log-prob passes). A round with nothing to
+learn writes one line with step 0, the global step so far, the weights, zero-variance share,
+reward of all trajectories, temperature, ref_model and logprob_seconds.
 Bad input stops with `error: file:line: ...`, a non-zero exit and no output.
 """
 
@@ -240,13 +241,18 @@ def train(args):
     set_seed(args.seed)
     mini_batches, zero_var_share = plan_mini_batches(args, trajectories, accelerator)
     check_memory(args, policy, reference, mini_batches, accelerator)
+    t0 = time.perf_counter()
     reference_logprobs(reference, mini_batches, temperature, accelerator)
+    scoring = time.perf_counter() - t0
     model, optimizer, params, global_step = load_policy(args, policy, accelerator, state_info)
+    t0 = time.perf_counter()
     old_logprobs(model, reference, mini_batches, temperature, accelerator)
     round_fields = {
         "zero_var_share": zero_var_share,
         "temperature": temperature,
         "ref_model": reference.model,
+        # the reference's and the input policy's log-prob passes (verl's timing_s/ref and old_log_prob)
+        "logprob_seconds": scoring + time.perf_counter() - t0,
     }
     metrics, global_step = optimise(
         args, model, optimizer, params, global_step, mini_batches, trajectories, round_fields, accelerator
@@ -639,6 +645,7 @@ def optimise(
             "step": 0, "global_step": global_step, **weight_stats(trajectories),
             "zero_var_share": round_fields["zero_var_share"], "reward_mean": reward,
             "temperature": round_fields["temperature"], "ref_model": round_fields["ref_model"],
+            "logprob_seconds": round_fields["logprob_seconds"],
         })  # fmt: skip
     return metrics, global_step
 
@@ -700,6 +707,7 @@ def step_metrics(kl_coef, mb, sums, grad_norm, seconds, round_fields, accelerato
         "is_ratio_max": ratio_max if mm_count else None,
         "temperature": round_fields["temperature"],
         "ref_model": round_fields["ref_model"],
+        "logprob_seconds": round_fields["logprob_seconds"],
     }
 
 
