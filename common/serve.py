@@ -124,8 +124,8 @@ def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_m
            "VLLM_DO_NOT_TRACK": "1"}
     if cpu:
         # Two processes instead of three (the API server, and the engine core with its worker
-        # inside), each importing torch and vLLM: on 2 busy cores each import is most of a minute. torch.compile costs ~25 s at start
-        # on CPU and gains little for small models.
+        # inside), each importing torch and vLLM: on 2 busy cores each import is most of a
+        # minute. torch.compile costs ~25 s at start on CPU and gains little for small models.
         argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
