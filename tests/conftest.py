@@ -13,29 +13,83 @@ if REPO not in sys.path:
 
 import pytest  # noqa: E402
 
+# The vLLM servers the suite shares, by fixture name: their settings. Each start is ~45 s of one
+# core on 2 cores (two processes importing torch and vLLM, one after the other).
+SERVERS = {
+    # the engine every stage plays through; LoRA on so that adapters load into it; the model's own
+    # context, as loop.sh serves it (evaluation asks for that much)
+    "tiny_server_state": {"max_model_len": None, "seed": 0, "lora_rank": 16},
+    # another server on another port of this machine: a second host, as far as a stage can tell
+    "second_server": {"max_model_len": 16384, "seed": 0},
+}
+_spawned = {}  # fixture name -> (state, process) of a server started early, not yet waited for
+_WANTED = pytest.StashKey[set]()  # the shared servers the selected tests need
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Modules that play on a shared server run last (in their usual order), and the servers the
+    selected tests need start as soon as the tiny model exists (`tiny_model`): their start then
+    overlaps the tests before them instead of adding to the suite's time."""
+    needs = {}
+    for item in items:
+        needs.setdefault(item.module, set()).update(n for n in SERVERS if n in item.fixturenames)
+    items.sort(key=lambda item: bool(needs[item.module]))  # stable: a module's tests stay together
+    config.stash[_WANTED] = set().union(*needs.values())
+
 
 @pytest.fixture(scope="session")
-def tiny_model():
+def tiny_model(request, tmp_path_factory):
     """Folder of the tiny offline model (built once into <repo>/.cache/tiny-<hash>/, then reused)."""
+    from common import serve
     from common.tiny import build_cached
-    return build_cached()
+    folder = build_cached()
+    for name in sorted(request.config.stash.get(_WANTED, set())):
+        _spawned[name] = _spawn(folder, name, tmp_path_factory)
+        request.addfinalizer(lambda pid=_spawned[name][0]["pid"]: serve.stop_group(pid))  # if never used
+    return folder
+
+
+def _spawn(model, name, tmp_path_factory):
+    from common import serve
+    from common.engines import model_context
+    settings = dict(SERVERS[name])
+    settings["max_model_len"] = settings["max_model_len"] or model_context(model)
+    return serve.spawn(model, str(tmp_path_factory.mktemp(name) / "server.log"), **settings)
+
+
+def _server(model, name, tmp_path_factory):
+    """The state of the shared server `name`, healthy: the one started early, or a new one."""
+    from common import serve
+    state, proc = _spawned.pop(name, None) or _spawn(model, name, tmp_path_factory)
+    try:
+        serve.ready(state, proc)
+    except BaseException:
+        serve.stop_group(proc.pid)
+        raise
+    return state
 
 
 @pytest.fixture(scope="session")
 def tiny_server_state(tiny_model, tmp_path_factory):
-    """One vLLM server (common/serve.py, vLLM's own) on the tiny model for the whole session, the
-    engine every stage plays through: its state file (url, pid, log). LoRA is on so that adapters
-    load into it; its context is the model's, as loop.sh serves it (evaluation asks for that much)."""
+    """The session's vLLM server (common/serve.py, vLLM's own) on the tiny model, the engine every
+    stage plays through: its state file (url, pid, log)."""
     from common import serve
-    from common.engines import model_context
     from common.jsonl import write_json
-    folder = tmp_path_factory.mktemp("server")
-    state = serve.start(tiny_model, str(folder / "server.log"), max_model_len=model_context(tiny_model), seed=0,
-                        lora_rank=16)
-    path = str(folder / "server.json")
+    state = _server(tiny_model, "tiny_server_state", tmp_path_factory)
+    path = os.path.join(os.path.dirname(state["log"]), "server.json")
     write_json(path, state)
     yield path
     serve.stop(path)
+
+
+@pytest.fixture(scope="session")
+def second_server(tiny_model, tmp_path_factory):
+    """Another server on the tiny model (SERVERS): its state. A test may kill it."""
+    from common import serve
+    state = _server(tiny_model, "second_server", tmp_path_factory)
+    yield state
+    serve.stop_group(state["pid"])
 
 
 @pytest.fixture

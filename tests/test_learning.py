@@ -10,10 +10,9 @@ the real samples take part with their own rewards and advantages.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from stages import in_process
 
 from common import bfcl, play, taxonomy, tiny
 from common import calls as C
@@ -57,12 +56,12 @@ def seq_logprob(model, rec):
     return float((lp * torch.tensor(toks["mask"], dtype=torch.float32)).sum())
 
 
-@pytest.fixture(scope="module")
-def batch(tiny_model, tmp_path_factory):
+@pytest.fixture
+def batch(tiny_model, tiny_server, tmp_path_factory):
     from transformers import AutoModelForCausalLM
     tasks = list(bfcl.load_tasks(tiny.PRESET_TASKS).values())
     tasks = [t for t in tasks if t["ground_truth"][0]][:2]  # two tasks whose turn needs calls
-    engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
+    engine = make_engine("vllm", tiny_model, max_model_len=16384, servers=[tiny_server])
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     kw = {"max_steps_per_turn": MAX_STEPS, "max_new_tokens": MAX_NEW, "progress": False}
     real, _ = play.play(tasks, SAMPLES, engine, temperature=1.0, **kw)
@@ -89,11 +88,9 @@ def test_one_round_moves_logprobs_towards_the_reward(tiny_model, batch):
     folder, records, rewards, model = batch
     # the teacher's two trajectories per group: the official checker says 1 and 0
     assert rewards[SAMPLES::SAMPLES + 2] == [1, 1] and rewards[SAMPLES + 1::SAMPLES + 2] == [0, 0]
-    res = subprocess.run(
-        [sys.executable, "train_grpo.py", "--model", tiny_model, "--rollouts", str(folder / "rollouts.jsonl"),
-         "--diagnoses", str(folder / "diagnoses.jsonl"), "--no-reweight", "--lr", "1e-4", "--kl-coef", "0",
-         "--mini-batch-tasks", "2", "--cpu", "--out", str(folder / "policy")],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    res = in_process(["--model", tiny_model, "--rollouts", str(folder / "rollouts.jsonl"),
+                      "--diagnoses", str(folder / "diagnoses.jsonl"), "--no-reweight", "--lr", "1e-4",
+                      "--kl-coef", "0", "--mini-batch-tasks", "2", "--cpu", "--out", str(folder / "policy")])
     assert res.returncode == 0, res.stderr[-3000:]
     metrics = [json.loads(line) for line in open(folder / "train_metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1]

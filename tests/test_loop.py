@@ -29,14 +29,15 @@ ARTIFACTS = ["config.json", "timing.jsonl", "report.md", "curves.png", "eval/rou
 KEEP = {"seal": ["--set", "REPORT_TO=tensorboard"], "vanilla": ["--set", "KEEP=all"], "other": []}
 
 
-def loop(runs, name, mode, *extra, **kw):
+def loop(runs, name, mode, *extra, stdout=subprocess.PIPE, **kw):
     cmd = ["bash", "loop.sh", "tiny", "--mode", mode, "--name", name, "--runs", str(runs), *SMALL, *KEEP[name], *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, **kw)
 
 
-def finish(proc):
+def finish(proc, log=None):
     out, _ = proc.communicate(timeout=900)
+    out = out if log is None else log.read_text()
     assert proc.returncode == 0, out[-4000:]
     return out
 
@@ -55,11 +56,22 @@ def _alive(pid):
 
 @pytest.fixture(scope="module")
 def loop_runs(tmp_path_factory, tiny_model, tiny_server_state):
-    """The two runs every test below reads. SEAL, the GPU users' path: vLLM's own server started
-    by the loop, interrupted (Ctrl-C) inside round 0's evolve or train with the server up, then
-    rerun to the end. Vanilla: uninterrupted, on the session's server (a server the user runs)."""
+    """The two runs every test below reads, side by side. SEAL, the GPU users' path: vLLM's own
+    server started by the loop, interrupted (Ctrl-C) inside round 0's evolve or train with the
+    server up, then rerun to the end. Vanilla: uninterrupted, on the session's server (a server the
+    user runs)."""
     runs = tmp_path_factory.mktemp("runs")
     run = runs / "seal"
+    # The vanilla run plays beside the seal run (most of each is one busy core): it scores the
+    # base model first, whose scores both share, and the seal run starts once they exist.
+    url = json.loads(open(tiny_server_state).read())["url"]
+    vanilla_log = tmp_path_factory.mktemp("vanilla") / "loop.out"
+    with open(vanilla_log, "w") as log:
+        vanilla = loop(runs, "vanilla", "vanilla", "--set", f"SERVER={url}", stdout=log)
+    deadline = time.time() + 900
+    while not (runs / "base-tiny" / "eval" / "scores.json").exists():
+        assert vanilla.poll() is None and time.time() < deadline, vanilla_log.read_text()[-4000:]
+        time.sleep(0.2)
     proc = loop(runs, "seal", "seal", start_new_session=True)
     deadline = time.time() + 900
     while not (run / "round_000" / "diagnoses.jsonl").exists():
@@ -74,8 +86,7 @@ def loop_runs(tmp_path_factory, tiny_model, tiny_server_state):
                    "policy": (run / "round_000" / "policy").exists(),
                    "rollouts_mtime": (run / "round_000" / "rollouts.jsonl").stat().st_mtime_ns}
     rerun = finish(loop(runs, "seal", "seal"))
-    url = json.loads(open(tiny_server_state).read())["url"]
-    finish(loop(runs, "vanilla", "vanilla", "--set", f"SERVER={url}"))
+    finish(vanilla, vanilla_log)
     return {"runs": runs, "interrupted": interrupted, "rerun": rerun}
 
 

@@ -9,6 +9,7 @@ with its language hint, held-out docs in its order), not from our data files.
 """
 
 import contextlib
+import copy
 import io
 import itertools
 import json
@@ -75,8 +76,9 @@ def theirs(entry, texts, handler="QwenFCHandler"):
     and the exception it raises, if any (an inference error: the entry fails as a whole)."""
     seen, answers = [], iter(texts)
     name = f"parity_{next(_names)}"
-    h = type(prompts.handler(handler))(model_name=prompts.handler(handler).model_name, temperature=0.001,
-                                       registry_name=name, is_fc_model=True)
+    # bfcl-eval's handler, a copy per replay (a new one would build an API client it never uses)
+    h = copy.copy(prompts.handler(handler))
+    h.registry_name = h.registry_dir_name = name
     h.model_name_underline_replaced = name  # its executor's instance-cache key: one per replay
 
     def query(inference_data):  # the model's side of _query_prompting: the recorded answer

@@ -97,10 +97,16 @@ def check_record(task, rec, tokenizer, omega=None):
     assert full.startswith(decoded) and full[len(decoded):] in ("\n", tokenizer.eos_token + "\n")
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_both_engines_write_valid_records(tmp_path, tiny_model, tasks, tokenizer, engine, request):
-    # vLLM: the session's server (a stage that starts its own is tests/test_tau.py's agent)
-    server = ["--server", request.getfixturevalue("tiny_server")] if engine == "vllm" else []
+def test_hf_engine_writes_valid_records(tmp_path, tiny_model, tasks, tokenizer):
+    check_rollout(tmp_path, tiny_model, tasks, tokenizer, "hf")
+
+
+def test_vllm_server_writes_valid_records(tmp_path, tiny_model, tasks, tokenizer, tiny_server):
+    # the session's server (a stage that starts its own is tests/test_tau.py's agent)
+    check_rollout(tmp_path, tiny_model, tasks, tokenizer, "vllm", "--server", tiny_server)
+
+
+def check_rollout(tmp_path, tiny_model, tasks, tokenizer, engine, *server):
     recs = rollout_cli(tmp_path, tiny_model, engine, *server)
     assert [(r["task_id"], r["sample_index"]) for r in recs] == [(t, k) for t in TASK_IDS for k in range(2)]
     for rec in recs:

@@ -179,15 +179,6 @@ def test_lora_adapter_loads_at_run_time(tiny_server, tiny_model, tmp_path):
 # ----------------------------------------------------------------------------- several servers, faults
 
 
-@pytest.fixture(scope="module")
-def second_server(tiny_model, tmp_path_factory):
-    """Another server on another port of this machine: a second host, as far as a stage can tell."""
-    folder = tmp_path_factory.mktemp("second")
-    state = serve.start(tiny_model, str(folder / "server.log"), max_model_len=16384, seed=0)
-    yield state
-    serve.stop_group(state["pid"])
-
-
 def test_one_stage_on_two_servers_pins_trajectories_and_gives_the_same_records(tiny_server, second_server,
                                                                                 tiny_model, tasks):
     one = make_engine("vllm", tiny_model, max_model_len=16384, servers=[tiny_server])

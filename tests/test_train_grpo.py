@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from stages import in_process
 
 from common.grpo import collate, join_trajectories, sequence_logprobs
 from common.jsonl import read_jsonl
@@ -132,35 +133,6 @@ def run_train(model, rollouts, diagnoses, out, *extra, launcher=(), script=SCRIP
             kill_tree(proc.pid)
         pytest.fail(f"{' '.join(cmd)} ran past 300 s:\n{stdout}\n{stderr[-20000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
-def in_process(argv):
-    """`python train_grpo.py ARGV` as its main() in this process: exit status, stdout and stderr
-    as the command gives them. A fresh process spends ~13 s importing torch and transformers,
-    most of a one-process round here; the single-process runs share this one. Accelerate's
-    state is reset around each run, and torch uses one thread, as ENV gives launched processes."""
-    import io
-
-    from accelerate.state import AcceleratorState
-
-    import train_grpo
-
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    AcceleratorState._reset_state(True)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                train_grpo.main(argv)
-            except SystemExit as e:  # as the interpreter reports it: a message goes to stderr, status 1
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-                code = 1 if isinstance(e.code, str) else e.code or 0
-    finally:
-        AcceleratorState._reset_state(True)
-        torch.set_num_threads(threads)
-    return subprocess.CompletedProcess(["train_grpo.py", *argv], code, out.getvalue(), err.getvalue())
 
 
 def ok(proc):
