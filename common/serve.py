@@ -129,6 +129,11 @@ def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_m
         argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        # One torch thread in the engine, as vLLM means to set for serving: its CPU worker disables
+        # torch.set_num_threads before that call, so the engine otherwise keeps one thread a core,
+        # spinning after every op (measured on 2 cores: twice the engine's CPU time, a fifth slower,
+        # a core taken from the API server: docs/benchmarks.md §3a). A user's OMP_NUM_THREADS wins.
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     return argv + list(extra), env
 
 

@@ -58,6 +58,7 @@ def test_gpu_command_lines_are_vllm_serve_with_the_presets_settings():
     assert cpu[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/tiny"]
     assert cpu[-3:] == ["--enforce-eager", "--distributed-executor-backend", "uni"]
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")  # no spinning engine threads
     with pytest.raises(RecordError, match="one CPU engine"):
         serve.command("/m/tiny", port=9, cpu=True, data_parallel_size=2)
 
