@@ -54,9 +54,18 @@ def write_result_files(out_dir, tasks, records, registry_name):
     h = handler(registry_name)
     result_dir = Path(out_dir) / "result"
     shutil.rmtree(result_dir / h.registry_dir_name, ignore_errors=True)
-    entries = [result_entry(h, task, rec) for task, rec in zip(tasks, records, strict=True)]
+    entries = [result_entry(h, task, rec) for task, rec in zip(tasks, records, strict=True) if bfcl_entry(task["id"])]
+    if not entries:
+        return []
     h.write(entries, result_dir=result_dir)
     return sorted(str(p) for p in (result_dir / h.registry_dir_name).rglob("*_result.json"))
+
+
+def bfcl_entry(task_id):
+    """Whether bfcl-eval has an entry of this id (its ids end in the entry's index). A task cut to
+    its first turn (`..._1turn`, the tiny preset's, data/prepare.py) is ours: its runner cannot
+    score it, and its writer cannot even sort it."""
+    return task_id.rsplit("_", 1)[-1].isdigit()
 
 
 def result_entry(h, task, record):

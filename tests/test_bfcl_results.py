@@ -106,6 +106,16 @@ def test_tiny_model_result_files_score_the_same_in_bfcl_evals_runner(tmp_path, t
     assert_same_verdicts(out, tmp_path)
 
 
+def test_tasks_bfcl_eval_does_not_have_get_no_result_file(tmp_path):
+    """The tiny preset's tasks, cut to their first turn, are not bfcl-eval's entries: evaluating
+    them writes our scores and no result file (bfcl-eval's writer would fail sorting their ids)."""
+    out = tmp_path / "tiny"
+    evaluate(out, "--policy", "oracle", "--split", "train", "--tasks", os.path.join(ROOT, "data", "tiny.jsonl"))
+    assert json.loads((out / "scores.json").read_text())["average"] == 100.0
+    assert not list(out.rglob("*_result.json"))
+    assert bfcl_results.bfcl_entry("multi_turn_base_12") and not bfcl_results.bfcl_entry("multi_turn_base_2_1turn")
+
+
 @pytest.fixture(scope="module")
 def heldin():
     return bfcl.load_tasks(os.path.join(ROOT, "data", "heldin.jsonl"))
