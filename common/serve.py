@@ -272,6 +272,11 @@ def start(model_dir, log_path, *, timeout=START_TIMEOUT, **settings):
     it is healthy and label it; returns its state {url, pid, log, model, argv, settings}. The
     server runs in a process group of its own; on any failure here the group is stopped."""
     state, proc = spawn(model_dir, log_path, **settings)
+    return ready_or_stop(state, proc, timeout)
+
+
+def ready_or_stop(state, proc, timeout=START_TIMEOUT):
+    """`ready`, or the spawned server's process group stopped on any failure; returns its state."""
     try:
         ready(state, proc, timeout)
     except BaseException:

@@ -61,13 +61,7 @@ def _spawn(model, name, tmp_path_factory):
 def _server(model, name, tmp_path_factory):
     """The state of the shared server `name`, healthy: the one started early, or a new one."""
     from common import serve
-    state, proc = _spawned.pop(name, None) or _spawn(model, name, tmp_path_factory)
-    try:
-        serve.ready(state, proc)
-    except BaseException:
-        serve.stop_group(proc.pid)
-        raise
-    return state
+    return serve.ready_or_stop(*(_spawned.pop(name, None) or _spawn(model, name, tmp_path_factory)))
 
 
 @pytest.fixture(scope="session")
