@@ -21,6 +21,6 @@ def main(repo_id, revision):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) != 3 or sys.argv[1].startswith("-"):
         sys.exit("usage: python -m common.fetch REPO_ID REVISION")
     main(sys.argv[1], sys.argv[2])

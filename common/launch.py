@@ -71,5 +71,7 @@ def hostnames(nodelist):
 
 
 if __name__ == "__main__":
+    if not 3 <= len(sys.argv) <= 4 or not sys.argv[2].isdigit():
+        sys.exit(__doc__)
     python, nproc, config = sys.argv[1], int(sys.argv[2]), (sys.argv[3:] or [""])[0]
     print("\n".join(train_command(python, nproc, config or None)))

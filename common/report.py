@@ -160,4 +160,6 @@ def main(run):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        sys.exit(__doc__)
     main(sys.argv[1])

@@ -83,4 +83,7 @@ def main(path, pairs):
 
 
 if __name__ == "__main__":
+    # a path is the first word: "--help" must not become a file named --help
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        sys.exit(__doc__)
     main(sys.argv[1], sys.argv[2:])

@@ -72,3 +72,13 @@ def test_a_run_records_the_hub_id_and_revision_so_another_hf_home_resumes(tmp_pa
     runinfo.main(new, [f"model={QWEN7B}", f"revision={REV}", "gpu_mem_gib=80"])  # another GPU: the same run
     with pytest.raises(SystemExit, match=f"revision: '{REV}' -> '{'0' * 40}'"):
         runinfo.main(new, [f"model={QWEN7B}", f"revision={'0' * 40}", "gpu_mem_gib=80"])
+
+
+@pytest.mark.parametrize("module", ["common.runinfo", "common.report", "common.launch", "common.fetch"])
+def test_helper_commands_answer_help_without_writing_a_file(tmp_path, module):
+    # runinfo once took "--help" for its output path and wrote a file named --help
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path, capture_output=True, text=True,
+                       env=os.environ | {"PYTHONPATH": repo})
+    assert r.returncode != 0 and "python -m " + module in r.stderr
+    assert os.listdir(tmp_path) == []
