@@ -38,7 +38,7 @@ from common import interface as omega_api
 from common.chat import Renderer, after_stop, kept_output, tool_messages
 from common.engines import sampling_params
 from common.jsonl import RecordError
-from common.prompts import Conversation, announced, first_prompt
+from common.prompts import Conversation, PromptIds, announced, first_prompt
 
 
 class Trajectory:
@@ -72,6 +72,7 @@ class Trajectory:
         shown, system = omega_api.tool_view(tools, omega), omega_api.system_cue(omega)
         self.ids, self.mask, self.logprobs = [], [], []
         self.step_prompts = []  # rerender: the prompt text of every step, for bfcl-eval's result files
+        self.encoder = None  # rerender: each step's prompt ids, reusing the last prompt's
         if prompts == "template":
             self.conv, self.renderer, self.history = None, Renderer(tokenizer, shown, system), []
             self.prompt_ids = self.renderer.prompt(self._enter_turn(0))
@@ -82,7 +83,7 @@ class Trajectory:
             self.step_prompts.append(self.conv.prompt())
             self.prompt_ids = self._encode(self.step_prompts[0])
             def plain():
-                return self._encode(first_prompt(task, tools, handler_name=handler))
+                return self.tok(first_prompt(task, tools, handler_name=handler))["input_ids"]
         self.next_prompt = self.prompt_ids
         if shown is not tools or system:
             # Schema-cue annotations and capability cues: what the prompt has beyond the plain one.
@@ -90,7 +91,9 @@ class Trajectory:
 
     def _encode(self, text):
         """Ids of a whole prompt, as vLLM's server tokenises a completion request's text."""
-        return self.tok(text)["input_ids"]
+        if self.encoder is None:
+            self.encoder = PromptIds(self.tok)
+        return self.encoder(text)
 
     def _enter_turn(self, turn):
         """Start `turn` in the environment; returns its user messages (new tools announced)."""

@@ -169,3 +169,47 @@ class Conversation:
         if text.count(SENTINEL) != 1:
             raise ValueError(f"{type(self.h).__name__}: the probe's assistant message is not rendered once")
         return text[text.index(SENTINEL) + len(SENTINEL):]
+
+
+class PromptIds:
+    """The ids of each re-rendered prompt of one trajectory, as vLLM's server tokenises a
+    completion request's text (`tokenizer(text)["input_ids"]`), without re-encoding the history.
+
+        ids = PromptIds(tokenizer)
+        ids(prompt_0); ids(prompt_1); ...   # each equals tokenizer(prompt_k)["input_ids"]
+
+    Re-encoding every step's whole prompt is quadratic in a trajectory's length (at the
+    long-context tasks' ~37k tokens, most of the CPU of playing them). A fast tokenizer cuts
+    a text at its added tokens before anything else and encodes the pieces apart, so a
+    prompt's ids are the previous prompt's ids up to the last added token where the two texts
+    still agree, then the ids of the rest (no special tokens added: they belong to the start).
+    Only added tokens that strip no whitespace and are matched on the raw text serve as cuts;
+    a slow tokenizer, or a prompt that agrees with the last one on no cut, is encoded whole.
+    tests/test_prompts.py checks equality with whole encodes on every step of held-in plays.
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        added = tokenizer.added_tokens_decoder if getattr(tokenizer, "is_fast", False) else {}
+        self.marks = {i for i, a in added.items() if not (a.lstrip or a.rstrip or a.normalized)}
+        self.text, self.ids, self.cuts = "", [], []  # cuts: (character, token index) of each mark
+
+    def __call__(self, text):
+        for pos, j in reversed(self.cuts):
+            if j and text.startswith(self.text[:pos]):
+                break
+        else:
+            pos = j = 0
+        if j:
+            enc = self.tok(text[pos:], add_special_tokens=False, return_offsets_mapping=bool(self.marks))
+            ids, cuts = self.ids[:j] + enc["input_ids"], [c for c in self.cuts if c[1] < j]
+        else:
+            enc = self.tok(text, return_offsets_mapping=bool(self.marks))
+            ids, cuts = list(enc["input_ids"]), []
+        if self.marks:
+            start = len(ids) - len(enc["input_ids"])
+            cuts += [(pos + s, start + k) for k, (i, (s, e)) in enumerate(zip(enc["input_ids"], enc["offset_mapping"],
+                                                                                 strict=True))
+                     if i in self.marks and e > s]
+        self.text, self.ids, self.cuts = text, ids, cuts
+        return list(ids)

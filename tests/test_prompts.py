@@ -137,6 +137,40 @@ def test_oracle_prompts_are_bfcl_evals_on_every_heldin_task(heldin, entries, tok
     assert steps == sum(2 if gt else 1 for t in heldin.values() for gt in t["ground_truth"])
 
 
+def test_prompt_ids_equal_whole_encodes(heldin, tokenizer):
+    """PromptIds (each step's prompt ids from the last prompt's, as evaluation plays) equals
+    encoding every prompt whole: on held-in plays of every category (the longest included), on
+    prompts that rewrite earlier history or shrink, with special-token text inside a message,
+    with a tokenizer that adds a BOS, and with an added token that strips whitespace."""
+    tasks = list(heldin.values())[::25] + [max(heldin.values(), key=lambda t: len(json.dumps(t)))]
+    for task in tasks:
+        _, traj = ours(task, Script(tokenizer, oracle_script(task)))
+        ids = prompts.PromptIds(tokenizer)
+        assert len(traj.step_prompts) > 1
+        for text in traj.step_prompts:
+            assert ids(text) == tokenizer(text)["input_ids"], task["id"]
+
+    def msg(role, text):
+        return f"<|im_start|>{role}\n{text}<|im_end|>\n"
+    a = msg("system", "tools") + msg("user", "list  files") + "<|im_start|>assistant\n"
+    texts = [a, a + "<tool_call>\n{}\n</tool_call><|im_end|>\n" + msg("user", "ok <|im_end|> then") + "<|im_start|>",
+             a.replace("tools", "other tools") + msg("user", "again"), a[:20], a, "no marks at all", a + " x"]
+    bos = copy.deepcopy(tokenizer)
+    from tokenizers.processors import TemplateProcessing
+    bos.backend_tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[
+        ("<|endoftext|>", bos.convert_tokens_to_ids("<|endoftext|>"))])
+    stripping = copy.deepcopy(tokenizer)
+    from tokenizers import AddedToken
+    stripping.add_tokens([AddedToken("<|strip|>", lstrip=True, rstrip=True)])
+    for tok in (tokenizer, bos, stripping):
+        ids = prompts.PromptIds(tok)
+        for text in texts + [a + "  <|strip|>  b", a + "  <|strip|>  b" + msg("user", "c")]:
+            assert ids(text) == tok(text)["input_ids"], (text, tok(text).tokens())
+    assert bos(a)["input_ids"][:2] == [bos.convert_tokens_to_ids("<|endoftext|>"), bos.convert_tokens_to_ids("<|im_start|>")]
+    assert "<|strip|>" in stripping.get_added_vocab() and stripping.convert_tokens_to_ids("<|strip|>") not in \
+        prompts.PromptIds(stripping).marks
+
+
 NON_ASCII = '<tool_call>\n{"name": "mkdir", "arguments": {"dir_name": "Résumé_数据"}}\n</tool_call>'
 OUTPUTS = {
     "prose": 'Let me look first.\n<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>\nThen I will answer.',
