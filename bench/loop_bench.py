@@ -21,6 +21,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("rollout", "diagnose", "evolve", "train")
 
+if len(sys.argv) > 2 or sys.argv[1:2] and sys.argv[1].startswith("-"):
+    sys.exit(__doc__)
 run = sys.argv[1] if len(sys.argv) > 1 else None
 if run is None:
     run = os.path.join(ROOT, "runs", "bench-loop")
