@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from tqdm import tqdm
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import bfcl, play  # noqa: E402
@@ -48,14 +50,6 @@ class Oracle:
         return out
 
 
-class Bar:
-    def update(self, n):
-        pass
-
-    def set_postfix(self, **kw):
-        pass
-
-
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 tasks = list(bfcl.load_tasks(os.path.join(root, "data", "heldin.jsonl")).values())[:: args.every]
 tok = load_tokenizer(build_cached())
@@ -72,8 +66,8 @@ def run(encode):
     for task in tasks:  # one at a time: the oracle answers the one trajectory in play
         t = play.Trajectory(task, 0, None, tok, "json", "bfcl", "QwenFCHandler", rerender=True,
                             stop_ids=[tok.eos_token_id])
-        play._lockstep([t], Oracle(tok, [t]), {"start": 0.0, "engine_seconds": 0.0, "generated": 0}, Bar(),
-                       0.0, 20, 1 << 30, 4096)
+        counts = {"start": 0.0, "engine_seconds": 0.0, "generated": 0}
+        play._lockstep([t], Oracle(tok, [t]), counts, tqdm(disable=True), 0.0, 20, 1 << 30, 4096)
         ids.append(t.next_prompt)
     return time.perf_counter() - start, ids
 

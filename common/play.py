@@ -72,7 +72,7 @@ class Trajectory:
         shown, system = omega_api.tool_view(tools, omega), omega_api.system_cue(omega)
         self.ids, self.mask, self.logprobs = [], [], []
         self.step_prompts = []  # rerender: the prompt text of every step, for bfcl-eval's result files
-        self.encoder = None  # rerender: each step's prompt ids, reusing the last prompt's
+        self.encoder = PromptIds(tokenizer)  # bfcl prompts: each prompt's ids, reusing the last prompt's
         if prompts == "template":
             self.conv, self.renderer, self.history = None, Renderer(tokenizer, shown, system), []
             self.prompt_ids = self.renderer.prompt(self._enter_turn(0))
@@ -82,7 +82,7 @@ class Trajectory:
             self._enter_turn(0)
             self.step_prompts.append(self.conv.prompt())
             self.prompt_ids = self._encode(self.step_prompts[0])
-            def plain():
+            def plain():  # encoded whole: not a prompt of this trajectory
                 return self.tok(first_prompt(task, tools, handler_name=handler))["input_ids"]
         self.next_prompt = self.prompt_ids
         if shown is not tools or system:
@@ -91,8 +91,6 @@ class Trajectory:
 
     def _encode(self, text):
         """Ids of a whole prompt, as vLLM's server tokenises a completion request's text."""
-        if self.encoder is None:
-            self.encoder = PromptIds(self.tok)
         return self.encoder(text)
 
     def _enter_turn(self, turn):

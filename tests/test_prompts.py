@@ -16,6 +16,7 @@ import json
 import os
 
 import pytest
+from tqdm import tqdm
 from trajectories import Scripted
 from transformers import AutoTokenizer
 
@@ -59,16 +60,8 @@ def ours(task, engine, handler="QwenFCHandler", fmt="json"):
     # Parity is about text: the tiny tokenizer (4k tokens) needs more than a real model's 32k context
     # for the biggest long-context results, so the context here is unbounded.
     play._lockstep([traj], engine, {"start": 0.0, "engine_seconds": 0.0, "generated": 0},
-                   _NoBar(), 0.001, 20, 1 << 30, 4096)
+                   tqdm(disable=True), 0.001, 20, 1 << 30, 4096)
     return traj.record(0, "script"), traj
-
-
-class _NoBar:
-    def update(self, n):
-        pass
-
-    def set_postfix(self, **kw):
-        pass
 
 
 def theirs(entry, texts, handler="QwenFCHandler"):
