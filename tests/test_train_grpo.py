@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -609,10 +610,23 @@ def killed_then_rerun(model, data, out, args, launcher=()):
     cmd = [*launcher, SCRIPT] if launcher else [sys.executable, SCRIPT]
     cmd += ["--model", model, "--rollouts", data[0], "--diagnoses", data[1], "--out", out, *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV | {"PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:  # killed as soon as it has loaded the state, before it trains
-        if line.startswith("resuming optimiser state"):
+    # Reading stdout has no timeout of its own: a launch that stalls before the line (a
+    # rendezvous that never completes) would hold the test for ever. The watchdog prints every
+    # rank's stack (SIGABRT, PYTHONFAULTHANDLER) and ends it, so the loop below sees EOF.
+    watchdog = threading.Timer(300, kill_tree, (proc.pid, signal.SIGABRT))
+    watchdog.start()
+    lines = []
+    try:
+        for line in proc.stdout:  # killed as soon as it has loaded the state, before it trains
+            lines.append(line)
+            if line.startswith("resuming optimiser state"):
+                kill_tree(proc.pid)
+                break
+        else:
             kill_tree(proc.pid)
-            break
+            pytest.fail(f"{' '.join(cmd)} never loaded its state (stalled or failed):\n{''.join(lines)[-20000:]}")
+    finally:
+        watchdog.cancel()
     proc.wait(timeout=60)
     assert proc.returncode != 0 and not os.path.exists(out)
     assert {f: open(os.path.join(state, f), "rb").read() for f in os.listdir(state)} == before
