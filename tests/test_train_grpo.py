@@ -78,6 +78,9 @@ def make_data(folder, rewards=REWARDS, seed=0, temperature=1.0):
     return paths["rollouts"], paths["diagnoses"]
 
 
+LAUNCH_TIMEOUT = 300  # seconds a launched training run may take (its stdout read included)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,7 +127,7 @@ def run_train(model, rollouts, diagnoses, out, *extra, launcher=(), script=SCRIP
         cmd += [model, rollouts, diagnoses, out]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        stdout, stderr = proc.communicate(timeout=300)
+        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired:
         # where every rank waits (PYTHONFAULTHANDLER prints each thread's stack on SIGABRT), then gone
         kill_tree(proc.pid, signal.SIGABRT)
@@ -132,7 +135,7 @@ def run_train(model, rollouts, diagnoses, out, *extra, launcher=(), script=SCRIP
             stdout, stderr = proc.communicate(timeout=20)
         finally:
             kill_tree(proc.pid)
-        pytest.fail(f"{' '.join(cmd)} ran past 300 s:\n{stdout}\n{stderr[-20000:]}")
+        pytest.fail(f"{' '.join(cmd)} ran past {LAUNCH_TIMEOUT} s:\n{stdout}\n{stderr[-20000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
@@ -613,7 +616,7 @@ def killed_then_rerun(model, data, out, args, launcher=()):
     # Reading stdout has no timeout of its own: a launch that stalls before the line (a
     # rendezvous that never completes) would hold the test for ever. The watchdog prints every
     # rank's stack (SIGABRT, PYTHONFAULTHANDLER) and ends it, so the loop below sees EOF.
-    watchdog = threading.Timer(300, kill_tree, (proc.pid, signal.SIGABRT))
+    watchdog = threading.Timer(LAUNCH_TIMEOUT, kill_tree, (proc.pid, signal.SIGABRT))
     watchdog.start()
     lines = []
     try:
@@ -686,7 +689,7 @@ def test_two_machines_match_one(tiny, data, ddp_rounds, tmp_path):
         for r in (0, 1)
     ]  # fmt: skip
     try:
-        logs = [m.communicate(timeout=300)[0] for m in machines]
+        logs = [m.communicate(timeout=LAUNCH_TIMEOUT)[0] for m in machines]
     finally:
         for m in machines:
             kill_tree(m.pid)
