@@ -10,7 +10,7 @@
 #   1. install bfcl-eval (and any missing pure-Python package) from .wheels/ into .gpu-site/
 #   2. prepare the task files and build the CPU preset's tiny model (common/tiny.py)
 #   3. rollout.py --engine hf on CUDA: the tiny preset's tasks, 4 samples each, through Ω_0
-#   4. diagnose.py, then train_grpo.py on CUDA (bf16 autocast): once plain, once through
+#   4. diagnose.py, then train_grpo.py on CUDA (bf16 autocast, --zero-variance keep): once plain, once through
 #      `accelerate launch` with a one-process FSDP config (dry run: two DDP CPU processes);
 #      the table shows the dtypes gradients were accumulated and reduced in (float32)
 #   5. bench/update_throughput.py: Qwen2.5-3B-sized random model, gradient checkpointing,
@@ -18,7 +18,8 @@
 #   6. bench/plan_check.py: the memory plan (common/memplan.py) term by term against one measured
 #      update step through one-process FSDP2, 16384 tokens, random weights at the presets' shapes
 #      (configs/models/): Qwen2.5-3B whole, Qwen2.5-7B with 7 of its 28 layers (dry run: a small
-#      Qwen2 on CPU, without FSDP)
+#      Qwen2 on CPU, without FSDP); after the 7B step, one sharded save of its state (float32
+#      master weights and AdamW's moments, common/checkpoint.py, 33 GB) and its load, timed
 # Writes OUTDIR/gpu_check.md (the table, then the plan check's rows), OUTDIR/*.log and the stage outputs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,7 @@ if [ "${1:-}" = --fetch-wheels ]; then
   ls -l .wheels
   exit
 fi
-[ $# -ge 1 ] || { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT=$(realpath -m "$1"); DRY=${2:-}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}"
@@ -86,7 +87,8 @@ metrics() {  # the last metrics row of a train run, in brief, and the gradient d
   echo "$PY -c \"import json,sys; m=[json.loads(l) for l in open(sys.argv[1])][-1]; print('steps', m['step'], 'tokens/s', m.get('tokens_per_s'), 'grad_norm', m.get('grad_norm'))\" $OUT/$1/metrics.jsonl; grep -h -m1 '^gradients accumulated' $OUT/$1.log"
 }
 TRAIN=(train_grpo.py --model "$M" --rollouts "$OUT/rollouts.jsonl" --diagnoses "$OUT/diagnoses.jsonl"
-       --interface "$OUT/interface.json" --lr 1e-4 --mini-batch-tasks 2 --ref-model "$M" --save-optimizer "${CPU[@]}")
+       --interface "$OUT/interface.json" --lr 1e-4 --mini-batch-tasks 2 --ref-model "$M" --save-optimizer "${CPU[@]}"
+       --zero-variance keep)  # the tiny model often solves nothing: the steps still run, every one
 step train_plain "$(metrics train_plain)" \
   -- $PY "${TRAIN[@]}" --metrics "$OUT/train_plain/metrics.jsonl" --out "$OUT/train_plain/policy"
 step train_accelerate "$(metrics train_accelerate)" \
@@ -97,14 +99,17 @@ step update_throughput "tail -1 $OUT/update_throughput.log" -- $PY bench/update_
 
 PLAN=$OUT/plan_check.md; rm -f "$PLAN"
 plan_rows() { echo "$(grep -c '| ok |$' "$PLAN") of $(grep -cE '[|] (ok|OFF) [|]$' "$PLAN") rows agree so far"; }
+saved() { grep -h -m1 '^sharded state' "$OUT/$1.log"; }
+STATE=${TMPDIR:-/tmp}/gpu_check_state.$$  # the timed save: tens of GB, so not under OUTDIR (which travels back)
 if [ "$DRY" = --cpu ]; then
-  step plan_small "plan_rows" -- $PY bench/plan_check.py --cpu --table "$PLAN"
+  step plan_small "plan_rows; saved plan_small" -- $PY bench/plan_check.py --cpu --table "$PLAN" --save-load "$STATE"
 else
   step plan_3b "plan_rows" -- $PY -m accelerate.commands.launch "${FSDP[@]}" bench/plan_check.py \
     --model Qwen/Qwen2.5-3B-Instruct --tokens 16384 --table "$PLAN"
-  step plan_7b_7layers "plan_rows" -- $PY -m accelerate.commands.launch "${FSDP[@]}" bench/plan_check.py \
-    --model Qwen/Qwen2.5-7B-Instruct --layers 7 --tokens 16384 --table "$PLAN"
+  step plan_7b_7layers "plan_rows; saved plan_7b_7layers" -- $PY -m accelerate.commands.launch "${FSDP[@]}" \
+    bench/plan_check.py --model Qwen/Qwen2.5-7B-Instruct --layers 7 --tokens 16384 --table "$PLAN" --save-load "$STATE"
 fi
+rm -rf "$STATE"  # a step killed by its timeout leaves it
 [ -f "$PLAN" ] && { printf '\nThe memory plan against one measured step (bench/plan_check.py):\n\n'; cat "$PLAN"; } >> "$TABLE"
 
 cat "$TABLE"

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -41,6 +42,11 @@ TOLERANCE = 0.15
 # bound: the log-prob chunk's moment comes before most gradients exist. Its row reads ok when
 # the measured peak is not above it (by more than the tolerance).
 PEAK = "step peak, without the CUDA overhead term (plan: upper bound)"
+
+
+def local(t):
+    """FSDP2's parameters, gradients and state are DTensors: this process's shard."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class Memory:
@@ -101,10 +107,11 @@ def build(model_cfg, layers, device):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def measure_step(model, tokens, accelerator, checkpointing=True):
+def measure_step(model, tokens, accelerator, checkpointing=True, then=None):
     """Memory of the second of two update steps of `model` (not yet prepared) on one sequence of
     `tokens` tokens. Returns {mark: (level, peak since the previous mark)}, the gradients' and
-    AdamW state's bytes on this process."""
+    AdamW state's bytes on this process. `then(model, optimizer)`, if given, runs last, on the
+    prepared pair (the timed save and load)."""
     from common.grpo import TrainingSequence, accumulate_gradients
 
     torch.manual_seed(0)
@@ -123,9 +130,6 @@ def measure_step(model, tokens, accelerator, checkpointing=True):
     hooks = [inner.lm_head.register_forward_pre_hook(lambda *_: mem and mem.mark("output layer")),
              inner.model.norm.register_full_backward_pre_hook(lambda *_: mem and mem.mark("output layer done"))]
 
-    def local(t):  # FSDP2's parameters, gradients and state are DTensors: this process's shard
-        return t.to_local() if hasattr(t, "to_local") else t
-
     for step in range(2):
         if step == 1:
             mem = Memory(accelerator.device).__enter__()
@@ -142,7 +146,50 @@ def measure_step(model, tokens, accelerator, checkpointing=True):
         h.remove()
     state = sum(local(t).nbytes for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
     weights = sum(local(p).nbytes for p in model.parameters())
+    if then:
+        then(model, optimizer)
     return {n: (mem.level[n], mem.peak[n]) for n in mem.names}, weights, grads, state
+
+
+def save_and_load(folder, model, optimizer, accelerator):
+    """One save of what a GPU round hands the next (common/checkpoint.py: float32 master weights
+    and AdamW's moments, each process its shard) and its load back, timed; the load is checked by
+    restoring a tensor zeroed in between. The save's time runs until dcp.save returns (the page
+    cache may still hold it), then until os.sync() has written it. The folder is removed after.
+    Returns {bytes (this process's shard files), save_s, sync_s, load_s}, or {skipped: why}."""
+    from common import checkpoint
+
+    whole = 12 * sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole tensor's
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(folder))).free
+    if free < 1.2 * whole:
+        return {"skipped": f"{free / memplan.GIB:.1f} GiB free beside {folder}, the state takes {whole / memplan.GIB:.1f} GiB"}
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    t0 = time.perf_counter()
+    checkpoint.save(folder, model, optimizer, 2, master=True, world_size=accelerator.num_processes,
+                    main=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    save_s = time.perf_counter() - t0
+    os.sync()
+    accelerator.wait_for_everyone()
+    sync_s = time.perf_counter() - t0 - save_s
+    shard = os.path.join(folder, f"__{accelerator.process_index}_0.distcp")
+    size = os.path.getsize(shard)
+    probe = next(p for p in reversed(list(model.parameters())) if p.dim() == 1)  # a norm's weight
+    probe = local(probe)
+    kept = probe.detach().clone()
+    with torch.no_grad():
+        probe.zero_()
+    t0 = time.perf_counter()
+    checkpoint.load(folder, checkpoint.read_info(folder), model, optimizer)
+    accelerator.wait_for_everyone()
+    load_s = time.perf_counter() - t0
+    assert torch.equal(probe, kept), "the load did not restore the saved weights"
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"bytes": size, "save_s": round(save_s, 2), "sync_s": round(sync_s, 2), "load_s": round(load_s, 2)}
 
 
 def rows(arch, marks, weights, grads, state, tokens, nproc, sharded, on_gpu, checkpointing, chunk):
@@ -190,12 +237,15 @@ def main():
     ap.add_argument("--no-gradient-checkpointing", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="dry run: a small Qwen2 shape on CPU, 512 tokens")
     ap.add_argument("--table", help="markdown file the rows are appended to")
+    ap.add_argument("--save-load", metavar="DIR", help="then time one sharded save of the state into DIR (removed after) and its load")
     args = ap.parse_args()
     from accelerate.utils import DistributedType
 
-    from train_grpo import make_accelerator
+    import train_grpo
 
-    accelerator = make_accelerator(argparse.Namespace(cpu=args.cpu, grad_clip=1.0))
+    # as train_grpo.py builds it, with its defaults (the process-group timeout among them)
+    accelerator = train_grpo.make_accelerator(argparse.Namespace(
+        cpu=args.cpu, grad_clip=train_grpo.parser.get_default("grad_clip"), timeout=train_grpo.parser.get_default("timeout")))
     if args.cpu:
         model_cfg, name, tokens = SMALL, "small Qwen2 (CPU dry run)", min(args.tokens, 512)
     else:
@@ -208,11 +258,18 @@ def main():
     model = build(model_cfg, args.layers, accelerator.device)
     assert arch.params == sum(p.numel() for p in model.parameters()), "the plan's parameter count is the model's"
     ckpt = not args.no_gradient_checkpointing
-    marks, weights, grads, state = measure_step(model, tokens, accelerator, ckpt)
+    saved = {}
+    then = (lambda m, o: saved.update(save_and_load(args.save_load, m, o, accelerator))) if args.save_load else None
+    marks, weights, grads, state = measure_step(model, tokens, accelerator, ckpt, then)
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     on_gpu = accelerator.device.type == "cuda"
     table = rows(arch, marks, weights, grads, state, tokens, accelerator.num_processes, sharded, on_gpu, ckpt,
                  memplan.logprob_chunk())
+    if "bytes" in saved:
+        # docs/hardware.md §6: 12 bytes a parameter (master + 2 moments), split over the processes;
+        # a tied output layer's master copy is written a second time under its own name
+        disk = 12 * arch.params + (4 * arch.vocab * arch.hidden if arch.tied else 0)
+        table.append(("sharded state on disk, one process's file", disk / accelerator.num_processes, saved["bytes"]))
     shape = f"{name}, {arch.layers} layers{' (of the full model)' if not args.layers else ''}, {tokens} tokens, " \
             f"{'FSDP2' if sharded else 'no FSDP'}, {accelerator.device.type}"
     lines = [f"| {shape} | {term} | {p / memplan.GIB:.3f} | {m / memplan.GIB:.3f} | {m / p:.2f} | "
@@ -225,8 +282,13 @@ def main():
                         "|---|---|---|---|---|---|\n")
             f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if saved:
+        print("sharded state: " + (saved.get("skipped") or (
+            f"{saved['bytes'] / memplan.GIB:.3g} GiB a process, saved in {saved['save_s']} s "
+            f"(+{saved['sync_s']} s to sync), loaded in {saved['load_s']} s")))
     print(json.dumps({"shape": shape, "seconds": round(time.perf_counter() - t0, 1),
                       "rows": [{"term": t, "planned": p, "measured": m} for t, p, m in table],
+                      "save_load": saved or None,
                       "reserved_gib": round(torch.cuda.memory_reserved() / memplan.GIB, 2) if on_gpu else None}))
     ok = all(agrees(*row) for row in table)
     accelerator.end_training()

@@ -47,6 +47,22 @@ def test_plan_terms_match_memory_measured_on_cpu():
             assert plan_check.agrees(term, planned, got), (ckpt, term, planned, got, rows)
 
 
+def test_plan_check_command_line_runs_and_times_a_sharded_save(tmp_path):
+    """bench/plan_check.py as bench/gpu_check.sh runs it (its CPU dry run): every row within 15 %,
+    the sharded state's file the size docs/hardware.md §6 gives (12 bytes a parameter), written,
+    read back and removed."""
+    state, table = tmp_path / "state", tmp_path / "plan.md"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plan_check.py"), "--cpu", "--table", str(table),
+                          "--save-load", str(state)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in table.read_text().splitlines()[2:] if line.startswith("| ")]
+    assert len(rows) == 8 and all(line.endswith("| ok |") for line in rows), rows
+    assert "sharded state on disk" in rows[-1]
+    assert re.search(r"^sharded state: [\d.e-]+ GiB a process, saved in [\d.]+ s", res.stdout, re.M), res.stdout
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert result["save_load"]["load_s"] >= 0 and not state.exists()
+
+
 def loop(*args, env=None, timeout=120):
     return subprocess.run(["bash", "loop.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
