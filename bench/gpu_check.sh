@@ -7,7 +7,7 @@
 #   bash bench/gpu_check.sh OUTDIR --cpu     # dry run on CPU, small sizes, same steps
 #
 # Steps, each timed and allowed to fail on its own (the table says which did):
-#   1. install bfcl-eval (and any missing pure-Python package) from .wheels/ into .gpu-site/
+#   1. install bfcl-eval and what the machine lacks of what it imports from .wheels/ into .gpu-site/
 #   2. prepare the task files and build the CPU preset's tiny model (common/tiny.py)
 #   3. rollout.py --engine hf on CUDA: the tiny preset's tasks, 4 samples each, through Ω_0
 #   4. diagnose.py, then train_grpo.py on CUDA (bf16 autocast, --zero-variance keep): once plain, once through
@@ -24,11 +24,22 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-WHEELS=(bfcl-eval==2026.3.23 filelock mpmath tqdm)
+# bfcl-eval and what its modules import that the GPU image lacks (found by running the dry run
+# on that image's torch 2.11, transformers 5.17 and accelerate 1.15 with its package list), at the
+# versions setup.sh installs here; four are compiled, so all are fetched for the GPU machine's
+# Python (GPU_PYTHON). The install step takes only those the machine does not have.
+GPU_PYTHON=${GPU_PYTHON:-3.12}
+WHEELS=(bfcl-eval tree-sitter tree-sitter-java tree-sitter-javascript openai httpx2 httpcore2 truststore jiter
+        pydantic pydantic-core annotated-types typing-inspection sniffio tenacity overrides filelock mpmath tqdm)
 
 if [ "${1:-}" = --fetch-wheels ]; then
+  pins=$($PY -c 'import importlib.metadata as m, sys; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
+         "${WHEELS[@]}") || { echo "gpu_check: run setup.sh first: the pins are the versions it installs" >&2; exit 1; }
   rm -rf .wheels && mkdir -p .wheels
-  $PY -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: -d .wheels "${WHEELS[@]}"
+  # shellcheck disable=SC2086
+  $PY -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: -d .wheels \
+    --python-version "$GPU_PYTHON" --implementation cp --abi "cp${GPU_PYTHON/./}" --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 $pins || exit 1
   ls -l .wheels
   exit
 fi
@@ -56,15 +67,17 @@ step() {
   printf '| %s | %s | %s | %s |\n' "$name" "$status" $((SECONDS - t0)) "$fig" >> "$TABLE"
 }
 
-install_wheels() {
-  mkdir -p .gpu-site
-  if [ -d .wheels ]; then
-    $PY -m pip install --disable-pip-version-check -q --no-deps --no-index --target .gpu-site .wheels/bfcl_eval-*.whl
-    for pkg in filelock mpmath tqdm; do  # only where the machine lacks them
-      $PY -c "import $pkg" 2>/dev/null || $PY -m pip install -q --no-deps --no-index --target .gpu-site .wheels/$pkg-*.whl
-    done
-  fi
-  $PY -c "import torch, transformers, accelerate, peft, bfcl_eval; print(torch.__version__, torch.cuda.is_available())"
+install_wheels() {  # the wheels of .wheels/ whose package the machine lacks, into .gpu-site/
+  rm -rf .gpu-site && mkdir -p .gpu-site
+  local missing=() whl
+  for whl in .wheels/*.whl; do
+    [ -f "$whl" ] || continue
+    $PY -c 'import importlib.metadata as m, sys; m.version(sys.argv[1])' "$(basename "$whl" | cut -d- -f1)" 2>/dev/null \
+      || missing+=("$whl")
+  done
+  echo "installing: ${missing[*]:-nothing}"
+  [ ${#missing[@]} -eq 0 ] || $PY -m pip install --disable-pip-version-check -q --no-deps --no-index --target .gpu-site "${missing[@]}"
+  $PY -c "import torch, transformers, accelerate, peft, bfcl_eval, tree_sitter_java, openai; print(torch.__version__, torch.cuda.is_available())"
 }
 versions="$PY -c \"import torch, transformers, accelerate, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')\""
 export -f install_wheels; export PY
