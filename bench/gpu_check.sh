@@ -18,7 +18,7 @@
 #   6. bench/plan_check.py: the memory plan (common/memplan.py) term by term against one measured
 #      update step through one-process FSDP2, 16384 tokens, random weights at the presets' shapes
 #      (configs/models/): Qwen2.5-3B whole, Qwen2.5-7B with 7 of its 28 layers (dry run: a small
-#      Qwen2 on CPU, without FSDP); after the 7B step, one sharded save of its state (float32
+#      Qwen2, FSDP2 on two CPU processes); after the 7B step, one sharded save of its state (float32
 #      master weights and AdamW's moments, common/checkpoint.py, 33 GB) and its load, timed
 # Writes OUTDIR/gpu_check.md (the table, then the plan check's rows), OUTDIR/*.log and the stage outputs.
 set -uo pipefail
@@ -115,7 +115,8 @@ plan_rows() { echo "$(grep -c '| ok |$' "$PLAN") of $(grep -cE '[|] (ok|OFF) [|]
 saved() { grep -h -m1 '^sharded state' "$OUT/$1.log"; }
 STATE=${TMPDIR:-/tmp}/gpu_check_state.$$  # the timed save: tens of GB, so not under OUTDIR (which travels back)
 if [ "$DRY" = --cpu ]; then
-  step plan_small "plan_rows; saved plan_small" -- $PY bench/plan_check.py --cpu --table "$PLAN" --save-load "$STATE"
+  step plan_small "plan_rows; saved plan_small" -- $PY -m accelerate.commands.launch \
+    --config_file configs/accelerate/fsdp_cpu.yaml bench/plan_check.py --cpu --table "$PLAN" --save-load "$STATE"
 else
   step plan_3b "plan_rows" -- $PY -m accelerate.commands.launch "${FSDP[@]}" bench/plan_check.py \
     --model Qwen/Qwen2.5-3B-Instruct --tokens 16384 --table "$PLAN"

@@ -200,17 +200,21 @@ def rows(arch, marks, weights, grads, state, tokens, nproc, sharded, on_gpu, che
     peak = {k: v[1] for k, v in marks.items()}
     lp, out = arch.layer_params, arch.vocab * arch.hidden
     # what else each measured span holds: under FSDP2 the root group (embeddings, output layer)
-    # stays unsharded in bf16 through forward, and its bf16 gradient is made in the output layer's
-    # backward; a layer's backward makes its gradient (fp32 without FSDP; under FSDP2 bf16, upcast
-    # for the reduce-scatter, next to the layer's gathered bf16 weights)
-    root = 2 * arch.root_params if sharded else 0
-    out_grad = 2 * out if sharded else 4 * out
-    layer_grad = (2 * 2 * lp + 4 * lp) if sharded else 4 * lp
+    # stays unsharded in the compute dtype through forward, and so does one decoder layer's
+    # parameters when the output layer starts (measured on CPU processes: exactly one layer's
+    # float32 weights more than without FSDP); its gradient in that dtype is made
+    # in the output layer's backward; a layer's backward makes its gradient (fp32 without FSDP;
+    # under FSDP2 in the compute dtype, upcast on GPU for the fp32 reduce-scatter, next to the
+    # layer's gathered weights). The compute dtype: bf16 on GPU, float32 on CPU processes.
+    cb = 2 if on_gpu else 4
+    root = cb * (arch.root_params + lp) if sharded else 0
+    out_grad = cb * out if sharded else 4 * out
+    layer_grad = (2 * cb * lp + (4 * lp if on_gpu else 0)) if sharded else 4 * lp
     act = "activations"
     out_rows = [("weights (fp32)", terms["weights"], weights),
                 ("gradients (fp32)", terms["gradients"], grads),
                 ("AdamW moments (fp32)", terms["AdamW moments"], state),
-                (f"{act} to the output layer" + (" + unsharded root group" if sharded else ""),
+                (f"{act} to the output layer" + (" + unsharded root group and one layer" if sharded else ""),
                  terms[act] + root, level["output layer"] - level["start"]),
                 ("log-prob chunk + output layer gradient",
                  terms["one log-prob chunk"] + out_grad, peak["output layer done"] - level["output layer"])]
@@ -274,19 +278,19 @@ def main():
             f"{'FSDP2' if sharded else 'no FSDP'}, {accelerator.device.type}"
     lines = [f"| {shape} | {term} | {p / memplan.GIB:.3f} | {m / memplan.GIB:.3f} | {m / p:.2f} | "
              f"{'ok' if agrees(term, p, m) else 'OFF'} |" for term, p, m in table]
-    if args.table:
+    if args.table and accelerator.is_main_process:
         new = not os.path.exists(args.table)
         with open(args.table, "a") as f:
             if new:
                 f.write("| shape | term | planned GiB | measured GiB | measured / planned | within 15 % |\n"
                         "|---|---|---|---|---|---|\n")
             f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    accelerator.print("\n".join(lines))
     if saved:
-        print("sharded state: " + (saved.get("skipped") or (
+        accelerator.print("sharded state: " + (saved.get("skipped") or (
             f"{saved['bytes'] / memplan.GIB:.3g} GiB a process, saved in {saved['save_s']} s "
             f"(+{saved['sync_s']} s to sync), loaded in {saved['load_s']} s")))
-    print(json.dumps({"shape": shape, "seconds": round(time.perf_counter() - t0, 1),
+    accelerator.print(json.dumps({"shape": shape, "seconds": round(time.perf_counter() - t0, 1),
                       "rows": [{"term": t, "planned": p, "measured": m} for t, p, m in table],
                       "save_load": saved or None,
                       "reserved_gib": round(torch.cuda.memory_reserved() / memplan.GIB, 2) if on_gpu else None}))
