@@ -6,20 +6,21 @@
 #   bash bench/gpu_check.sh OUTDIR           # there (.wheels/ carried along): the check, <= 8 min
 #   bash bench/gpu_check.sh OUTDIR --cpu     # dry run on CPU, small sizes, same steps
 #
-# Steps, each timed and allowed to fail on its own (the table says which did):
+# Steps, each timed and allowed to fail on its own (the table says which did), all within
+# GPU_CHECK_BUDGET seconds (470; a step gets what is left, the rest are skipped):
 #   1. install bfcl-eval and what the machine lacks of what it imports from .wheels/ into .gpu-site/
-#   2. prepare the task files and build the CPU preset's tiny model (common/tiny.py)
-#   3. rollout.py --engine hf on CUDA: the tiny preset's tasks, 4 samples each, through Ω_0
-#   4. diagnose.py, then train_grpo.py on CUDA (bf16 autocast, --zero-variance keep): once plain, once through
-#      `accelerate launch` with a one-process FSDP config (dry run: two DDP CPU processes);
-#      the table shows the dtypes gradients were accumulated and reduced in (float32)
-#   5. bench/update_throughput.py: Qwen2.5-3B-sized random model, gradient checkpointing,
-#      8 sequences of 8k tokens: tokens/s, peak GPU memory, MFU (989 TFLOP/s dense bf16)
-#   6. bench/plan_check.py: the memory plan (common/memplan.py) term by term against one measured
+#   2. bench/plan_check.py: the memory plan (common/memplan.py) term by term against one measured
 #      update step through one-process FSDP2, 16384 tokens, random weights at the presets' shapes
 #      (configs/models/): Qwen2.5-3B whole, Qwen2.5-7B with 7 of its 28 layers (dry run: a small
 #      Qwen2, FSDP2 on two CPU processes); after the 7B step, one sharded save of its state (float32
 #      master weights and AdamW's moments, common/checkpoint.py, 33 GB) and its load, timed
+#   3. prepare the task files and build the CPU preset's tiny model (common/tiny.py)
+#   4. rollout.py --engine hf on CUDA: the tiny preset's tasks, 4 samples each, through Ω_0
+#   5. diagnose.py, then train_grpo.py on CUDA (bf16 autocast, --zero-variance keep): once plain,
+#      once through `accelerate launch` with a one-process FSDP config (dry run: two DDP CPU
+#      processes); the table shows the dtypes gradients were accumulated and reduced in (float32)
+#   6. bench/update_throughput.py: Qwen2.5-3B-sized random model, gradient checkpointing,
+#      8 sequences of 8k tokens: tokens/s, peak GPU memory, MFU (989 TFLOP/s dense bf16)
 # Writes OUTDIR/gpu_check.md (the table, then the plan check's rows), OUTDIR/*.log and the stage outputs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +44,7 @@ if [ "${1:-}" = --fetch-wheels ]; then
   ls -l .wheels
   exit
 fi
-[ $# -ge 1 ] || { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT=$(realpath -m "$1"); DRY=${2:-}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}"
@@ -58,11 +59,17 @@ TABLE=$OUT/gpu_check.md
 printf '| step | status | seconds | figures |\n|---|---|---|---|\n' > "$TABLE"
 
 # step NAME FIGURES_CMD -- CMD...: run CMD (log in OUTDIR/NAME.log), then add a row with FIGURES_CMD's output.
+# The whole check keeps to BUDGET seconds (a lent GPU's minutes are few): a step gets what is
+# left, and once nothing is, the rest are skipped, each with a row that says so.
+BUDGET=${GPU_CHECK_BUDGET:-470}
 step() {
   local name=$1 figures=$2; shift 3
-  local t0=$SECONDS status=ok
+  local t0=$SECONDS status=ok left=$((BUDGET - SECONDS))
+  if [ $left -lt 15 ]; then
+    printf '| %s | skipped (the %s s budget is spent) | 0 | |\n' "$name" "$BUDGET" >> "$TABLE"; return
+  fi
   echo "gpu_check: $name" >&2
-  timeout 420 "$@" > "$OUT/$name.log" 2>&1 || status="FAILED ($?; see $name.log)"
+  timeout "$left" "$@" > "$OUT/$name.log" 2>&1 || status="FAILED ($?; see $name.log)"
   local fig=""; [ "$status" = ok ] && fig=$(eval "$figures" 2>/dev/null | tr '\n' ' ')
   printf '| %s | %s | %s | %s |\n' "$name" "$status" $((SECONDS - t0)) "$fig" >> "$TABLE"
 }
@@ -82,6 +89,22 @@ install_wheels() {  # the wheels of .wheels/ whose package the machine lacks, in
 versions="$PY -c \"import torch, transformers, accelerate, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')\""
 export -f install_wheels; export PY
 step install "$versions" -- bash -c install_wheels
+
+# the memory plan first: it is what the check is for, and the budget may not reach the end
+PLAN=$OUT/plan_check.md; rm -f "$PLAN"
+plan_rows() { echo "$(grep -c '| ok |$' "$PLAN") of $(grep -cE '[|] (ok|OFF) [|]$' "$PLAN") rows agree so far"; }
+saved() { grep -h -m1 '^sharded state' "$OUT/$1.log"; }
+STATE=${TMPDIR:-/tmp}/gpu_check_state.$$  # the timed save: tens of GB, so not under OUTDIR (which travels back)
+if [ "$DRY" = --cpu ]; then
+  step plan_small "plan_rows; saved plan_small" -- $PY -m accelerate.commands.launch \
+    --config_file configs/accelerate/fsdp_cpu.yaml bench/plan_check.py --cpu --table "$PLAN" --save-load "$STATE"
+else
+  step plan_3b "plan_rows" -- $PY -m accelerate.commands.launch "${FSDP[@]}" bench/plan_check.py \
+    --model Qwen/Qwen2.5-3B-Instruct --tokens 16384 --table "$PLAN"
+  step plan_7b_7layers "plan_rows; saved plan_7b_7layers" -- $PY -m accelerate.commands.launch "${FSDP[@]}" \
+    bench/plan_check.py --model Qwen/Qwen2.5-7B-Instruct --layers 7 --tokens 16384 --table "$PLAN" --save-load "$STATE"
+fi
+rm -rf "$STATE"  # a step killed by its timeout leaves it
 
 step prepare "echo tasks ready" -- $PY data/prepare.py
 [ -f data/tiny.jsonl ] && TASKS=data/tiny.jsonl || TASKS=data/train.jsonl
@@ -110,20 +133,6 @@ step train_accelerate "$(metrics train_accelerate)" \
 
 step update_throughput "tail -1 $OUT/update_throughput.log" -- $PY bench/update_throughput.py "${TPUT[@]}"
 
-PLAN=$OUT/plan_check.md; rm -f "$PLAN"
-plan_rows() { echo "$(grep -c '| ok |$' "$PLAN") of $(grep -cE '[|] (ok|OFF) [|]$' "$PLAN") rows agree so far"; }
-saved() { grep -h -m1 '^sharded state' "$OUT/$1.log"; }
-STATE=${TMPDIR:-/tmp}/gpu_check_state.$$  # the timed save: tens of GB, so not under OUTDIR (which travels back)
-if [ "$DRY" = --cpu ]; then
-  step plan_small "plan_rows; saved plan_small" -- $PY -m accelerate.commands.launch \
-    --config_file configs/accelerate/fsdp_cpu.yaml bench/plan_check.py --cpu --table "$PLAN" --save-load "$STATE"
-else
-  step plan_3b "plan_rows" -- $PY -m accelerate.commands.launch "${FSDP[@]}" bench/plan_check.py \
-    --model Qwen/Qwen2.5-3B-Instruct --tokens 16384 --table "$PLAN"
-  step plan_7b_7layers "plan_rows; saved plan_7b_7layers" -- $PY -m accelerate.commands.launch "${FSDP[@]}" \
-    bench/plan_check.py --model Qwen/Qwen2.5-7B-Instruct --layers 7 --tokens 16384 --table "$PLAN" --save-load "$STATE"
-fi
-rm -rf "$STATE"  # a step killed by its timeout leaves it
 [ -f "$PLAN" ] && { printf '\nThe memory plan against one measured step (bench/plan_check.py):\n\n'; cat "$PLAN"; } >> "$TABLE"
 
 cat "$TABLE"
