@@ -156,7 +156,7 @@ def save_and_load(folder, model, optimizer, accelerator):
     and AdamW's moments, each process its shard) and its load back, timed; the load is checked by
     restoring a tensor zeroed in between. The save's time runs until dcp.save returns (the page
     cache may still hold it), then until os.sync() has written it. The folder is removed after.
-    Returns {bytes (this process's shard files), save_s, sync_s, load_s}, or {skipped: why}."""
+    Returns {bytes (this process's shard file), save_s, sync_s, load_s}, or {skipped: why}."""
     from common import checkpoint
 
     whole = 12 * sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole tensor's
@@ -199,13 +199,13 @@ def rows(arch, marks, weights, grads, state, tokens, nproc, sharded, on_gpu, che
     level = {k: v[0] for k, v in marks.items()}
     peak = {k: v[1] for k, v in marks.items()}
     lp, out = arch.layer_params, arch.vocab * arch.hidden
-    # what else each measured span holds: under FSDP2 the root group (embeddings, output layer)
-    # stays unsharded in the compute dtype through forward, and so does one decoder layer's
-    # parameters when the output layer starts (measured on CPU processes: exactly one layer's
-    # float32 weights more than without FSDP); its gradient in that dtype is made
-    # in the output layer's backward; a layer's backward makes its gradient (fp32 without FSDP;
-    # under FSDP2 in the compute dtype, upcast on GPU for the fp32 reduce-scatter, next to the
-    # layer's gathered weights). The compute dtype: bf16 on GPU, float32 on CPU processes.
+    # What else each measured span holds. Under FSDP2, through forward: the root group (embeddings,
+    # output layer) unsharded in the compute dtype, and one decoder layer's unsharded parameters
+    # still there when the output layer starts (on CPU processes exactly one layer's float32
+    # weights more than without FSDP). The output layer's backward makes the root group's gradient
+    # (compute dtype under FSDP2, fp32 without). A layer's backward makes its gradient (fp32
+    # without FSDP; under FSDP2 in the compute dtype, upcast on GPU for the fp32 reduce-scatter,
+    # next to the layer's gathered weights). The compute dtype: bf16 on GPU, float32 on CPU.
     cb = 2 if on_gpu else 4
     root = cb * (arch.root_params + lp) if sharded else 0
     out_grad = cb * out if sharded else 4 * out
