@@ -27,7 +27,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 # bfcl-eval and what its modules import that the GPU image lacks (found by running the dry run
 # on that image's torch 2.11, transformers 5.17 and accelerate 1.15 with its package list), at the
-# versions setup.sh installs here; four are compiled, so all are fetched for the GPU machine's
+# versions setup.sh installs here; five are compiled, so all are fetched for the GPU machine's
 # Python (GPU_PYTHON). The install step takes only those the machine does not have.
 GPU_PYTHON=${GPU_PYTHON:-3.12}
 WHEELS=(bfcl-eval tree-sitter tree-sitter-java tree-sitter-javascript openai httpx2 httpcore2 truststore jiter
