@@ -76,12 +76,15 @@ step() {
 
 install_wheels() {  # the wheels of .wheels/ whose package the machine lacks, into .gpu-site/
   rm -rf .gpu-site && mkdir -p .gpu-site
-  local missing=() whl
-  for whl in .wheels/*.whl; do
-    [ -f "$whl" ] || continue
-    $PY -c 'import importlib.metadata as m, sys; m.version(sys.argv[1])' "$(basename "$whl" | cut -d- -f1)" 2>/dev/null \
-      || missing+=("$whl")
-  done
+  local missing=()
+  [ -d .wheels ] || echo "no .wheels/ (made by: bash bench/gpu_check.sh --fetch-wheels, where PyPI is reachable): the machine's own packages only"
+  shopt -s nullglob
+  mapfile -t missing < <($PY -c 'import importlib.metadata as m, os, sys
+for whl in sys.argv[1:]:  # a wheel is named DISTRIBUTION-VERSION-...
+    try:
+        m.version(os.path.basename(whl).split("-")[0])
+    except m.PackageNotFoundError:
+        print(whl)' .wheels/*.whl)
   echo "installing: ${missing[*]:-nothing}"
   [ ${#missing[@]} -eq 0 ] || $PY -m pip install --disable-pip-version-check -q --no-deps --no-index --target .gpu-site "${missing[@]}"
   $PY -c "import torch, transformers, accelerate, peft, bfcl_eval, tree_sitter_java, openai; print(torch.__version__, torch.cuda.is_available())"

@@ -157,15 +157,22 @@ def save_and_load(folder, model, optimizer, accelerator):
     restoring a tensor zeroed in between. The save's time runs until dcp.save returns (the page
     cache may still hold it), then until os.sync() has written it. The folder is removed after.
     Returns {bytes (this process's shard file), save_s, sync_s, load_s}, or {skipped: why}."""
+    from accelerate.utils import broadcast_object_list
+
     from common import checkpoint
 
     whole = 12 * sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole tensor's
-    free = shutil.disk_usage(os.path.dirname(os.path.abspath(folder))).free
-    if free < 1.2 * whole:
-        return {"skipped": f"{free / memplan.GIB:.1f} GiB free beside {folder}, the state takes {whole / memplan.GIB:.1f} GiB"}
-    if accelerator.is_main_process:
+    skipped = None
+    if accelerator.is_main_process:  # one decision for all: a process that skipped would leave the rest in dcp.save
+        parent = os.path.dirname(os.path.abspath(folder))
+        os.makedirs(parent, exist_ok=True)
+        free = shutil.disk_usage(parent).free
+        if free < 1.2 * whole:
+            skipped = f"{free / memplan.GIB:.1f} GiB free beside {folder}, the state takes {whole / memplan.GIB:.1f} GiB"
         shutil.rmtree(folder, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    skipped = broadcast_object_list([skipped])[0] if accelerator.num_processes > 1 else skipped
+    if skipped:
+        return {"skipped": skipped}
     t0 = time.perf_counter()
     checkpoint.save(folder, model, optimizer, 2, master=True, world_size=accelerator.num_processes,
                     main=accelerator.is_main_process)
