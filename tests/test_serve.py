@@ -1,7 +1,8 @@
 """vLLM's own server as the one engine (common/serve.py, common/engines.py ServerEngine): the command
 lines it is started with, in-place reloads checked by the weights, stages on several servers, and
 the faults a stage must name (a server that dies, never starts, is unreachable or serves other
-weights, a port in use)."""
+weights, a port in use); against a stand-in HTTP server, what only GPUs run (the probe on each
+data-parallel engine, the wake order, a failed sleep); a state file whose pid is another process."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 
 import pytest
 
@@ -52,8 +54,18 @@ def test_gpu_command_lines_are_vllm_serve_with_the_presets_settings():
                     "--data-parallel-size", "4", "--enable-sleep-mode"]
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in env
     assert env["VLLM_NO_USAGE_STATS"] == "1"  # no report to vLLM's stats service from a user's cluster
-    argv, _ = serve.command("/m/toolace", port=8000, cpu=False, **PRESETS["toolace8b"])
-    assert argv[-5:] == ["--enable-sleep-mode", "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"][-5:]
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env  # vLLM refuses it beside its 4 default API servers
+    # LoRA: one API server, the one that registers each adapter and so the one every request reaches
+    argv, env = serve.command("/m/toolace", port=8000, cpu=False, **PRESETS["toolace8b"])
+    assert argv == [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", "/m/toolace",
+                    "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "policy", "--seed", "0",
+                    "--dtype", "auto", "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
+                    "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--max-model-len", "32768",
+                    "--data-parallel-size", "4", "--enable-sleep-mode", "--enable-lora", "--max-lora-rank", "16",
+                    "--max-loras", "1", "--api-server-count", "1"]
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    argv, env = serve.command("/m/toolace", port=8000, cpu=False, lora_rank=16)  # one engine: one API server
+    assert argv[-6:] == ["--disable-uvicorn-access-log", "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
     cpu, env = serve.command("/m/tiny", port=9, cpu=True, max_model_len=16384)
     assert cpu[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/tiny"]
     assert cpu[-3:] == ["--enforce-eager", "--distributed-executor-backend", "uni"]
@@ -71,10 +83,15 @@ def test_every_flag_is_one_the_installed_vllm_parses():
 
     parser = make_arg_parser(FlexibleArgumentParser())
     for name, settings in PRESETS.items():
-        argv, _ = serve.command(f"/m/{name}", port=8000, cpu=False, **settings)
+        argv, env = serve.command(f"/m/{name}", port=8000, cpu=False, **settings)
         args = parser.parse_args(argv[2:])
         assert args.model_tag == f"/m/{name}" and args.data_parallel_size == 4 and args.enable_sleep_mode
         assert args.logprobs_mode == "processed_logprobs" and args.enable_prefix_caching
+        # `vllm serve` starts data_parallel_size API servers unless told (vllm/entrypoints/cli/serve.py:125),
+        # and refuses run-time adapter loading with more than one (serve.py:315)
+        api_servers = args.api_server_count or args.data_parallel_size
+        assert api_servers == (1 if settings.get("lora_rank") else 4)
+        assert not (api_servers > 1 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in env)
     argv, _ = serve.command("/m/tiny", port=9, cpu=True, max_model_len=16384)
     args = parser.parse_args(argv[3:])
     assert args.model == "/m/tiny" and args.distributed_executor_backend == "uni" and args.enforce_eager
@@ -247,3 +264,174 @@ def test_start_stop_and_reuse_through_the_state_file(tiny_server_state, tiny_mod
                           "--lora-rank", "16"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == state["url"] and json.dumps(read_json(tiny_server_state)) == before
+
+
+# ----------------------------------------------------------------------------- a stand-in for vLLM's GPU endpoints
+
+
+class FakeVLLM:
+    """A real HTTP server answering the endpoints common/serve.py uses as vLLM's server does, for what
+    only GPUs run (data-parallel engines, sleep mode): it records every request (method, path, the
+    data-parallel rank header) and serves the probe's log-probabilities, shifted on `bad_ranks`."""
+
+    def __init__(self, policy, *, dp=1, label=None, sleeping=False, bad_ranks=(), sleep_fails=False):
+        import http.server
+        import threading
+
+        self.probe = read_json(os.path.join(policy, serve.PROBE))
+        self.dp, self.label, self.asleep = dp, label, {"weights", "kv_cache"} if sleeping else set()
+        self.bad_ranks, self.sleep_fails, self.seen = set(bad_ranks), sleep_fails, []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.answer(None)
+
+            def do_POST(self):
+                self.answer(json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null"))
+
+            def answer(self, body):
+                rank = self.headers.get("X-data-parallel-rank")
+                fake.seen.append((self.command, self.path, rank))
+                code, out = fake.route(self.path, body, rank)
+                raw = json.dumps(out).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def route(self, path, body, rank):
+        if path == "/v1/models":
+            return 200, {"data": [{"id": "policy", "root": "/elsewhere", "max_model_len": 4096}]}
+        if path == "/weight_info":
+            return 200, {"weight_version": self.label}
+        if path == "/server_info":  # vLLM's config as its one repr string
+            return 200, {"vllm_config": f"model='/m', data_parallel_size={self.dp}, device_config=cuda, seed=0"}
+        if path == "/is_sleeping":
+            return 200, {"is_sleeping": bool(self.asleep)}
+        if path == "/v1/completions":
+            shift = 0.5 if rank is not None and int(rank) in self.bad_ranks else 0.0
+            rows = [None] + [{str(i): {"logprob": lp + shift}}
+                             for i, lp in zip(self.probe["ids"][1:], self.probe["logprobs"], strict=True)]
+            return 200, {"choices": [{"prompt_logprobs": rows}]}
+        if path == "/sleep?level=2":
+            if self.sleep_fails:
+                return 500, {"error": "CUDA error: out of memory"}
+            self.asleep = {"weights", "kv_cache"}
+            return 200, {"status": "sleeping", "level": 2}
+        if path.startswith("/wake_up"):
+            tags = urllib.parse.parse_qs(urllib.parse.urlparse(path).query).get("tags")
+            self.asleep -= set(tags or self.asleep)
+            return 200, {"status": "sleeping" if self.asleep else "awake"}
+        if path == "/update_weight_version":
+            self.label = body["new_version"]
+        return 200, {}
+
+    def posts(self):
+        return [(path, rank) for method, path, rank in self.seen if method == "POST"]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def policy(tmp_path):
+    """A full-model policy folder as train_grpo.py writes it, as far as a server check reads it."""
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    write_json(str(folder / "config.json"), {"tie_word_embeddings": False})
+    write_json(str(folder / serve.PROBE), {"ids": [11, 12, 13, 14, 15], "logprobs": [-1.5, -0.25, -3.0, -0.5],
+                                           "dtype": "bfloat16"})
+    return str(folder)
+
+
+@pytest.fixture
+def fake_vllm(policy):
+    servers = []
+
+    def make(**kw):
+        servers.append(FakeVLLM(policy, **kw))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_the_probe_reads_every_data_parallel_engine_and_names_the_one_that_differs(policy, fake_vllm):
+    label = serve.policy_label(policy)
+    good = fake_vllm(dp=4, label=label)
+    assert serve.check(good.url, policy) == "policy"
+    assert good.posts() == [("/v1/completions", r) for r in ("0", "1", "2", "3")]
+    stale = fake_vllm(dp=4, label=label, bad_ranks={2})
+    with pytest.raises(RecordError, match="its weights are not") as e:
+        serve.check(stale.url, policy)
+    assert "on data-parallel rank 2 of 4 by 0.5 on average" in str(e.value)
+    assert "rank 0" not in str(e.value) and "rank 1" not in str(e.value) and "rank 3" not in str(e.value)
+    one = fake_vllm(dp=1, label=label)  # one engine: no header, vLLM's own routing
+    serve.check(one.url, policy)
+    assert one.posts() == [("/v1/completions", None)]
+
+
+def test_a_reload_wakes_the_weights_loads_then_wakes_the_kv_cache(policy, fake_vllm):
+    asleep = fake_vllm(dp=4, label="seal:/the/last/policy", sleeping=True)
+    serve.reload([asleep.url], policy)
+    assert asleep.posts() == [("/wake_up?tags=weights", None), ("/collective_rpc", None),
+                              ("/update_weight_version", None), ("/wake_up?tags=kv_cache", None),
+                              ("/reset_prefix_cache", None)] + [("/v1/completions", r) for r in ("0", "1", "2", "3")]
+    assert not asleep.asleep and asleep.label == serve.policy_label(policy)
+    awake = fake_vllm(label="seal:/the/last/policy")  # no sleep mode: nothing to wake
+    serve.load(awake.url, policy)
+    assert [p for p, _ in awake.posts()] == ["/collective_rpc", "/update_weight_version", "/reset_prefix_cache"]
+
+
+def test_a_sleep_that_fails_fails_the_command_naming_the_server(policy, fake_vllm, tmp_path):
+    state = str(tmp_path / "server.json")
+    ok = fake_vllm()
+    write_json(state, {"url": ok.url, "pid": 0})
+    res = subprocess.run([sys.executable, "-m", "common.serve", "sleep", "--state", state], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert ok.posts() == [("/sleep?level=2", None)]
+    failing = fake_vllm(sleep_fails=True)
+    with socket.socket() as s:  # a port nobody answers on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for url, why in ((failing.url, f'server {failing.url}: /sleep?level=2 answered 500: {{"error": "CUDA error: out'),
+                     (dead, f"server {dead} does not answer /sleep?level=2 (")):
+        write_json(state, {"url": url, "pid": 0})
+        res = subprocess.run([sys.executable, "-m", "common.serve", "sleep", "--state", state], cwd=ROOT,
+                             capture_output=True, text=True)
+        assert res.returncode != 0
+        assert f"error: the server at {url} (state {state}) did not go to sleep and still holds its GPUs: {why}" \
+            in res.stderr, res.stderr
+
+
+def test_stop_leaves_alone_a_process_that_took_the_recorded_pid(tmp_path):
+    state = str(tmp_path / "server.json")
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a group leader, as a server is
+    try:
+        now = serve.started(other.pid)
+        boot, ticks = now.split()
+        write_json(state, {"url": "http://127.0.0.1:1", "pid": other.pid, "started": f"{boot} {int(ticks) - 1}"})
+        serve.stop(state)
+        assert other.poll() is None and not os.path.exists(state)  # alive, and the stale file gone
+        write_json(state, {"url": "http://127.0.0.1:1", "pid": other.pid, "started": f"another-boot {ticks}"})
+        serve.stop(state)
+        assert other.poll() is None
+        write_json(state, {"url": "http://127.0.0.1:1", "pid": other.pid, "started": now})  # the recorded one
+        serve.stop(state)
+        other.wait(timeout=30)  # reaped here, or by stop itself (then no status is left to read)
+        assert serve.started(other.pid) != now
+    finally:
+        other.kill()
+        other.wait()
