@@ -3,11 +3,16 @@
 # bfcl-eval (without its 6 GB of dependencies), the OOD benches' packages and the
 # prepared task files.
 # A second run only checks (a fraction of a second). Usage: [PYTHON=python3.12] bash setup.sh
-# A first run needs Python >= 3.11 (PYTHON names the interpreter); on a GPU machine it then checks
-# that the installed torch sees the GPUs and stops, saying which driver the pinned build needs, if not.
+# Before it installs anything, a run checks what the install cannot change and stops in seconds
+# naming the fix: Python >= 3.11 with venv (PYTHON names the interpreter) and, on a GPU machine,
+# an NVIDIA driver the pinned torch build runs on. After installing, it checks that torch sees the GPUs.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+# requirements-gpu.txt's vllm==0.33.0 pins torch 2.14, built for CUDA 13, which runs on NVIDIA
+# drivers >= 580 only; an older one is found after ~10 GB of wheels unless it is checked first.
+GPU_TORCH="torch 2.14 (CUDA 13)"
+MIN_DRIVER=580
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   flavour=gpu
@@ -25,16 +30,39 @@ sys.exit(any(importlib.util.find_spec(m) is None for m in
               'tau2', 'litellm', 'sentence_transformers', 'faiss', 'rank_bm25', 'tensorboard')))" 2>/dev/null; then
   echo "setup: .venv is up to date ($flavour)"
 else
+  # Every check before the first download, each naming its fix; all problems in one run.
+  refused=0
+  if [ ! -x .venv/bin/python ]; then
+    fix="install Python 3.11 or 3.12 (e.g. apt-get install python3.12-venv, or uv python install 3.12), then run PYTHON=python3.12 bash setup.sh"
+    if ! version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null); then
+      echo "setup: $PY does not run: $fix" >&2; refused=1
+    elif ! [[ $version =~ ^3\.([0-9]+)$ ]] || [ "${BASH_REMATCH[1]}" -lt 11 ]; then
+      echo "setup: $PY is Python $version; vLLM, bfcl-eval and this project need Python >= 3.11: $fix" >&2; refused=1
+    elif ! "$PY" -c 'import ensurepip, venv' 2>/dev/null; then
+      # Debian and Ubuntu ship venv's pip apart: `python -m venv` would fail half-way through .venv
+      echo "setup: $PY (Python $version) cannot create a virtual environment with pip:" \
+        "install python$version-venv (apt-get install python$version-venv), or $fix" >&2; refused=1
+    fi
+  fi
+  if [ "$flavour" = gpu ]; then
+    gpus=$(nvidia-smi --query-gpu=driver_version,name --format=csv,noheader 2>/dev/null || true)
+    driver=$(head -1 <<< "$gpus" | cut -d, -f1 | tr -d ' ')
+    names=$(cut -d, -f2- <<< "$gpus" | sed 's/^ *//' | sort | uniq -c | sed 's/^ *\([0-9]*\) /\1 x /' | paste -sd, -)
+    if ! [[ $driver =~ ^([0-9]+)\. ]]; then
+      # torch's own check after the install still stops a driver it cannot run on
+      echo "setup: cannot read the NVIDIA driver's version (nvidia-smi --query-gpu=driver_version gave '$driver');" \
+        "$GPU_TORCH needs >= $MIN_DRIVER" >&2
+    elif [ "${BASH_REMATCH[1]}" -lt "$MIN_DRIVER" ]; then
+      echo "setup: NVIDIA driver $driver is older than $MIN_DRIVER, which $GPU_TORCH needs (vllm==0.33.0 pins it):" \
+        "update the driver, or run on a machine that has one >= $MIN_DRIVER (GPUs: $names)" >&2; refused=1
+    else
+      echo "setup: NVIDIA driver $driver, GPUs: $names"
+    fi
+  fi
+  if [ "$refused" = 1 ]; then echo "setup: nothing was installed" >&2; exit 1; fi
   echo "setup: installing into .venv ($flavour build)"
   if [ ! -x .venv/bin/python ]; then
-    version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) \
-      || { echo "setup: $PY does not run; set PYTHON to a Python >= 3.11 (PYTHON=python3.12 bash setup.sh)" >&2; exit 1; }
-    if [ "${version%%.*}" -ne 3 ] || [ "${version#*.}" -lt 11 ]; then
-      echo "setup: $PY is Python $version; vLLM, bfcl-eval and this project need Python >= 3.11" \
-        "(PYTHON=python3.12 bash setup.sh)" >&2
-      exit 1
-    fi
-    "$PY" -m venv .venv
+    "$PY" -m venv .venv || { rm -rf .venv; echo "setup: $PY -m venv failed; nothing was installed" >&2; exit 1; }
   fi
   pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
   "${pip[@]}" --upgrade pip
@@ -50,16 +78,14 @@ else
   "${pip[@]}" --no-deps -r requirements-nodeps.txt
   LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python -c "import torch, transformers, accelerate, peft, vllm, bfcl_eval, tau2"
   if [ "$flavour" = gpu ]; then
-    # nvidia-smi lists GPUs; that torch can use them depends on the driver its CUDA build needs.
-    # Checked once, after install (the stamp is written only when it passes).
-    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
-    names=$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | sed 's/^ *\([0-9]*\) /\1 x /' | paste -sd, -)
+    # The driver passed the check above; torch seeing the GPUs is what the stages rely on, so it
+    # is asked once, after install (the stamp is written only when it passes).
     if ! .venv/bin/python -c "
 import sys, torch
 print(f'setup: torch {torch.__version__} (CUDA {torch.version.cuda}), NVIDIA driver $driver, GPUs: $names')
 sys.exit(not torch.cuda.is_available() or torch.cuda.device_count() == 0)"; then
       echo "setup: torch does not see the GPUs that nvidia-smi lists (driver $driver). vllm==0.33.0 pins" \
-        "torch 2.14.0, built for CUDA 13, which needs NVIDIA driver >= 580: update the driver (or run on" \
+        "$GPU_TORCH, which needs NVIDIA driver >= $MIN_DRIVER: update the driver (or run on" \
         "a machine that has it); the stages would otherwise fall back to CPU" >&2
       exit 1
     fi
