@@ -6,8 +6,9 @@
 #
 # PRESET is tiny (CPU, minutes), qwen3b, qwen7b or toolace8b (GPU nodes; see README).
 # --set overrides one preset variable (e.g. --set N=4 --set TASKS_PER_ROUND=8).
-# --plan prints the GPU presets' per-GPU memory plan (common/memplan.py) and exits, downloading
-# nothing; a run whose plan does not fit stops before round 0 naming the variable to change.
+# --plan prints the GPU presets' per-GPU memory plan (common/memplan.py) and exits, installing and
+# downloading nothing (python3 alone, on a fresh clone too); a run whose plan does not fit stops
+# before round 0 naming the variable to change.
 # Every artifact lands in runs/NAME/ (docs/design.md §3). Rerunning the same command resumes
 # from the first missing artifact: stages write atomically, so a file that exists is
 # complete, and complete artifacts are never recomputed. KEEP (a preset variable) says
@@ -20,7 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 2; }  # the header comment, however many lines it has
 [ $# -ge 1 ] || usage
 PRESET=$1; shift
 ROUNDS=""; MODE=seal; NAME=""; EVAL_EVERY=""; SETS=(); RUNS=runs; PLAN=""
@@ -39,8 +40,16 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-bash setup.sh
-PY=.venv/bin/python
+if [ -n "$PLAN" ]; then
+  # The plan is the standard library's arithmetic on configs/models/: on a fresh clone it needs no
+  # setup (whose GPU build is ~10 GB of downloads), only a python3.
+  PY=.venv/bin/python
+  [ -x "$PY" ] || PY=${PYTHON:-python3}
+  command -v "$PY" >/dev/null || { echo "loop: --plan needs a python3 (>= 3.8) on PATH, or PYTHON naming one" >&2; exit 2; }
+else
+  bash setup.sh
+  PY=.venv/bin/python
+fi
 
 # ---------------------------------------------------------------------------- presets
 # Shared defaults are the paper's (docs/design.md §7): GRPO groups of 8, 32 tasks per round,
@@ -109,7 +118,9 @@ for kv in "${SETS[@]+"${SETS[@]}"}"; do
 done
 # The memory plan of a GPU preset, from the architecture numbers in configs/models/ (nothing loads).
 PLAN_ARGS=()
-for var in PRESET MODEL NPROC TP GPU_MEM_GIB MAX_LEN MICRO_TOKENS EXTRA_TRAIN LORA ACCEL_CONFIG; do PLAN_ARGS+=("$var=${!var}"); done
+for var in PRESET MODEL NPROC TP GPU_MEM_GIB MAX_LEN EVAL_LEN MICRO_TOKENS EXTRA_TRAIN LORA ACCEL_CONFIG; do
+  PLAN_ARGS+=("$var=${!var}")
+done
 if [ -n "$PLAN" ]; then
   if [ -z "$GPU_MEM_GIB" ]; then echo "loop: $PRESET runs on CPU: no GPU memory plan (set GPU_MEM_GIB for one)"; exit 0; fi
   exec $PY -m common.memplan "${PLAN_ARGS[@]}"
@@ -234,9 +245,10 @@ limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
 SERVER_STATE=$RUN/server.json
 SERVER_LOG=$RUN/logs/server.log
 GPU=$($PY -c "from common.serve import cpu_build; print('' if cpu_build() else 1)")
-# the server's context holds rollouts (MAX_LEN) and evaluation (EVAL_LEN, else the model's own)
-SERVE_LEN=$($PY -c "import sys; from common.engines import model_context as c
-print(max(int(sys.argv[1]), int(sys.argv[2] or c(sys.argv[3]))))" "$MAX_LEN" "$EVAL_LEN" "$MODEL")
+# the server's context holds rollouts (MAX_LEN) and evaluation (EVAL_LEN, else the model's own):
+# memplan's server_len, the rule the memory plan counts the server's KV cache by
+SERVE_LEN=$($PY -c "import sys; from common.engines import model_context as c; from common.memplan import server_len
+print(server_len(sys.argv[1], sys.argv[2], 0 if sys.argv[2] else c(sys.argv[3])))" "$MAX_LEN" "$EVAL_LEN" "$MODEL")
 SERVE_ARGS=(--max-model-len "$SERVE_LEN" --seed "$SEED" --tensor-parallel-size "$TP" --data-parallel-size "$DP"
   ${LORA:+--lora-rank 16} ${GPU:+--sleep-mode})
 stop_server() { [ -z "$SERVER" ] && [ -f "$SERVER_STATE" ] && $PY -m common.serve stop --state "$SERVER_STATE"; true; }

@@ -1,12 +1,14 @@
 """Per-GPU memory of the rollout server and of the train stage, from a model's architecture numbers,
 before anything loads.
 
-    python -m common.memplan MODEL=Qwen/Qwen2.5-7B-Instruct NPROC=4 TP=1 GPU_MEM_GIB=80 MAX_LEN=16384 \\
+    python3 -m common.memplan MODEL=Qwen/Qwen2.5-7B-Instruct NPROC=4 TP=1 GPU_MEM_GIB=80 MAX_LEN=16384 \\
         MICRO_TOKENS=8192 EXTRA_TRAIN=--gradient-checkpointing ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
 
 prints the plan (`bash loop.sh PRESET --plan` runs it with the preset's variables; with --brief,
 loop.sh's check before round 0, one line) and exits 3 when a stage does not fit, naming the
 variable to change. train_grpo.py checks train_plan() the same way before it loads a model on GPUs.
+Standard library only, Python >= 3.8: `--plan` runs it with the system's python3 on a fresh clone,
+before setup.sh has installed anything.
 
 MODEL is a hub id whose numbers ship in configs/models/<id>.json (copied from the hub's
 config.json, so planning downloads nothing) or a model folder, whose config.json is read.
@@ -17,17 +19,22 @@ max(MICRO_TOKENS, MAX_LEN), since train_grpo.py puts a longer sequence in a micr
 - rollout server (one vLLM replica per TP GPUs): bf16 weights 2P/TP, the activation peak vLLM
   profiles at its 8192 batched tokens, CUDA context and graphs, and the KV cache, which gets
   what is left of gpu_memory_utilization (0.9, vLLM's default) and is reported in full contexts
-  of MAX_LEN tokens (2·layers·kv_heads·head_dim·2 bytes a token).
+  of the server's max_model_len (2·layers·kv_heads·head_dim·2 bytes a token). loop.sh serves
+  max(MAX_LEN, EVAL_LEN or the model's max_position_embeddings) (server_len): evaluation runs on
+  the same server at the model's own context, so the Qwen2.5 presets' server runs at 32,768
+  (toolace8b's at 131,072) while rollouts stop at MAX_LEN; vLLM refuses to start when its KV cache cannot hold one such context.
 - train stage: float32 weights, gradients (4P/N each) and AdamW's two moments (8P/N);
   activations, counted from what each op keeps for backward (below); one log-prob chunk
   (LOGPROB_CHUNK positions × vocabulary: the logits in the compute dtype and three float32
   buffers: upcast or log-softmax, its gradient, the logits' gradient); FSDP2's unsharded
-  copies (two decoder layers in bf16, current and prefetched, one layer's float32 gradient
-  before its reduce-scatter, and the root group, embeddings and output layer, in bf16 with its
-  bf16 gradient); CUDA context, NCCL buffers and allocator slack (a constant). The log-prob
-  chunk and the layer recomputed in backward happen at different moments: the larger counts.
+  copies (two decoder layers in bf16, current and prefetched, and the root group, embeddings
+  and output layer, in bf16 with its bf16 gradient); FSDP2's float32 reduce-scatter input of
+  the largest group (reduce_scatter_input below); CUDA context, NCCL buffers and allocator slack
+  (a constant); on GPUs, what the sleeping vLLM server keeps on each GPU (VLLM_ASLEEP_GIB). The
+  log-prob chunk and the layer recomputed in backward happen at different moments: the larger
+  counts.
 - reference pass (before the policy loads): the bf16 reference model whole on every GPU, a
-  no-grad forward and one log-prob chunk.
+  no-grad forward, one log-prob chunk, and on GPUs the sleeping server's residue.
 Activations per token and decoder layer: each RMSNorm keeps its float32 input, its normalised
 output and its output in the compute dtype ((4 + 2a)·hidden, twice); attention keeps q and k
 after RoPE, v and its output (a·(2·heads + 2·kv_heads)·head_dim) and a float32 log-sum-exp
@@ -36,6 +43,8 @@ gradient checkpointing a layer keeps its input only (a·hidden) and one layer is
 backward (its activations and the gradients in flight: RECOMPUTE = 1.1 times its activations). Checked against
 peaks measured on CPU in tests/test_memplan.py and against a GPU by bench/gpu_check.sh.
 """
+
+from __future__ import annotations  # `float | None` below, on a system python3 older than 3.10
 
 import ast
 import dataclasses
@@ -50,6 +59,16 @@ OVERHEAD_GIB = 3.0  # CUDA context (~0.5), NCCL buffers (~1), caching-allocator 
 VLLM_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
 VLLM_BATCHED_TOKENS = 8192  # vLLM serve's default max_num_batched_tokens on large GPUs
 VLLM_CONTEXT_GIB = 2.0  # CUDA context and CUDA graphs of a vLLM replica
+# What a vLLM engine asleep at level 2 (loop.sh's train(): weights and KV cache released) still
+# holds on each of its GPUs while the trainer uses them: its CUDA context, the CUDA-graph memory
+# pool (captured outside the sleep allocator, so never released), NCCL communicators and caching-
+# allocator residue. vLLM logs it per worker on sleep ("Sleep mode freed X GiB memory, Y GiB memory
+# is still in use", vllm/v1/worker/gpu_worker.py). An allowance, not a measurement: reports put it
+# at 0.8 GiB for a 1B model at TP 1 (NVIDIA-NeMo/RL#223) and ~7 GiB a GPU for a TP-8 MoE whose
+# graphs alone took 1.4 GiB (vllm-project/vllm#47654). bench/gpu_check.sh is where it would be
+# measured, but its GPU image has no vLLM (docs/hardware.md §7): until a vLLM node measures it
+# (the server log's line, after `python -m common.serve sleep`), this figure stands.
+VLLM_ASLEEP_GIB = 3.0
 DEFAULT_CHUNK = 1024  # log-prob positions at a time, until common.grpo defines LOGPROB_CHUNK
 RECOMPUTE = 1.1  # a recomputed layer in backward, over its activations: measured on CPU (tests/test_memplan.py)
 LORA_R = 16  # train_grpo.py's --lora-r default
@@ -168,6 +187,26 @@ def trunk_extra_bytes(arch, a):
     return (4 + 2 * a) * arch.hidden + 2 * arch.head_dim * a
 
 
+def reduce_scatter_input(arch):
+    """FSDP2's float32 reduce-scatter input of the largest FSDP group, in bytes. With bf16 compute
+    and reduce_dtype float32 (train_grpo.py distributed_plugins), foreach_reduce allocates one
+    reduce_dtype buffer as large as the group's whole unsharded gradients and copies (casts) the
+    bf16 gradients into it before they are freed (torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py foreach_reduce: reduce_scatter_comm.allocate(..., dtype=reduce_dtype),
+    foreach_reduce_scatter_copy_in, then unsharded_grads.clear()); the buffer is kept until the next
+    group's reduce starts, or for the last group, the root, until backward ends. The groups are
+    the decoder layers and the root (embeddings, final norm and output layer): the root is the
+    larger for every preset (1.09 B parameters at 7B, embeddings and output layer untied, against
+    0.23 B a layer)."""
+    return 4 * max(arch.layer_params, arch.root_params)
+
+
+def server_len(max_len, eval_len, model_len):
+    """The context loop.sh serves (vLLM's max_model_len): rollouts' MAX_LEN and evaluation's
+    EVAL_LEN, else the model's own (max_position_embeddings), whichever is longer."""
+    return max(int(max_len), int(eval_len or model_len))
+
+
 def chunk_bytes(arch, positions, a):
     """One log-prob chunk in backward (common/grpo.py recomputes it): float32 logits and their
     gradient (8 bytes a position × vocabulary entry, measured 7.0 on CPU: the log-softmax is
@@ -194,9 +233,10 @@ class Plan:
 
 
 def train_plan(arch, nproc, sharded, tokens, checkpointing, gpu_mem, on_gpu=True, lora=False,
-               chunk=DEFAULT_CHUNK):
+               chunk=DEFAULT_CHUNK, server_asleep=True):
     """Per-GPU memory of one train_grpo.py update step. sharded: FSDP2 / ZeRO-3 over `nproc`
-    processes (else each holds everything, DDP); tokens: of the largest micro-batch."""
+    processes (else each holds everything, DDP); tokens: of the largest micro-batch;
+    server_asleep: a vLLM server sleeps on the same GPUs (loop.sh's GPU presets), on GPUs only."""
     a = 2 if on_gpu else 4
     n = nproc if sharded else 1
     P = arch.params
@@ -223,19 +263,22 @@ def train_plan(arch, nproc, sharded, tokens, checkpointing, gpu_mem, on_gpu=True
                   chunk_bytes(arch, min(chunk, tokens), a), True))
     if sharded:
         lp, rp = arch.layer_params, arch.root_params
-        terms.append(("FSDP all-gathered: 2 layers bf16, 1 layer fp32 gradient, root group bf16 + grad",
-                      2 * 2 * lp + 4 * lp + 2 * 2 * rp, False))
+        terms += [("FSDP all-gathered: 2 layers bf16, root group bf16 + grad", 2 * 2 * lp + 2 * 2 * rp, False),
+                  ("FSDP2 reduce-scatter input (fp32) of the largest group, "
+                   + ("the root: embeddings + output layer" if rp > lp else "one layer"), reduce_scatter_input(arch), False)]
     elif nproc > 1:
         terms.append(("DDP gradient buckets (fp32)", 4 * P, False))
     if on_gpu:
         terms.append(("CUDA context, NCCL buffers, allocator slack (estimate)", OVERHEAD_GIB * GIB, False))
+        if server_asleep:
+            terms.append(ASLEEP)
     mode = ("FSDP over " if sharded else "DDP, " if nproc > 1 else "") + f"{nproc} process{'es' * (nproc > 1)}"
     ckpt = "gradient checkpointing" if checkpointing else "no gradient checkpointing"
     return Plan(f"train stage ({mode}, {ckpt}, micro-batch of {tokens} tokens)", sort(terms),
                 (1 - MARGIN) * gpu_mem)
 
 
-def reference_plan(arch, tokens, gpu_mem, on_gpu=True, chunk=DEFAULT_CHUNK):
+def reference_plan(arch, tokens, gpu_mem, on_gpu=True, chunk=DEFAULT_CHUNK, server_asleep=True):
     """train_grpo.py's reference pass: the whole reference model on every GPU, no gradients."""
     a = 2 if on_gpu else 4
     terms = [(f"reference weights ({'bf16' if on_gpu else 'fp32'}, whole)", a * arch.params, False),
@@ -244,11 +287,17 @@ def reference_plan(arch, tokens, gpu_mem, on_gpu=True, chunk=DEFAULT_CHUNK):
              ("one log-prob chunk", min(chunk, tokens) * arch.vocab * (8 + (a if a < 4 else 0)), False)]
     if on_gpu:
         terms.append(("CUDA context, NCCL buffers, allocator slack (estimate)", OVERHEAD_GIB * GIB, False))
+        if server_asleep:
+            terms.append(ASLEEP)
     return Plan("reference pass (before the policy loads)", sort(terms), (1 - MARGIN) * gpu_mem)
 
 
-def rollout_plan(arch, tp, gpu_mem, max_len):
-    """One vLLM replica over `tp` GPUs, per GPU; the KV cache takes what is left."""
+ASLEEP = ("sleeping vLLM server: CUDA context, CUDA-graph pool, allocator residue (allowance)", VLLM_ASLEEP_GIB * GIB, False)
+
+
+def rollout_plan(arch, tp, gpu_mem, max_len, rollout_len=None):
+    """One vLLM replica over `tp` GPUs, per GPU, serving contexts of `max_len` (its max_model_len;
+    rollouts stop at `rollout_len`); the KV cache takes what is left."""
     budget = VLLM_UTILIZATION * gpu_mem
     weights = 2 * arch.params / tp
     # vLLM's profiling pass: the MLP's widest tensors over its batched tokens, and sampling's logits
@@ -259,8 +308,11 @@ def rollout_plan(arch, tp, gpu_mem, max_len):
     contexts = kv / (per_token * max_len) if kv > 0 else 0.0
     terms = sort([("weights (bf16)", weights, False), (f"activations at {VLLM_BATCHED_TOKENS} batched tokens", activations, False),
                   ("CUDA context and graphs", fixed, False)])
+    rollouts = ""
+    if rollout_len and rollout_len != max_len:
+        rollouts = f", {contexts * max_len / rollout_len:.1f} rollouts of MAX_LEN={rollout_len}"
     terms.append((f"KV cache: {max(kv, 0) / per_token / 1e6:.2f} M tokens of {per_token / 1024:.0f} KiB"
-                  f" = {contexts:.1f} contexts of {max_len}", max(kv, 0), False))
+                  f" = {contexts:.1f} contexts of max_model_len={max_len}{rollouts}", max(kv, 0), False))
     return Plan(f"rollout server (vLLM, TP {tp}, gpu_memory_utilization {VLLM_UTILIZATION})", terms, budget, contexts)
 
 
@@ -292,9 +344,13 @@ def settings_plans(s):
     arch = load_arch(s["MODEL"])
     try:
         nproc, tp, gpu_mem = int(s.get("NPROC") or 1), int(s.get("TP") or 1), float(s["GPU_MEM_GIB"]) * GIB
-        max_len, micro = int(s["MAX_LEN"]), int(s["MICRO_TOKENS"])
+        max_len, micro, eval_len = int(s["MAX_LEN"]), int(s["MICRO_TOKENS"]), int(s.get("EVAL_LEN") or 0)
     except (KeyError, ValueError) as e:
-        raise PlanError(f"NPROC, TP, GPU_MEM_GIB, MAX_LEN and MICRO_TOKENS must be numbers ({e})") from None
+        raise PlanError(f"NPROC, TP, GPU_MEM_GIB, MAX_LEN, MICRO_TOKENS and EVAL_LEN must be numbers ({e})") from None
+    if not eval_len and not arch.max_pos:
+        raise PlanError(f"{arch_path(s['MODEL'])} has no max_position_embeddings: the server's context is "
+                        "unknown (set EVAL_LEN)")
+    serve = server_len(max_len, eval_len, arch.max_pos)
     config = s.get("ACCEL_CONFIG") or ""
     text = open(os.path.join(ROOT, config)).read() if config and os.path.isfile(os.path.join(ROOT, config)) else ""
     sharded = nproc > 1 and ("distributed_type: FSDP" in text or "zero_stage: 3" in text)
@@ -303,11 +359,11 @@ def settings_plans(s):
     tokens, chunk = max(micro, max_len), logprob_chunk()
     train = train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, lora=lora, chunk=chunk)
     return arch, {
-        "rollout": rollout_plan(arch, tp, gpu_mem, max_len),
+        "rollout": rollout_plan(arch, tp, gpu_mem, serve, max_len),
         "reference": reference_plan(arch, tokens, gpu_mem, chunk=chunk),
         "train": train,
     }, dict(nproc=nproc, sharded=sharded, ckpt=ckpt, lora=lora, gpu_mem=gpu_mem, max_len=max_len,
-            micro=micro, chunk=chunk)
+            micro=micro, chunk=chunk, serve=serve, eval_len=eval_len)
 
 
 def advice(arch, k):
@@ -336,6 +392,13 @@ def advice(arch, k):
     return out or ["use GPUs with more memory (GPU_MEM_GIB)"]
 
 
+def served_from(k, arch):
+    """Where the server's context comes from, as words."""
+    if k["serve"] == k["max_len"]:
+        return "MAX_LEN"
+    return "EVAL_LEN" if k["eval_len"] else f"the model's own, max_position_embeddings={arch.max_pos}"
+
+
 def main(argv):
     brief = "--brief" in argv
     try:
@@ -350,17 +413,19 @@ def main(argv):
     ok = rollout.fits and rollout.contexts >= 1 and reference.fits and train.fits
     if not brief:
         print(f"memory plan: {s.get('PRESET', '')} {s['MODEL']} ({arch.params / 1e9:.2f} B parameters, "
-              f"{arch.layers} layers), {k['nproc']} GPUs x {s['GPU_MEM_GIB']} GiB, context MAX_LEN={k['max_len']},"
-              f" MICRO_TOKENS={k['micro']}, log-prob chunk {k['chunk']}, margin {MARGIN:.0%}")
+              f"{arch.layers} layers), {k['nproc']} GPUs x {s['GPU_MEM_GIB']} GiB, rollouts MAX_LEN={k['max_len']},"
+              f" server max_model_len={k['serve']} ({served_from(k, arch)}), MICRO_TOKENS={k['micro']},"
+              f" log-prob chunk {k['chunk']}, margin {MARGIN:.0%}")
         for plan in (rollout, reference, train):
             print(render(plan, k["gpu_mem"]))
     else:
-        print(f"memory plan: rollout {rollout.contexts:.0f} contexts of {k['max_len']} per replica, train stage "
+        print(f"memory plan: rollout server {rollout.contexts:.0f} contexts of max_model_len={k['serve']} per replica, train stage "
               f"{train.peak / GIB:.1f} GiB and reference pass {reference.peak / GIB:.1f} GiB per GPU of "
               f"{s['GPU_MEM_GIB']} (bash loop.sh PRESET --plan for the terms)")
     if rollout.contexts < 1:
-        print(f"memplan: the rollout server's KV cache holds {rollout.contexts:.2f} contexts of MAX_LEN="
-              f"{k['max_len']}: lower MAX_LEN or raise TP (or GPU_MEM_GIB)", file=sys.stderr)
+        print(f"memplan: the rollout server's KV cache holds {rollout.contexts:.2f} contexts of its max_model_len="
+              f"{k['serve']} ({served_from(k, arch)}), and vLLM does not start below one: lower "
+              f"{'MAX_LEN' if k['serve'] == k['max_len'] else 'EVAL_LEN'} or raise TP (or GPU_MEM_GIB)", file=sys.stderr)
     if not reference.fits:
         print(f"memplan: the reference pass needs {reference.peak / GIB:.1f} GiB per GPU of GPU_MEM_GIB="
               f"{s['GPU_MEM_GIB']}: lower MAX_LEN or use LORA=--lora", file=sys.stderr)

@@ -4,12 +4,15 @@ the presets' architecture files, and loop.sh's --plan and its refusals."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 from common import memplan
+from common.engines import model_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -68,20 +71,106 @@ def loop(*args, env=None, timeout=120):
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
-@pytest.mark.parametrize("preset", ["qwen3b", "qwen7b", "toolace8b"])
+ASLEEP = "sleeping vLLM server: CUDA context, CUDA-graph pool, allocator residue (allowance)"
+REDUCE_SCATTER = "FSDP2 reduce-scatter input (fp32) of the largest group, the root: embeddings + output layer"
+PRESETS = {"qwen3b": "Qwen/Qwen2.5-3B-Instruct", "qwen7b": "Qwen/Qwen2.5-7B-Instruct",
+           "toolace8b": "Team-ACE/ToolACE-2-Llama-3.1-8B"}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_every_gpu_preset_fits_its_gpus_and_plans_without_a_download(preset, tmp_path):
     res = loop(preset, "--plan", env={"HF_HOME": str(tmp_path)})
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
-    assert "rollout server" in out and "contexts of 16384" in out and "reference pass" in out
-    train = out.split("train stage", 1)[1]
+    assert "rollout server" in out and "reference pass" in out
+    reference, train = out.split("reference pass", 1)[1].split("train stage", 1)
+    assert ASLEEP in reference
     sizes = [float(m[1]) for m in re.finditer(r"^ +([\d.]+) GiB  (?!peak)", train, re.M)]
-    assert len(sizes) >= 7 and sizes == sorted(sizes, reverse=True)  # largest term first
+    assert len(sizes) >= 9 and sizes == sorted(sizes, reverse=True)  # largest term first
     for term in ("AdamW moments", "weights (fp32, 1/4)", "gradients (fp32, 1/4)", "checkpointed", "log-prob chunk",
-                 "FSDP all-gathered", "CUDA context"):
+                 "FSDP all-gathered", REDUCE_SCATTER, "CUDA context", ASLEEP):
         assert term in train
     assert out.count(": fits") == 3 and "DOES NOT FIT" not in out
     assert not os.listdir(tmp_path)  # nothing fetched into HF_HOME
+
+
+def served_context(model, tmp_path, max_len, eval_len=""):
+    """The max_model_len loop.sh starts the server with (SERVE_LEN: max(MAX_LEN, EVAL_LEN or the
+    model's own context)), the model's own read by common.engines.model_context from a model folder
+    holding the hub's config.json (configs/models/ carries its fields)."""
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(memplan.arch_path(model), folder / "config.json")
+    return max(max_len, int(eval_len or model_context(str(folder))))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("eval_len", ["", "20480"])
+def test_the_plans_kv_cache_is_counted_at_the_context_the_server_runs(preset, eval_len, tmp_path):
+    """The server serves evaluation too, at the model's own context unless EVAL_LEN lowers it:
+    32,768 (Qwen2.5) and 131,072 (Llama 3.1) while rollouts stop at MAX_LEN=16384; the plan's
+    KV cache is counted in contexts of that length, and the rollouts it holds besides."""
+    res = loop(preset, "--plan", *(["--set", f"EVAL_LEN={eval_len}"] if eval_len else []))
+    assert res.returncode == 0, res.stdout + res.stderr
+    serve = served_context(PRESETS[preset], tmp_path, 16384, eval_len)
+    assert serve == (int(eval_len) if eval_len else {"toolace8b": 131072}.get(preset, 32768))
+    header = res.stdout.splitlines()[0]
+    assert f"rollouts MAX_LEN=16384, server max_model_len={serve}" in header
+    contexts = re.search(r"= ([\d.]+) contexts of max_model_len=(\d+), ([\d.]+) rollouts of MAX_LEN=16384", res.stdout)
+    assert contexts and int(contexts[2]) == serve
+    assert float(contexts[3]) == pytest.approx(float(contexts[1]) * serve / 16384, rel=0.01)
+    # a run's one-line plan before round 0 (a micro-batch too large to fit stops it right after)
+    brief = loop(preset, "--set", "MICRO_TOKENS=262144", "--set", f"EVAL_LEN={eval_len}", "--set", f"REVISION={'0' * 40}",
+                 "--runs", str(tmp_path / "r"))
+    assert f"contexts of max_model_len={serve} per replica" in brief.stdout, brief.stdout + brief.stderr
+
+
+def test_the_plan_runs_on_a_fresh_clone_with_nothing_installed(tmp_path):
+    """The repository's files (what a clone of this working tree holds: no .venv, no .cache) and
+    PATH's python3, not .venv's: `--plan` installs nothing, downloads nothing, answers in seconds,
+    and counts what a sleeping vLLM server keeps and FSDP2's float32 reduce-scatter input."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    clone = tmp_path / "clone"
+    for name in filter(None, files):
+        if os.path.isfile(os.path.join(ROOT, name)):
+            os.makedirs(clone / os.path.dirname(name), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), clone / name)
+    venv_bin = os.path.join(ROOT, ".venv", "bin")
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if os.path.abspath(p) != venv_bin)
+    python3 = shutil.which("python3", path=path)
+    assert python3 and not os.path.realpath(python3).startswith(ROOT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "PYTHONPATH")}
+    # pip that reaches no package: a --plan that ran setup again would fail in seconds, not download
+    (tmp_path / "no-wheels").mkdir()
+    env.update(PATH=path, HF_HOME=str(tmp_path / "hf"), PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1",
+               PIP_FIND_LINKS=str(tmp_path / "no-wheels"))
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", "loop.sh", "qwen7b", "--plan"], cwd=clone, capture_output=True, text=True,
+                         timeout=60, env=env)
+    seconds = time.monotonic() - t0
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert seconds < 10 and "setup:" not in res.stdout + res.stderr
+    assert not (clone / ".venv").exists() and not (tmp_path / "hf").exists()
+    reference, train = res.stdout.split("reference pass", 1)[1].split("train stage", 1)
+    assert f"{memplan.VLLM_ASLEEP_GIB:.2f} GiB  {ASLEEP}" in reference and ASLEEP in train
+    arch = memplan.load_arch("Qwen/Qwen2.5-7B-Instruct")
+    assert f"{4 * arch.root_params / memplan.GIB:.2f} GiB  {REDUCE_SCATTER}" in train
+    assert "server max_model_len=32768" in res.stdout and ": fits" in train
+
+
+def test_the_reduce_scatter_input_is_the_largest_groups_gradients_in_float32():
+    """The root group (embeddings, final norm, output layer) against one decoder layer: untied at 7B
+    the root is 4.7 times a layer, tied at 3B still 4; a model whose layers outweigh its root
+    (a small vocabulary) counts one layer."""
+    for model in PRESET_MODELS:
+        arch = memplan.load_arch(model)
+        assert arch.root_params > arch.layer_params
+        assert memplan.reduce_scatter_input(arch) == 4 * arch.root_params
+    small = memplan.read_config_dict(plan_check.SMALL | {"vocab_size": 16})
+    assert small.layer_params > small.root_params and memplan.reduce_scatter_input(small) == 4 * small.layer_params
+    plan = memplan.train_plan(small, 4, True, 512, True, 80 * memplan.GIB)
+    assert ("FSDP2 reduce-scatter input (fp32) of the largest group, one layer", 4 * small.layer_params, False) in plan.terms
 
 
 def test_a_setting_that_cannot_fit_is_refused_naming_the_variable(tmp_path):
