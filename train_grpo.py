@@ -140,6 +140,7 @@ from accelerate.utils import (
     set_seed,
 )
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
@@ -767,9 +768,22 @@ def weights_probe(args, model, dtype, accelerator):
     model.eval()
     with torch.no_grad(), accelerator.autocast():
         logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0, :-1].float()
+    reshard(model)
     model.train(training)
     lp = torch.log_softmax(logits, dim=-1).gather(1, x[0, 1:, None])[:, 0]
     return {"ids": ids, "logprobs": lp.tolist(), "dtype": str(dtype).removeprefix("torch.")}
+
+
+def reshard(model):
+    """Put FSDP2's sharded parameters back on the modules after a forward with no backward.
+    Accelerate shards the final norm and the output layer as one group that skips resharding
+    after forward (the root likewise): after such a forward those modules hold the unsharded
+    tensors in place of the sharded parameters the optimiser steps, so the optimiser's state
+    would name parameters the model no longer has (get_optimizer_state_dict: KeyError). A
+    backward reshards them; the probe's forward has none. Nothing to do without FSDP2."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def whole_state_dict(model, accelerator):

@@ -756,6 +756,35 @@ def test_fsdp2_state_is_sharded_resumes_exactly_and_reshards(tiny, data, carried
     assert [m["global_step"] for m in metrics_of(b1)] == [4, 5, 6]
 
 
+def test_fsdp2_rounds_as_the_loop_runs_them(tiny_model, data, tmp_path):
+    """`bash loop.sh tiny --set NPROC=2 --set ACCEL_CONFIG=configs/accelerate/fsdp_cpu.yaml`'s
+    train stage: FSDP2 on 2 CPU processes, on the loop's own model (whose tokenizer spells the
+    weights probe, so the probe's forward runs before the save, as in every full fine-tuning
+    round), with loop.sh's flags (--ref-model, --save-optimizer, then --optimizer-state; a
+    float32 policy, so the state folder holds AdamW's state alone). Two rounds: each saves its
+    sharded state, round B loads round A's and continues its global step, and both take the
+    one-process rounds' steps."""
+    out = {k: str(tmp_path / k / "policy") for k in ("one_a", "one_b", "a", "b")}
+    first = [*CARRY, "--ref-model", tiny_model, "--save-optimizer"]
+    ok(run_train(tiny_model, *data, out["one_a"], *first))
+    ok(run_train(tiny_model, *data, out["a"], *first, launcher=fsdp_launcher()))
+    info = json.load(open(os.path.join(out["a"], "optimizer", "trainer_state.json")))
+    assert info == {"format": "torch.distributed.checkpoint", "global_step": 3, "master_weights": False,
+                    "optimizer": True, "world_size": 2, "distributed_type": "FSDP"}  # fmt: skip
+    assert sorted(f for f in os.listdir(os.path.join(out["a"], "optimizer")) if f.endswith(".distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
+    assert_matches_one_process(tiny_model, out["one_a"], out["a"])
+    for one, two in (("one_a", "one_b"), ("a", "b")):
+        state = os.path.join(out[one], "optimizer")
+        args = [*CARRY, "--ref-model", tiny_model, "--optimizer-state", state, "--save-optimizer"]
+        proc = ok(run_train(out[one], *data, out[two], *args, launcher=fsdp_launcher() if two == "b" else ()))
+        assert f"resuming optimiser state from {state} (global step 3)" in proc.stdout
+    assert [m["global_step"] for m in metrics_of(out["b"])] == [4, 5, 6]
+    assert json.load(open(os.path.join(out["b"], "optimizer", "trainer_state.json")))["global_step"] == 6
+    assert all(os.path.isfile(os.path.join(out[k], "probe.json")) for k in ("a", "b"))  # the probe ran
+    assert_matches_one_process(out["a"], out["one_b"], out["b"])
+
+
 def test_state_from_another_format_is_refused(tiny, data, tmp_path):
     """An optimiser folder in Accelerate's old save_state format (or half copied) names the
     folder, exits non-zero and writes nothing."""
