@@ -143,8 +143,14 @@ def test_initial_interface_without_diagnoses(tmp_path):
 
 
 def test_rho_is_copied_from_omega_t(tmp_path):
-    rc, omega, log = evolve(tmp_path, dominated("state_mismatch"))
-    assert omega["rho"] == RHO
+    # a ρ unlike the default in every label, so that a reset to the default (or to ρ ≡ 1) fails
+    rho = {z: 1.5 + i / 8 for i, z in enumerate(RHO)}
+    assert all(rho[z] != RHO[z] and rho[z] != 1 for z in RHO)
+    prev = tmp_path / "prev.json"
+    prev.write_text(json.dumps({**I.initial(), "rho": rho}))
+    rc, omega, log = evolve(tmp_path, dominated("state_mismatch"), "--previous", str(prev))
+    assert rc == 0, log
+    assert omega["rho"] == rho
 
 
 @pytest.mark.parametrize("line, message", [

@@ -56,11 +56,15 @@ def test_zero_variance_groups_give_zero_advantage():
 # ---------------------------------------------------------------- SEAL weight
 
 
-def test_default_rho_table():
-    assert RHO == {
-        "invalid_tool_call": 2.0, "correct_abstention": 1.8, "missing_tool_call": 1.5, "argument_mismatch": 1.2,
-        "recovery_failure": 1.2, "state_mismatch": 1.0, "pass": 1.0, "response_mismatch": 0.9,
-    }  # fmt: skip
+def test_default_rho_is_what_the_weight_applies():
+    """A trajectory whose turns all carry one label gets that label's default ρ as its weight (no
+    default lies outside the clip), a passing one keeps GRPO's advantage (w = 1), and every failure
+    SEAL pushes on (a failed call, a wrong argument, a missed call, a failed recovery) outweighs a pass."""
+    for z, rho in RHO.items():
+        assert diagnosis_weight({z: 1.0}, RHO) == rho, z
+    assert RHO["pass"] == 1.0
+    for z in ("invalid_tool_call", "argument_mismatch", "missing_tool_call", "recovery_failure"):
+        assert RHO[z] > RHO["pass"], z
 
 
 def test_diagnosis_weight_mix_and_clip():

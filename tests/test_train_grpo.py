@@ -398,15 +398,41 @@ def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_p
     assert abs(m["is_ratio_mean"] - 1) < 1e-3 and abs(m["is_ratio_max"] - 1) < 1e-2, m
 
 
-@pytest.mark.parametrize(
-    "name, kind, procs",
-    [("fsdp_4gpu", "FSDP", 4), ("zero3_4gpu", "DEEPSPEED", 4), ("ddp_cpu2", "MULTI_GPU", 2), ("fsdp_cpu", "FSDP", 2)],
-)
-def test_accelerate_configs_parse(name, kind, procs):
+# every file in configs/accelerate/ and the kind of run it asks for (a new file must be added here)
+ACCEL_CONFIGS = {"fsdp_4gpu": "FSDP", "fsdp_1gpu": "FSDP", "fsdp_cpu": "FSDP", "zero3_4gpu": "DEEPSPEED",
+                 "ddp_cpu2": "MULTI_GPU"}  # fmt: skip
+
+
+def test_accelerate_configs_parse(monkeypatch):
+    """Accelerate's own loader reads every config file, and under the environment its launcher
+    derives from the file, train_grpo.py builds the plugin the file asks for, with its settings."""
     from accelerate.commands.config.config_args import load_config_from_file
 
-    cfg = load_config_from_file(os.path.join(ROOT, "configs", "accelerate", f"{name}.yaml"))
-    assert cfg.distributed_type == kind and cfg.num_processes == procs
+    import train_grpo
+
+    files = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs", "accelerate")) if f.endswith(".yaml"))
+    assert files == sorted(ACCEL_CONFIGS)
+    for name, kind in ACCEL_CONFIGS.items():
+        cfg = load_config_from_file(os.path.join(ROOT, "configs", "accelerate", f"{name}.yaml"))
+        assert cfg.distributed_type == kind, name
+        with monkeypatch.context() as m:
+            for k, v in launch_env(name).items():
+                m.setenv(k, v)
+            plugins = train_grpo.distributed_plugins(cfg.mixed_precision, 0.5)
+        assert list(plugins) == {"FSDP": ["fsdp_plugin"], "DEEPSPEED": ["deepspeed_plugin"]}.get(kind, []), name
+        if kind == "FSDP":
+            fsdp, asked = plugins["fsdp_plugin"], cfg.fsdp_config
+            assert fsdp.fsdp_version == asked["fsdp_version"] == 2, name
+            assert fsdp.reshard_after_forward == asked["fsdp_reshard_after_forward"], name
+            assert fsdp.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy", name
+            assert fsdp.state_dict_type.name == asked["fsdp_state_dict_type"], name
+            # --ref-model is loaded outside FSDP on every rank: rank-0-only loading would leave it empty
+            assert fsdp.cpu_ram_efficient_loading is False and asked["fsdp_cpu_ram_efficient_loading"] is False
+            assert (fsdp.mixed_precision_policy is None) == (cfg.mixed_precision == "no"), name
+        elif kind == "DEEPSPEED":
+            ds = plugins["deepspeed_plugin"]
+            assert ds.zero_stage == cfg.deepspeed_config["zero_stage"] == 3
+            assert ds.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
 
 
 def launch_env(name):
