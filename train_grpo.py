@@ -359,8 +359,11 @@ def check_optimizer_state(path):
 # ---------------------------------------------------------------- accelerator
 
 
-def make_accelerator(args):
-    mixed_precision = "bf16" if torch.cuda.is_available() and not args.cpu else "no"
+def make_accelerator(args, mixed_precision=None):
+    """The run's Accelerator: bf16 compute on GPUs (unless --cpu), float32 on CPU; `mixed_precision`
+    asks for another (tests run the GPU presets' bf16 FSDP2 on CPU processes with it)."""
+    if mixed_precision is None:
+        mixed_precision = "bf16" if torch.cuda.is_available() and not args.cpu else "no"
     # torch's default 10 minutes (NCCL) would abort the other ranks while a slow disk takes
     # the save, or a rank loads a large model
     timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=args.timeout))
@@ -384,14 +387,21 @@ def distributed_plugins(mixed_precision, grad_clip):
     gradients in bf16, ZeRO-3 likewise; at lr 1e-6 and 7B that rounding is the size
     of the update (verl reduces in float32). Set here, not in the config files, so that no
     config can drop it. DDP needs nothing: its buckets take the float32 weights' dtype
-    (checked in gradient_dtypes)."""
+    (checked in gradient_dtypes).
+
+    Accelerate's policy also casts every FSDP2 module's output to bf16 (output_dtype); the
+    log-probs leave the model as its output (common/grpo.py sequence_logprobs), computed in
+    float32 from the bf16 logits, and that cast would round them to bf16 again (±0.012 nats at
+    log p = -3): the ratio, the KL term and the clip fraction would sit on that noise while the
+    reference, scored outside FSDP, stays float32. No output cast: each module returns what it
+    computed (bf16 hidden states, float32 log-probs)."""
     plugins = {}
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         fsdp = FullyShardedDataParallelPlugin()
         if mixed_precision != "no":
             fsdp.set_mixed_precision(mixed_precision, override=True)
             fsdp.mixed_precision_policy = dataclasses.replace(
-                fsdp.mixed_precision_policy, reduce_dtype=torch.float32
+                fsdp.mixed_precision_policy, reduce_dtype=torch.float32, output_dtype=None
             )
         plugins["fsdp_plugin"] = fsdp
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":

@@ -297,6 +297,20 @@ def test_fsdp_reduce_scatters_every_micro_batch(tiny, data, tmp_path):
         AcceleratorState._reset_state(True)
 
 
+def test_fsdp2_bf16_logprobs_stay_float32(tiny, data, tmp_path):
+    """The GPU presets' FSDP2 with bf16 mixed precision, on 2 CPU processes (tests/fsdp_bf16_probe.py,
+    train_grpo.py's own accelerator): weights are gathered and computed in bf16, and the per-token
+    log-probs of the old/reference passes and of the loss come back in float32, equal to a float32
+    log-softmax of the bf16 logits, not rounded to bf16 by FSDP2's output cast."""
+    out = str(tmp_path / "bf16.json")
+    ok(run_train(tiny, *data, out, launcher=fsdp_launcher(), script=os.path.join(ROOT, "tests", "fsdp_bf16_probe.py")))
+    found = [x for process in json.load(open(out)) for x in process]
+    assert {x["grad"] for x in found} == {False, True}
+    assert {(x["dtype"], x["compute_dtype"]) for x in found} == {("torch.float32", "torch.bfloat16")}
+    assert max(x["max_diff"] for x in found) <= 1e-5
+    assert min(x["bf16_rounding"] for x in found) > 1e-3  # what a bf16 cast would have cost
+
+
 def test_lora_adapter_trains_saves_and_continues(tiny, data, tmp_path):
     from peft import PeftModel
 
@@ -461,6 +475,7 @@ def test_gradients_are_reduced_in_float32(monkeypatch):
         if name == "fsdp_4gpu":
             policy = plugins["fsdp_plugin"].mixed_precision_policy
             assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+            assert policy.output_dtype is None  # the log-probs leave the model in float32
             assert plugins["fsdp_plugin"].fsdp_version == 2
         elif name == "zero3_4gpu":
             cfg = plugins["deepspeed_plugin"].deepspeed_config
