@@ -144,7 +144,7 @@ def test_context_limit_stops_the_trajectory_without_crashing_the_batch(tiny_mode
     assert recs[1]["stop"] == "context_limit" and recs[1]["tokens"]["ids"] == []
 
 
-def test_miss_func_tools_appear_only_from_their_turn(tiny_model, tasks, tokenizer):
+def test_rollout_announces_held_tools_at_their_turn(tiny_model, tasks, tokenizer):
     """One generated token can hold no complete call, so under bfcl-eval's rule (Ω absent) every
     output ends its turn, whatever the model samples: the trajectory reaches every turn."""
     task = tasks["multi_turn_miss_func_0"]

@@ -226,13 +226,19 @@ def test_near_misses_fail_where_the_ground_truth_passes():
     assert tiny.near_miss([{"name": "f", "arguments": {"n": 1}}]) is None
 
 
-def test_warm_start_first_step_parses(tiny_model):
-    # The warm start teaches the preset's tasks (data/tiny.jsonl); their first outputs are calls
-    # (the ground truth or its near miss: both parse).
+def test_first_step_parse_rate_counts_its_tasks(tiny_model):
+    # The measurement `--measure` prints: the share of the given tasks whose greedy first output
+    # parses as calls, one sample per task in their order (what the model writes is its own).
     tasks = tiny.pick_eval_tasks(list(bfcl.load_tasks(tiny.PRESET_TASKS).values()), 8)
     assert len(tasks) >= 6 and len({t["category"] for t in tasks}) == 4
     rate, samples = tiny.first_step_parse_rate(tiny_model, tasks, 128)
-    assert rate >= 0.5, samples
+    assert [s["task_id"] for s in samples] == [t["id"] for t in tasks]
+    assert 0 <= rate <= 1 and rate == sum(s["parsed"] for s in samples) / len(tasks)
+    for s in samples:
+        assert not s["parsed"] or s["error"] is None
+        if len(s["text"]) < 200:  # whole (a sample keeps the first 200 characters)
+            calls, err = C.parse(s["text"], "json")
+            assert s["parsed"] == (bool(calls) and err is None), s
 
 
 def test_preset_reward_counts_solved_samples_and_mixed_groups(tiny_model):
