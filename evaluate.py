@@ -209,7 +209,7 @@ def main(args):
         parser.error(f"--handler: {e}")
     differs = []
     if args.policy != "oracle":
-        from common.engines import model_context
+        from common.models import model_context
         context = model_context(args.policy)
         args.max_model_len = args.max_model_len or context
         if args.max_model_len > context:

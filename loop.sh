@@ -247,7 +247,7 @@ SERVER_LOG=$RUN/logs/server.log
 GPU=$($PY -c "from common.serve import cpu_build; print('' if cpu_build() else 1)")
 # the server's context holds rollouts (MAX_LEN) and evaluation (EVAL_LEN, else the model's own):
 # memplan's server_len, the rule the memory plan counts the server's KV cache by
-SERVE_LEN=$($PY -c "import sys; from common.engines import model_context as c; from common.memplan import server_len
+SERVE_LEN=$($PY -c "import sys; from common.models import model_context as c; from common.memplan import server_len
 print(server_len(sys.argv[1], sys.argv[2], 0 if sys.argv[2] else c(sys.argv[3])))" "$MAX_LEN" "$EVAL_LEN" "$MODEL")
 SERVE_ARGS=(--max-model-len "$SERVE_LEN" --seed "$SEED" --tensor-parallel-size "$TP" --data-parallel-size "$DP"
   ${LORA:+--lora-rank 16} ${GPU:+--sleep-mode})

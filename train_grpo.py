@@ -145,7 +145,6 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from common import checkpoint, memplan, serve
-from common.engines import resolve_model
 from common.grpo import (
     accumulate_gradients,
     join_trajectories,
@@ -156,6 +155,7 @@ from common.grpo import (
     score_trajectories,
 )
 from common.jsonl import RecordError, atomic_dir, read_json, read_jsonl, write_json, write_jsonl
+from common.models import resolve_model
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -768,7 +768,7 @@ def weights_probe(args, model, dtype, accelerator):
     saved: a vLLM server that says it serves this policy is checked against them (a stale or
     half-loaded engine is refused before it plays). Every process runs the forward (FSDP and
     ZeRO-3 gather the weights in it); an adapter is checked by its name instead."""
-    from common.engines import load_tokenizer
+    from common.models import load_tokenizer
 
     ids = serve.probe_ids(load_tokenizer(args.model))
     if len(ids) < 2:  # a tokenizer that cannot spell it: the label alone is checked

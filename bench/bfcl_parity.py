@@ -489,7 +489,7 @@ def step_texts_equal(a, b):
 
 
 def report(tasks, broot, oroot, model, times, out, again=None):
-    from common.engines import load_tokenizer
+    from common.models import load_tokenizer
     results, bverd, scored = bfcl_outputs(broot)
     if not scored:
         sys.exit(f"error: bfcl evaluate wrote no multi-turn score file under {broot}")

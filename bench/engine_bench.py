@@ -25,7 +25,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import bfcl, play, serve  # noqa: E402
-from common.engines import Engine, make_engine, resolve_model  # noqa: E402
+from common.engines import Engine, make_engine  # noqa: E402
+from common.models import resolve_model  # noqa: E402
 from common.tiny import PRESET_TASKS, build_cached  # noqa: E402
 
 parser = argparse.ArgumentParser()

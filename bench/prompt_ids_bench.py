@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import bfcl, play  # noqa: E402
 from common import calls as C  # noqa: E402
-from common.engines import Generation, load_tokenizer  # noqa: E402
+from common.engines import Generation  # noqa: E402
+from common.models import load_tokenizer  # noqa: E402
 from common.tiny import build_cached  # noqa: E402
 
 parser = argparse.ArgumentParser()

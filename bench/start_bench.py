@@ -4,7 +4,7 @@
 
 Every stage that plays (rollout.py, evaluate.py) loads the policy's tokenizer and talks to a
 server; it never needs a model's code. transformers' AutoTokenizer imports its auto module,
-which imports every model's code (torch, generation, scikit-learn); `common.engines.
+which imports every model's code (torch, generation, scikit-learn); `common.models.
 load_tokenizer` picks the same class (the model type's own, read from the folder) and imports
 only it. Each variant runs in a fresh process, interleaved, `--repeats` times; the median wall
 times and their ratio are printed, and the trainer's import (`train_grpo.py --help`, which
@@ -32,7 +32,7 @@ if args.model is None:
 
 VARIANTS = {
     "AutoTokenizer": f"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained({args.model!r})",
-    "load_tokenizer": f"from common.engines import load_tokenizer; load_tokenizer({args.model!r})",
+    "load_tokenizer": f"from common.models import load_tokenizer; load_tokenizer({args.model!r})",
     "python alone": "pass",
 }
 times = {k: [] for k in VARIANTS}

@@ -344,7 +344,7 @@ def greedy_player(args, error, log):
     """evaluate.py's model policy: yields run(tasks), which plays each task once as bfcl-eval's
     harness does (Ω removed, the handler's prompts re-rendered every step, bfcl-eval's decoding)
     within evaluate.py's engine and length arguments, and returns the records."""
-    from common.engines import model_sampling
+    from common.models import model_sampling
 
     schedule = schedule_for(args.engine, args.schedule, error)
     # bfcl-eval asks its vLLM server for temperature 0.001; the server fills in the rest from the

@@ -47,6 +47,7 @@ import urllib.parse
 import urllib.request
 
 from common.jsonl import RecordError, read_json, write_json
+from common.models import lora_rank, resolve_model
 
 PROBE = "probe.json"  # in a policy folder: {"ids", "logprobs", "dtype"} from the trainer
 # Mean |Δ log p| over the probe's tokens between the trainer and the server. float32 on both
@@ -254,7 +255,6 @@ def server_logprobs(url, model, ids, rank=None):
 def check(url, model_dir):
     """The model name a request for `model_dir` uses on this server; RecordError unless the server
     serves `model_dir`'s weights (its label, and the probe where the folder has one)."""
-    from common.engines import resolve_model
     base, adapter, _ = resolve_model(model_dir)
     info = served(url)
     if adapter:
@@ -319,13 +319,12 @@ SETTINGS = {"max_model_len": None, "seed": 0, "tensor_parallel_size": 1, "data_p
 
 def spawn(model_dir, log_path, *, port=None, host="127.0.0.1", served_name=SERVED_NAME, extra=(), **settings):
     """Start a server without waiting for it: (state, process); `ready` waits and labels it."""
-    from common.engines import _lora_rank, resolve_model
     if set(settings) - set(SETTINGS):
         raise TypeError(f"unknown server settings {sorted(set(settings) - set(SETTINGS))}")
     settings = SETTINGS | settings
     base, adapter, cfg = resolve_model(model_dir)
     if adapter and not settings.get("lora_rank"):
-        settings["lora_rank"] = _lora_rank(cfg)
+        settings["lora_rank"] = lora_rank(cfg)
     if port is None:
         port = free_port(host)
     else:
@@ -346,15 +345,10 @@ def spawn(model_dir, log_path, *, port=None, host="127.0.0.1", served_name=SERVE
 def ready(state, proc, timeout=START_TIMEOUT):
     """Wait until a spawned server is healthy, then label it with its policy (and load its adapter)."""
     wait_healthy(state["url"], proc, state["log"], timeout)
-    base, adapter, _ = _resolve(state["model"])
+    base, adapter, _ = resolve_model(state["model"])
     request(state["url"], "/update_weight_version", {"new_version": policy_label(base)})
     if adapter:
         load(state["url"], state["model"])
-
-
-def _resolve(model_dir):
-    from common.engines import resolve_model
-    return resolve_model(model_dir)
 
 
 def wait_healthy(url, proc, log_path, timeout):
@@ -377,7 +371,6 @@ def tail(log_path, lines=25):
 
 def load(url, model_dir):
     """Load `model_dir` into the running server (see the module docstring); no check."""
-    from common.engines import resolve_model
     base, adapter, _ = resolve_model(model_dir)
     asleep = False
     with contextlib.suppress(RecordError):  # a server started without --enable-sleep-mode has no sleep state
@@ -405,7 +398,7 @@ def load(url, model_dir):
 
 def tied(model_dir):
     """Whether a full model folder ties its output layer to its embeddings (config.json)."""
-    base, adapter, _ = _resolve(model_dir)
+    base, adapter, _ = resolve_model(model_dir)
     return not adapter and bool(read_json(os.path.join(base, "config.json")).get("tie_word_embeddings", False))
 
 

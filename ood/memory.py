@@ -212,7 +212,7 @@ def evaluate(args, error):
     DIR/memory_snapshot/ and DIR/scores.json (written last)."""
     start = time.perf_counter()
     if args.policy != "oracle":
-        from common.engines import resolve_model
+        from common.models import resolve_model
         resolve_model(args.policy)  # a clear error before anything loads
     if args.suite == "bfcl-web":
         if args.memory_scenario:

@@ -75,7 +75,7 @@ def evaluate(args, error):
             error("τ²-bench needs a user simulator: --user-model DIR, or --user-base-url URL --user-model-name NAME")
         if remote and not (args.user_base_url and args.user_model_name):
             error("--user-base-url and --user-model-name go together")
-        from common.engines import resolve_model
+        from common.models import resolve_model
         resolve_model(args.policy)  # a policy that is not a model folder fails before anything starts
         if local:
             _, adapter, _ = resolve_model(args.user_model)

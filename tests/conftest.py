@@ -52,7 +52,7 @@ def tiny_model(request, tmp_path_factory):
 
 def _spawn(model, name, tmp_path_factory):
     from common import serve
-    from common.engines import model_context
+    from common.models import model_context
     settings = dict(SERVERS[name])
     settings["max_model_len"] = settings["max_model_len"] or model_context(model)
     return serve.spawn(model, str(tmp_path_factory.mktemp(name) / "server.log"), **settings)

@@ -29,7 +29,7 @@ def tasks():
 def test_a_failing_trajectory_fails_the_stage_and_the_engine_keeps_serving(vllm_engine, tasks, tiny_model):
     """A request the server refuses (a prompt beyond its context, sent by an engine told a larger
     one) fails with the server's answer; the other requests are dropped and the engine serves on."""
-    from common.engines import model_context
+    from common.models import model_context
     served = model_context(tiny_model)  # the session server's context
     big = [5] * (served + 1000)
     vllm_engine.max_model_len = 2 * served  # what a misconfigured stage would believe

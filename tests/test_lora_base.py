@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
-from common.engines import make_engine, resolve_model
+from common.engines import make_engine
 from common.jsonl import RecordError
+from common.models import resolve_model
 
 
 def _load(folder):

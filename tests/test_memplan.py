@@ -12,7 +12,7 @@ import time
 import pytest
 
 from common import memplan
-from common.engines import model_context
+from common.models import model_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
