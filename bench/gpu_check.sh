@@ -19,6 +19,8 @@
 #   5. diagnose.py, then train_grpo.py on CUDA (bf16 autocast, --zero-variance keep): once plain,
 #      once through `accelerate launch` with a one-process FSDP config (dry run: two DDP CPU
 #      processes); the table shows the dtypes gradients were accumulated and reduced in (float32)
+#   5b. tests/fsdp_bf16_probe.py: FSDP2 with bf16 mixed precision on the GPU (dry run: two CPU
+#      processes): the log-probs the loss uses are float32, equal to a float32 log-softmax of the bf16 logits
 #   6. bench/update_throughput.py: Qwen2.5-3B-sized random model, gradient checkpointing,
 #      8 sequences of 8k tokens: tokens/s, peak GPU memory, MFU (989 TFLOP/s dense bf16)
 # Writes OUTDIR/gpu_check.md (the table, then the plan check's rows), OUTDIR/*.log and the stage outputs.
@@ -44,7 +46,7 @@ if [ "${1:-}" = --fetch-wheels ]; then
   ls -l .wheels
   exit
 fi
-[ $# -ge 1 ] || { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT=$(realpath -m "$1"); DRY=${2:-}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}"
@@ -59,7 +61,7 @@ TABLE=$OUT/gpu_check.md
 printf '| step | status | seconds | figures |\n|---|---|---|---|\n' > "$TABLE"
 
 # step NAME FIGURES_CMD -- CMD...: run CMD (log in OUTDIR/NAME.log), then add a row with FIGURES_CMD's output.
-# The whole check keeps to BUDGET seconds (a lent GPU's minutes are few): a step gets what is
+# The whole check keeps to BUDGET seconds (a GPU machine's minutes may be few): a step gets what is
 # left, and once nothing is, the rest are skipped, each with a row that says so.
 BUDGET=${GPU_CHECK_BUDGET:-470}
 step() {
@@ -133,6 +135,12 @@ step train_plain "$(metrics train_plain)" \
 step train_accelerate "$(metrics train_accelerate)" \
   -- $PY -m accelerate.commands.launch "${FSDP[@]}" "${TRAIN[@]}" --metrics "$OUT/train_accelerate/metrics.jsonl" \
      --out "$OUT/train_accelerate/policy"
+
+# FSDP2 with bf16 mixed precision (the GPU presets'): the log-probs stay float32 (dry run: two CPU processes)
+[ "$DRY" = --cpu ] && BF16=(--config_file configs/accelerate/fsdp_cpu.yaml) || BF16=("${FSDP[@]}")
+step logprob_dtype "grep -h -m1 '^log-probs' $OUT/logprob_dtype.log" \
+  -- $PY -m accelerate.commands.launch "${BF16[@]}" tests/fsdp_bf16_probe.py "$M" "$OUT/rollouts.jsonl" \
+     "$OUT/diagnoses.jsonl" "$OUT/logprob_dtype.json"
 
 step update_throughput "tail -1 $OUT/update_throughput.log" -- $PY bench/update_throughput.py "${TPUT[@]}"
 
