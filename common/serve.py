@@ -448,10 +448,16 @@ def restart(state_path, model_dir):
 
 def sleep(urls, state_path=None):
     """Free the servers' GPU memory for the trainer: weights and KV cache discarded (level 2);
-    `reload` wakes them and loads the new policy. RecordError naming the server if one stays awake."""
+    `reload` wakes them and loads the new policy. A LoRA server (its state's settings say so)
+    sleeps at level 1, its base weights offloaded to CPU memory and put back on wake: the next
+    policy is an adapter, whose load brings no base weights, so after level 2 the adapter would
+    sit on discarded ones (vLLM restores those only by a reload). RecordError naming the server
+    if one stays awake."""
+    settings = read_json(state_path).get("settings", {}) if state_path else {}
+    level = 1 if settings.get("lora_rank") else 2
     for url in urls:
         try:
-            request(url, "/sleep?level=2", {}, timeout=600)
+            request(url, f"/sleep?level={level}", {}, timeout=600)
         except RecordError as e:
             of = f" (state {state_path})" if state_path else ""
             raise RecordError(f"the server at {url}{of} did not go to sleep and still holds its GPUs: {e}") from None

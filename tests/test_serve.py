@@ -322,11 +322,11 @@ class FakeVLLM:
             rows = [None] + [{str(i): {"logprob": lp + shift}}
                              for i, lp in zip(self.probe["ids"][1:], self.probe["logprobs"], strict=True)]
             return 200, {"choices": [{"prompt_logprobs": rows}]}
-        if path == "/sleep?level=2":
+        if path.startswith("/sleep?level="):
             if self.sleep_fails:
                 return 500, {"error": "CUDA error: out of memory"}
             self.asleep = {"weights", "kv_cache"}
-            return 200, {"status": "sleeping", "level": 2}
+            return 200, {"status": "sleeping", "level": int(path[-1])}
         if path.startswith("/wake_up"):
             tags = urllib.parse.parse_qs(urllib.parse.urlparse(path).query).get("tags")
             self.asleep -= set(tags or self.asleep)
@@ -402,6 +402,12 @@ def test_a_sleep_that_fails_fails_the_command_naming_the_server(policy, fake_vll
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert ok.posts() == [("/sleep?level=2", None)]
+    # a LoRA server keeps its base weights (in CPU memory): the adapter loaded on wake needs them
+    lora = fake_vllm()
+    write_json(state, {"url": lora.url, "pid": 0, "settings": {"lora_rank": 16}})
+    res = subprocess.run([sys.executable, "-m", "common.serve", "sleep", "--state", state], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and lora.posts() == [("/sleep?level=1", None)], res.stderr
     failing = fake_vllm(sleep_fails=True)
     with socket.socket() as s:  # a port nobody answers on
         s.bind(("127.0.0.1", 0))
