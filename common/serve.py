@@ -369,12 +369,17 @@ def tail(log_path, lines=25):
     return ""
 
 
+def sleeping(url):
+    """Whether the server sleeps (False for one started without --enable-sleep-mode: no such state)."""
+    with contextlib.suppress(RecordError):
+        return bool((request(url, "/is_sleeping") or {}).get("is_sleeping"))
+    return False
+
+
 def load(url, model_dir):
     """Load `model_dir` into the running server (see the module docstring); no check."""
     base, adapter, _ = resolve_model(model_dir)
-    asleep = False
-    with contextlib.suppress(RecordError):  # a server started without --enable-sleep-mode has no sleep state
-        asleep = bool((request(url, "/is_sleeping") or {}).get("is_sleeping"))
+    asleep = sleeping(url)
     if asleep:
         # vLLM's order for RL weight updates: the weights' memory first, the KV cache only once the
         # new weights are in, so that the load never competes with a mapped cache for GPU memory
@@ -406,11 +411,13 @@ def reload(urls, model_dir, state_path=None):
     """Every server serves `model_dir` after this: loaded in place, or restarted from the state
     file when in place cannot give the policy's weights; RecordError otherwise."""
     for url in urls:
-        try:
-            check(url, model_dir)
-            continue  # already serving it: nothing to load
-        except RecordError:
-            pass
+        # a sleeping server serves nothing, whatever its label (a rerun after a failed train step)
+        if not sleeping(url):
+            try:
+                check(url, model_dir)
+                continue  # already serving it: nothing to load
+            except RecordError:
+                pass
         ours = bool(state_path) and os.path.isfile(state_path) and read_json(state_path)["url"] == url
         t0 = time.perf_counter()
         if tied(model_dir):

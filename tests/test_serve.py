@@ -389,6 +389,11 @@ def test_a_reload_wakes_the_weights_loads_then_wakes_the_kv_cache(policy, fake_v
                               ("/update_weight_version", None), ("/wake_up?tags=kv_cache", None),
                               ("/reset_prefix_cache", None)] + [("/v1/completions", r) for r in ("0", "1", "2", "3")]
     assert not asleep.asleep and asleep.label == serve.policy_label(policy)
+    # asleep with the policy's own label (a rerun after a failed train step): woken and loaded, not
+    # taken for serving it, and not probed before its weights are back
+    same = fake_vllm(dp=4, label=serve.policy_label(policy), sleeping=True)
+    serve.reload([same.url], policy)
+    assert same.posts() == asleep.posts() and not same.asleep
     awake = fake_vllm(label="seal:/the/last/policy")  # no sleep mode: nothing to wake
     serve.load(awake.url, policy)
     assert [p for p, _ in awake.posts()] == ["/collective_rpc", "/update_weight_version", "/reset_prefix_cache"]
