@@ -5,7 +5,8 @@
 #                       [--name NAME] [--eval-every K] [--runs DIR] [--ood] [--set VAR=VALUE ...] [--plan]
 #
 # PRESET is tiny (CPU, minutes), qwen3b, qwen7b or toolace8b (GPU nodes; see README).
-# --set overrides one preset variable (e.g. --set N=4 --set TASKS_PER_ROUND=8).
+# --set overrides one preset variable (e.g. --set N=4 --set TASKS_PER_ROUND=8); every variable, its
+# default and each preset's values are in common/presets.py, as are the modes.
 # --plan prints the GPU presets' per-GPU memory plan (common/memplan.py) and exits, installing and
 # downloading nothing (python3 alone, on a fresh clone too); a run whose plan does not fit stops
 # before round 0 naming the variable to change.
@@ -24,16 +25,16 @@ cd "$(dirname "$0")"
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 2; }  # the header comment, however many lines it has
 [ $# -ge 1 ] || usage
 PRESET=$1; shift
-ROUNDS=""; MODE=seal; NAME=""; EVAL_EVERY=""; SETS=(); RUNS=runs; PLAN=""
+MODE=seal; NAME=""; SETS=(); RUNS=runs; PLAN=""
 while [ $# -gt 0 ]; do
   case $1 in
-    --rounds) ROUNDS=$2; shift 2 ;;
+    --rounds) SETS+=(--set "ROUNDS=$2"); shift 2 ;;
     --mode) MODE=$2; shift 2 ;;
     --name) NAME=$2; shift 2 ;;
-    --eval-every) EVAL_EVERY=$2; shift 2 ;;
-    --set) SETS+=("$2"); shift 2 ;;
+    --eval-every) SETS+=(--set "EVAL_EVERY=$2"); shift 2 ;;
+    --set) SETS+=(--set "$2"); shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
-    --ood) SETS+=("OOD=bfcl-memory tau2"); shift ;;
+    --ood) SETS+=(--set "OOD=bfcl-memory tau2"); shift ;;
     --plan) PLAN=1; shift ;;
     -h|--help) usage ;;
     *) echo "loop: unknown argument $1" >&2; usage ;;
@@ -51,79 +52,15 @@ else
   PY=.venv/bin/python
 fi
 
-# ---------------------------------------------------------------------------- presets
-# Shared defaults are the paper's (docs/design.md §7): GRPO groups of 8, 32 tasks per round,
-# mini-batches of 8 tasks (4 optimiser steps a round at most: train_grpo.py leaves out groups of
-# equal rewards and spreads a leftover over the other mini-batches; 18 rounds ~ 72 update steps),
-# lr 1e-6, KL 0.001, clip 0.2, temperature 1.0, 16k context; MAX_STEPS=20 is bfcl-eval's
-# step limit: a turn's 21st step with calls force-quits the task.
-ENGINE=vllm; SERVER=""; DP=1; TP=1; NPROC=1; ACCEL_CONFIG=""; LORA=""; CALL_FORMAT=json
-# What the model is shown: the prompts of bfcl-eval's handler BFCL_HANDLER, in training too
-# (PROMPTS=template: the model's chat template, verl's convention). Evaluation runs as
-# bfcl-eval's local inference: the model's own context and up to 4096 new tokens per call,
-# unless EVAL_LEN / EVAL_NEW lower them (scores.json then says they are not bfcl-eval's).
-BFCL_HANDLER=QwenFCHandler; PROMPTS=bfcl; EVAL_LEN=""; EVAL_NEW=""
-TASKS_PER_ROUND=32; N=8; MINI_BATCH=8; LR=1e-6; KL=0.001; TEMP=1.0
-MAX_STEPS=20; MAX_LEN=16384; MAX_NEW=1024; DEFAULT_ROUNDS=18; DEFAULT_EVAL_EVERY=6
-TRAIN_LIMIT=""; EVAL_LIMIT=""; MICRO_TOKENS=32768; EXTRA_TRAIN=""; TASKS=data/train.jsonl; SEED=0
-# Disk: once round t's policy exists, earlier rounds lose their optimiser state and, unless
-# evaluated, their policy. KEEP=latest drops evaluated policies too; KEEP=all deletes nothing.
-KEEP=evaluated
-# Out-of-distribution benches after the loop (off by default); OOD_LIMIT: first K per category/domain.
-OOD=""; OOD_LIMIT=""; USER_MODEL=""; USER_BASE_URL=""; USER_MODEL_NAME=""
-# GPU presets: memory of one GPU (GiB, as torch reports it: an 80 GB H100 has 79.6) for the memory
-# plan, and REVISION, the hub commit of MODEL that is downloaded and recorded (a resume never
-# depends on the hub's latest commit nor on HF_HOME). Empty GPU_MEM_GIB: a CPU preset.
-GPU_MEM_GIB=""; REVISION=""
-# Experiment trackers (Accelerate's log_with names, comma-separated; all; none): common/tracking.py.
-REPORT_TO=none
-case $PRESET in
-  tiny)  # the offline tiny model on CPU: 8 first-turn training tasks (data/tiny.jsonl), minutes per round
-    MODEL=offline-tiny  # built (once, cached) below, unless --set MODEL=... names another
-    TASKS=data/tiny.jsonl; EVAL_LIMIT=1; TASKS_PER_ROUND=8; N=4; MINI_BATCH=2
-    LR=1e-4; MAX_STEPS=3; MAX_NEW=96; DEFAULT_ROUNDS=2; DEFAULT_EVAL_EVERY=2; OOD_LIMIT=1
-    EVAL_NEW=256  # CPU minutes: a tiny model that misses its stop would write 4096 tokens a call
-    EXTRA_TRAIN="--cpu" ;;
-  # GPU presets: one vLLM server, data parallel over 4 GPUs x TP 1, for rollouts (a 3-8B model and its KV cache fit one
-  # 80 GB GPU; docs/hardware.md §4), then FSDP over the same 4 GPUs for training.
-  # Their per-GPU memory: bash loop.sh PRESET --plan (docs/hardware.md §8).
-  qwen3b)  # 4 GPUs (e.g. 4x A100/H100 80GB): vLLM rollouts (data parallel 4), FSDP full fine-tuning with gradient checkpointing
-    MODEL=Qwen/Qwen2.5-3B-Instruct; REVISION=aa8e72537993ba99e69dfaafa59ed015b17504d1
-    NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml; GPU_MEM_GIB=79
-    EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=16384 ;;
-  qwen7b)  # 4 GPUs (80GB): vLLM rollouts (data parallel 4), FSDP full fine-tuning with gradient checkpointing
-    MODEL=Qwen/Qwen2.5-7B-Instruct; REVISION=a09a35458c702b33eeacc393d103063234e8bc28
-    NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml; GPU_MEM_GIB=79
-    EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
-  toolace8b)  # 4 GPUs (80GB); ToolACE writes calls as a Python list [f(a=1)]
-    # REVISION: no commit of this repository was at hand to pin; set one with --set REVISION=<commit>
-    MODEL=Team-ACE/ToolACE-2-Llama-3.1-8B; REVISION=""
-    NPROC=4; DP=4; ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml; GPU_MEM_GIB=79
-    BFCL_HANDLER=LlamaHandler; CALL_FORMAT=python; EXTRA_TRAIN="--gradient-checkpointing"; MICRO_TOKENS=8192 ;;
-  *) echo "loop: unknown preset $PRESET (tiny, qwen3b, qwen7b, toolace8b)" >&2; exit 2 ;;
-esac
-# The preset variables, one list for what --set may override and what config.json records, so
-# that no setting a run depends on goes unrecorded. VAR:key where the recorded key is not VAR in
-# lower case (those keys are what earlier runs recorded and what readers of config.json use).
-PRESET_VARS="MODEL ENGINE SERVER DP TP NPROC ACCEL_CONFIG:accelerate_config LORA CALL_FORMAT TASKS_PER_ROUND N MINI_BATCH
-  LR KL TEMP:temperature MAX_STEPS MAX_LEN:max_model_len MAX_NEW:max_new_tokens TRAIN_LIMIT EVAL_LIMIT MICRO_TOKENS
-  EXTRA_TRAIN KEEP TASKS SEED OOD OOD_LIMIT USER_MODEL USER_BASE_URL USER_MODEL_NAME BFCL_HANDLER PROMPTS EVAL_LEN EVAL_NEW
-  REVISION GPU_MEM_GIB REPORT_TO"
-OVERRIDABLE=" "
-for e in $PRESET_VARS; do OVERRIDABLE+="${e%%:*} "; done
-for kv in "${SETS[@]+"${SETS[@]}"}"; do
-  var=${kv%%=*}
-  case $OVERRIDABLE in *" $var "*) printf -v "$var" '%s' "${kv#*=}" ;;
-    *) echo "loop: --set $var: not a preset variable ($OVERRIDABLE)" >&2; exit 2 ;; esac
-done
+# ---------------------------------------------------------------------------- presets and modes
+# common/presets.py checks the preset, the mode and each --set, and prints every preset variable
+# (MODEL=..., MAX_LEN=...), the mode's OMEGA and REWEIGHT, LORA_RANK, and RECORD, what config.json records.
+settings=$($PY -m common.presets "$PRESET" --mode "$MODE" "${SETS[@]+"${SETS[@]}"}") || exit 2
+eval "$settings"
 # The memory plan of a GPU preset, from the architecture numbers in configs/models/ (nothing loads).
-PLAN_ARGS=()
-for var in PRESET MODEL NPROC TP GPU_MEM_GIB MAX_LEN EVAL_LEN MICRO_TOKENS EXTRA_TRAIN LORA ACCEL_CONFIG; do
-  PLAN_ARGS+=("$var=${!var}")
-done
 if [ -n "$PLAN" ]; then
   if [ -z "$GPU_MEM_GIB" ]; then echo "loop: $PRESET runs on CPU: no GPU memory plan (set GPU_MEM_GIB for one)"; exit 0; fi
-  exec $PY -m common.memplan "${PLAN_ARGS[@]}"
+  exec $PY -m common.memplan "$PRESET" "${SETS[@]+"${SETS[@]}"}"
 fi
 if [ "$MODEL" != offline-tiny ] && [ ! -d "$MODEL" ] && ! [[ $REVISION =~ ^[0-9a-f]{40}$ ]]; then
   echo "loop: REVISION='$REVISION': $MODEL is a hub id and its commit must be pinned (--set REVISION=<40-hex commit>)," \
@@ -131,7 +68,7 @@ if [ "$MODEL" != offline-tiny ] && [ ! -d "$MODEL" ] && ! [[ $REVISION =~ ^[0-9a
   exit 2
 fi
 if [ -n "$GPU_MEM_GIB" ]; then
-  $PY -m common.memplan --brief "${PLAN_ARGS[@]}" \
+  $PY -m common.memplan --brief "$PRESET" "${SETS[@]+"${SETS[@]}"}" \
     || { echo "loop: stopped by the memory plan (bash loop.sh $PRESET --plan shows its terms)" >&2; exit 2; }
   # before any download: a GPU preset on a machine without (enough) GPUs would only fail later
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
@@ -147,8 +84,6 @@ $PY -m common.tracking --check "$REPORT_TO" || exit 2
 if [ "$MODEL" = offline-tiny ]; then
   MODEL=$($PY -c "from common.tiny import build_cached; print(build_cached())")
 fi
-case $KEEP in evaluated|latest|all) ;; *) echo "loop: KEEP=$KEEP: use evaluated, latest or all" >&2; exit 2 ;; esac
-case $PROMPTS in bfcl|template) ;; *) echo "loop: PROMPTS=$PROMPTS: use bfcl or template" >&2; exit 2 ;; esac
 $PY -c "import sys; from common.prompts import check_handler; check_handler(sys.argv[1])" "$BFCL_HANDLER" 2>/dev/null \
   || { $PY -c "import sys; from common.prompts import HANDLERS; print(f'loop: BFCL_HANDLER={sys.argv[1]}: not a handler'
        f' this project drives; choices: {\", \".join(HANDLERS)}', file=sys.stderr)" "$BFCL_HANDLER"; exit 2; }
@@ -167,19 +102,7 @@ for b in $OOD; do
     *) echo "loop: OOD=$OOD: benches are bfcl-memory, bfcl-web and tau2" >&2; exit 2 ;;
   esac
 done
-ROUNDS=${ROUNDS:-$DEFAULT_ROUNDS}
-EVAL_EVERY=${EVAL_EVERY:-$DEFAULT_EVAL_EVERY}
 NAME=${NAME:-$PRESET-$MODE}
-
-# ---------------------------------------------------------------------------- modes
-case $MODE in
-  seal)           OMEGA=evolve; REWEIGHT="" ;;
-  vanilla)        OMEGA=off;    REWEIGHT="--no-reweight" ;;
-  no-env)         OMEGA=off;    REWEIGHT="" ;;
-  no-reweight)    OMEGA=evolve; REWEIGHT="--no-reweight" ;;
-  no-closed-loop) OMEGA=fixed;  REWEIGHT="" ;;
-  *) echo "loop: unknown mode $MODE" >&2; usage ;;
-esac
 
 # Rollouts and every evaluation (held-in and OOD) play with the same engine, handler, step limit
 # and call format (COMMON_ARGS); only their lengths differ (MAX_LEN/MAX_NEW, EVAL_LEN/EVAL_NEW).
@@ -197,13 +120,8 @@ if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" revision="$REVISIO
 fi
 RUN=$RUNS/$NAME
 mkdir -p "$RUN/logs"
-SETTINGS=()  # the run's own (command line and mode), then every preset variable
-for e in PRESET MODE ROUNDS NAME EVAL_EVERY OMEGA REWEIGHT $PRESET_VARS; do
-  var=${e%%:*} key=${e#*:}
-  [ "$key" != "$e" ] || key=${var,,}
-  SETTINGS+=("$key=${!var}")
-done
-$PY -m common.runinfo "$RUN/config.json" "${SETTINGS[@]}" \
+# the run's settings, its model as the stages get it (the tiny model: its built folder)
+$PY -m common.runinfo "$RUN/config.json" name="$NAME" "${RECORD[@]}" model="$MODEL" \
   || { echo "loop: $RUN was run with the settings above; use another --name, or remove it" >&2; exit 2; }
 if [ ! -d "$MODEL" ]; then
   # A hub id at its pinned REVISION (recorded above as id and commit, not as a path under
@@ -250,7 +168,7 @@ GPU=$($PY -c "from common.serve import cpu_build; print('' if cpu_build() else 1
 SERVE_LEN=$($PY -c "import sys; from common.models import model_context as c; from common.memplan import server_len
 print(server_len(sys.argv[1], sys.argv[2], 0 if sys.argv[2] else c(sys.argv[3])))" "$MAX_LEN" "$EVAL_LEN" "$MODEL")
 SERVE_ARGS=(--max-model-len "$SERVE_LEN" --seed "$SEED" --tensor-parallel-size "$TP" --data-parallel-size "$DP"
-  ${LORA:+--lora-rank 16} ${GPU:+--sleep-mode})
+  ${LORA:+--lora-rank "$LORA_RANK"} ${GPU:+--sleep-mode})
 stop_server() { [ -z "$SERVER" ] && [ -f "$SERVER_STATE" ] && $PY -m common.serve stop --state "$SERVER_STATE"; true; }
 trap stop_server EXIT
 trap 'exit 130' INT
@@ -275,12 +193,12 @@ evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
 }
 
 ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR/<bench>/
-  local b extra
+  local b bench
   for b in $OOD; do
-    extra=()
-    if [ "$b" = tau2 ]; then extra=("${USER_ARGS[@]}"); fi
-    run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" playing "$1" $PY evaluate.py --suite "$b" --policy "$1" \
-      $(limit_args "$OOD_LIMIT") "${PLAY_ARGS[@]}" "${extra[@]+"${extra[@]}"}" --out "$3/$b"
+    bench=(-m ood.memory --suite "$b")
+    if [ "$b" = tau2 ]; then bench=(-m ood.tau "${USER_ARGS[@]}"); fi
+    run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" playing "$1" $PY "${bench[@]}" --policy "$1" \
+      $(limit_args "$OOD_LIMIT") "${PLAY_ARGS[@]}" --out "$3/$b"
   done
 }
 
@@ -300,8 +218,8 @@ train() {  # train ROUND_DIR POLICY: KL to the round-0 model, one optimiser carr
   mapfile -t launch <<< "$words"
   "${launch[@]}" train_grpo.py --model "$2" --rollouts "$1/rollouts.jsonl" --diagnoses "$1/diagnoses.jsonl" \
     --interface "$1/interface.json" $REWEIGHT --lr "$LR" --kl-coef "$KL" --mini-batch-tasks "$MINI_BATCH" \
-    --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA $EXTRA_TRAIN --seed "$SEED" --ref-model "$MODEL" \
-    --save-optimizer "${state[@]+"${state[@]}"}" --out "$1/policy"
+    --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA ${LORA:+--lora-r "$LORA_RANK"} $EXTRA_TRAIN --seed "$SEED" \
+    --ref-model "$MODEL" --save-optimizer "${state[@]+"${state[@]}"}" --out "$1/policy"
 }
 
 prune() {  # prune ROUND: what KEEP lets go once round ROUND's policy exists (never the base model)

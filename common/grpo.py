@@ -30,16 +30,11 @@ from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch.utils.checkpoint import checkpoint
 
 from common.jsonl import RecordError, read_json
+from common.presets import LOGPROB_CHUNK  # positions projected onto the vocabulary at once
 from common.taxonomy import RHO
 
 WEIGHT_MIN, WEIGHT_MAX = 0.5, 2.0
 ADV_EPS = 1e-6
-# Positions projected onto the vocabulary at once (sequence_logprobs). The log-prob pass peaks
-# at about LOGPROB_CHUNK x vocabulary x 14 bytes in backward (bf16 logits, their float32 copy,
-# log-softmax and its gradient): 2.2 GB at Qwen2.5's 152,064 entries, against 5.7-7.4 GB for
-# ONE float32 copy of a 10k-13k-token sequence. 1024 rows keep the projection a large matmul
-# (full GPU throughput); a 12k-token micro-batch is 12 chunks, launch overhead negligible.
-LOGPROB_CHUNK = 1024
 
 
 # ---------------------------------------------------------------- advantages and weights

@@ -1,14 +1,13 @@
 """Per-GPU memory of the rollout server and of the train stage, from a model's architecture numbers,
 before anything loads.
 
-    python3 -m common.memplan MODEL=Qwen/Qwen2.5-7B-Instruct NPROC=4 TP=1 GPU_MEM_GIB=80 MAX_LEN=16384 \\
-        MICRO_TOKENS=8192 EXTRA_TRAIN=--gradient-checkpointing ACCEL_CONFIG=configs/accelerate/fsdp_4gpu.yaml
+    python3 -m common.memplan [--brief] PRESET [--set VAR=VALUE ...]
 
-prints the plan (`bash loop.sh PRESET --plan` runs it with the preset's variables; with --brief,
-loop.sh's check before round 0, one line) and exits 3 when a stage does not fit, naming the
-variable to change. train_grpo.py checks train_plan() the same way before it loads a model on GPUs.
-Standard library only, Python >= 3.8: `--plan` runs it with the system's python3 on a fresh clone,
-before setup.sh has installed anything.
+prints the plan of a preset (common/presets.py) with loop.sh's --set overrides (`bash loop.sh PRESET
+--plan` runs it; with --brief, loop.sh's check before round 0, one line) and exits 3 when a stage
+does not fit, naming the variable to change. train_grpo.py checks train_plan() the same way before
+it loads a model on GPUs. Standard library only, Python >= 3.8: `--plan` runs it with the system's
+python3 on a fresh clone, before setup.sh has installed anything.
 
 MODEL is a hub id whose numbers ship in configs/models/<id>.json (copied from the hub's
 config.json, so planning downloads nothing) or a model folder, whose config.json is read.
@@ -46,11 +45,14 @@ peaks measured on CPU in tests/test_memplan.py and against a GPU by bench/gpu_ch
 
 from __future__ import annotations  # `float | None` below, on a system python3 older than 3.10
 
-import ast
+import argparse
 import dataclasses
 import json
 import os
 import sys
+
+from common import presets
+from common.presets import LOGPROB_CHUNK, LORA_RANK
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
@@ -69,9 +71,7 @@ VLLM_CONTEXT_GIB = 2.0  # CUDA context and CUDA graphs of a vLLM replica
 # measured, but its GPU image has no vLLM (docs/hardware.md §7): until a vLLM node measures it
 # (the server log's line, after `python -m common.serve sleep`), this figure stands.
 VLLM_ASLEEP_GIB = 3.0
-DEFAULT_CHUNK = 1024  # log-prob positions at a time, until common.grpo defines LOGPROB_CHUNK
 RECOMPUTE = 1.1  # a recomputed layer in backward, over its activations: measured on CPU (tests/test_memplan.py)
-LORA_R = 16  # train_grpo.py's --lora-r default
 
 
 class PlanError(Exception):
@@ -159,16 +159,8 @@ def load_arch(model):
     return read_config(path)
 
 
-def logprob_chunk():
-    """LOGPROB_CHUNK of common/grpo.py (positions whose logits exist at a time), else DEFAULT_CHUNK.
-    Read from the source, not imported: importing it imports torch, seconds for a check that
-    loop.sh runs before every loop."""
-    with open(os.path.join(ROOT, "common", "grpo.py")) as f:
-        tree = ast.parse(f.read())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LOGPROB_CHUNK" for t in node.targets):
-            return int(ast.literal_eval(node.value))
-    return DEFAULT_CHUNK
+def logprob_chunk():  # what train_grpo.py and bench/plan_check.py call: common.presets.LOGPROB_CHUNK
+    return LOGPROB_CHUNK
 
 
 # ---------------------------------------------------------------- terms
@@ -233,7 +225,7 @@ class Plan:
 
 
 def train_plan(arch, nproc, sharded, tokens, checkpointing, gpu_mem, on_gpu=True, lora=False,
-               chunk=DEFAULT_CHUNK, server_asleep=True):
+               chunk=LOGPROB_CHUNK, server_asleep=True):
     """Per-GPU memory of one train_grpo.py update step. sharded: FSDP2 / ZeRO-3 over `nproc`
     processes (else each holds everything, DDP); tokens: of the largest micro-batch;
     server_asleep: a vLLM server sleeps on the same GPUs (loop.sh's GPU presets), on GPUs only."""
@@ -243,7 +235,7 @@ def train_plan(arch, nproc, sharded, tokens, checkpointing, gpu_mem, on_gpu=True
     terms = []
     if lora:
         d, q, kv, f = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim, arch.ffn
-        adapter = arch.layers * LORA_R * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d))
+        adapter = arch.layers * LORA_RANK * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d))
         terms += [(f"frozen base weights ({'bf16' if on_gpu else 'fp32'}{shard(n)})", a * P / n, False),
                   (f"adapter weights, gradients and AdamW (fp32{shard(n)})", 16 * adapter / n, False)]
     else:
@@ -278,7 +270,7 @@ def train_plan(arch, nproc, sharded, tokens, checkpointing, gpu_mem, on_gpu=True
                 (1 - MARGIN) * gpu_mem)
 
 
-def reference_plan(arch, tokens, gpu_mem, on_gpu=True, chunk=DEFAULT_CHUNK, server_asleep=True):
+def reference_plan(arch, tokens, gpu_mem, on_gpu=True, chunk=LOGPROB_CHUNK, server_asleep=True):
     """train_grpo.py's reference pass: the whole reference model on every GPU, no gradients."""
     a = 2 if on_gpu else 4
     terms = [(f"reference weights ({'bf16' if on_gpu else 'fp32'}, whole)", a * arch.params, False),
@@ -339,23 +331,21 @@ def render(plan, gpu_mem):
 # ---------------------------------------------------------------- loop.sh's view
 
 
-def settings_plans(s):
-    """The plans of loop.sh's preset variables `s` (a dict of strings): rollout, reference, train."""
-    arch = load_arch(s["MODEL"])
+def settings_plans(p):
+    """The plans of a resolved preset `p` (common.presets.Preset): rollout, reference, train."""
+    arch = load_arch(p.model)
     try:
-        nproc, tp, gpu_mem = int(s.get("NPROC") or 1), int(s.get("TP") or 1), float(s["GPU_MEM_GIB"]) * GIB
-        max_len, micro, eval_len = int(s["MAX_LEN"]), int(s["MICRO_TOKENS"]), int(s.get("EVAL_LEN") or 0)
-    except (KeyError, ValueError) as e:
+        nproc, tp, gpu_mem = int(p.nproc or 1), int(p.tp or 1), float(p.gpu_mem_gib) * GIB
+        max_len, micro, eval_len = int(p.max_len), int(p.micro_tokens), int(p.eval_len or 0)
+    except ValueError as e:
         raise PlanError(f"NPROC, TP, GPU_MEM_GIB, MAX_LEN, MICRO_TOKENS and EVAL_LEN must be numbers ({e})") from None
     if not eval_len and not arch.max_pos:
-        raise PlanError(f"{arch_path(s['MODEL'])} has no max_position_embeddings: the server's context is "
+        raise PlanError(f"{arch_path(p.model)} has no max_position_embeddings: the server's context is "
                         "unknown (set EVAL_LEN)")
     serve = server_len(max_len, eval_len, arch.max_pos)
-    config = s.get("ACCEL_CONFIG") or ""
-    text = open(os.path.join(ROOT, config)).read() if config and os.path.isfile(os.path.join(ROOT, config)) else ""
-    sharded = nproc > 1 and ("distributed_type: FSDP" in text or "zero_stage: 3" in text)
-    ckpt = "--gradient-checkpointing" in (s.get("EXTRA_TRAIN") or "").split()
-    lora = "--lora" in (s.get("LORA") or "").split()
+    sharded = nproc > 1 and p.sharded
+    ckpt = "--gradient-checkpointing" in p.extra_train.split()
+    lora = "--lora" in p.lora.split()
     tokens, chunk = max(micro, max_len), logprob_chunk()
     train = train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, lora=lora, chunk=chunk)
     return arch, {
@@ -400,20 +390,21 @@ def served_from(k, arch):
 
 
 def main(argv):
-    brief = "--brief" in argv
+    parser = argparse.ArgumentParser(prog="python3 -m common.memplan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("preset", help=", ".join(presets.PRESETS))
+    parser.add_argument("--set", action="append", default=[], metavar="VAR=VALUE", help="override one preset variable")
+    parser.add_argument("--brief", action="store_true", help="one line (loop.sh's check before round 0)")
+    a = parser.parse_args(argv)
     try:
-        s = dict(a.split("=", 1) for a in argv if a != "--brief")
-    except ValueError:
-        sys.exit("usage: python -m common.memplan [--brief] VAR=VALUE ... (loop.sh's preset variables)")
-    try:
-        arch, plans, k = settings_plans(s)
-    except PlanError as e:
+        p = presets.resolve(a.preset, a.set)
+        arch, plans, k = settings_plans(p)
+    except (presets.PresetError, PlanError) as e:
         sys.exit(f"memplan: {e}")
     rollout, reference, train = plans["rollout"], plans["reference"], plans["train"]
     ok = rollout.fits and rollout.contexts >= 1 and reference.fits and train.fits
-    if not brief:
-        print(f"memory plan: {s.get('PRESET', '')} {s['MODEL']} ({arch.params / 1e9:.2f} B parameters, "
-              f"{arch.layers} layers), {k['nproc']} GPUs x {s['GPU_MEM_GIB']} GiB, rollouts MAX_LEN={k['max_len']},"
+    if not a.brief:
+        print(f"memory plan: {a.preset} {p.model} ({arch.params / 1e9:.2f} B parameters, "
+              f"{arch.layers} layers), {k['nproc']} GPUs x {p.gpu_mem_gib} GiB, rollouts MAX_LEN={k['max_len']},"
               f" server max_model_len={k['serve']} ({served_from(k, arch)}), MICRO_TOKENS={k['micro']},"
               f" log-prob chunk {k['chunk']}, margin {MARGIN:.0%}")
         for plan in (rollout, reference, train):
@@ -421,17 +412,17 @@ def main(argv):
     else:
         print(f"memory plan: rollout server {rollout.contexts:.0f} contexts of max_model_len={k['serve']} per replica, train stage "
               f"{train.peak / GIB:.1f} GiB and reference pass {reference.peak / GIB:.1f} GiB per GPU of "
-              f"{s['GPU_MEM_GIB']} (bash loop.sh PRESET --plan for the terms)")
+              f"{p.gpu_mem_gib} (bash loop.sh PRESET --plan for the terms)")
     if rollout.contexts < 1:
         print(f"memplan: the rollout server's KV cache holds {rollout.contexts:.2f} contexts of its max_model_len="
               f"{k['serve']} ({served_from(k, arch)}), and vLLM does not start below one: lower "
               f"{'MAX_LEN' if k['serve'] == k['max_len'] else 'EVAL_LEN'} or raise TP (or GPU_MEM_GIB)", file=sys.stderr)
     if not reference.fits:
         print(f"memplan: the reference pass needs {reference.peak / GIB:.1f} GiB per GPU of GPU_MEM_GIB="
-              f"{s['GPU_MEM_GIB']}: lower MAX_LEN or use LORA=--lora", file=sys.stderr)
+              f"{p.gpu_mem_gib}: lower MAX_LEN or use LORA=--lora", file=sys.stderr)
     if not train.fits:
         print(f"memplan: the train stage needs {train.peak / GIB:.1f} GiB per GPU, over the limit of "
-              f"{train.limit / GIB:.1f} GiB (GPU_MEM_GIB={s['GPU_MEM_GIB']} less {MARGIN:.0%}): "
+              f"{train.limit / GIB:.1f} GiB (GPU_MEM_GIB={p.gpu_mem_gib} less {MARGIN:.0%}): "
               + "; or ".join(advice(arch, k)), file=sys.stderr)
     sys.exit(0 if ok else 3)
 

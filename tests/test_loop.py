@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from common import serve
+from common import presets, serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two rounds of 2 tasks x 2 samples, 1 held-in task per category, one model call per turn (a
@@ -301,17 +301,18 @@ def test_base_scores_are_shared_only_under_the_same_settings(runs):
 
 
 def test_config_records_every_preset_variable(runs):
-    """config.json holds one key per variable --set can change, as PRESET_VARS names it."""
-    block = open(os.path.join(ROOT, "loop.sh")).read().split('PRESET_VARS="', 1)[1].split('"', 1)[0]
-    keys = [e.split(":")[1] if ":" in e else e.lower() for e in block.split()]
+    """config.json holds one key per variable --set can change (common/presets.py's record), the
+    model as the stages got it (the tiny model's folder)."""
+    keys = presets.record(presets.PRESETS["tiny"], "tiny", "seal")
     settings = json.loads((runs / "seal" / "config.json").read_text())["settings"]
-    assert "micro_tokens" in keys and not set(keys) - set(settings)
+    assert "micro_tokens" in keys and "max_model_len" in keys and set(settings) == set(keys) | {"name"}
+    assert os.path.isfile(os.path.join(ROOT, settings["model"], "config.json")) and settings["rounds"] == "2"
     assert settings["max_new_tokens"] == "32" and settings["max_steps"] == "1"  # SMALL's --set, under their keys
 
 
 def test_a_setting_recorded_later_is_taken_up_and_then_held(tmp_path):
-    """A run whose config.json predates a RECORDED_LATER key resumes and records it; after that
-    the key is checked like any other."""
+    """A run whose config.json predates a setting (one loop.sh added since) resumes and records it;
+    after that the key is checked like any other."""
     from common import runinfo
     path = str(tmp_path / "config.json")
     runinfo.main(path, ["lr=1e-6"])

@@ -1,0 +1,235 @@
+"""Every setting of the loop in one place: the presets, the modes, and the defaults the stages share.
+
+    python -m common.presets PRESET [--mode MODE] [--set VAR=VALUE ...]
+
+prints the shell assignments `bash loop.sh` evaluates: each preset variable (MODEL=..., MAX_LEN=...),
+the mode's OMEGA and REWEIGHT, LORA_RANK, and RECORD, the key=value settings the run's config.json
+records (common/runinfo.py). An unknown preset, mode or variable, or a value its setting does not
+take, stops with a message and exit status 2.
+
+A preset is a Preset: its field defaults are the paper's shared settings (docs/design.md §7), and
+each entry of PRESETS sets what its model and hardware need. Adding a preset is one entry (and,
+for a GPU model, its architecture numbers in configs/models/, which the memory plan reads). A
+field is its shell variable in lower case (--set MAX_LEN=... sets max_len); values are text, as a
+shell variable and config.json hold them ("1e-6" is recorded as "1e-6", as it always was, so an
+earlier run resumes); an empty value is unset. A stage run by hand takes its defaults from here
+too (LR, KL_COEF, MINI_BATCH_TASKS, ... below).
+
+Standard library only, Python >= 3.8: `bash loop.sh PRESET --plan` runs it with the system's
+python3 on a fresh clone, before setup.sh has installed anything.
+"""
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class PresetError(ValueError):
+    """An unknown preset, mode or variable, or a value its setting does not take."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """loop.sh's variables. Defaults: GRPO groups of N=8, 32 tasks per round, mini-batches of 8
+    tasks (4 optimiser steps a round at most: train_grpo.py leaves out groups of equal rewards and
+    spreads a leftover over the other mini-batches; 18 rounds ~ 72 update steps), lr 1e-6, KL 0.001,
+    temperature 1.0, 16k context."""
+
+    rounds: str = "18"  # --rounds
+    eval_every: str = "6"  # --eval-every: held-in scores every K rounds, and after the last
+    # A hub id at its pinned commit REVISION (downloaded once and recorded: a resume depends neither
+    # on the hub's latest commit nor on HF_HOME), or a model folder.
+    model: str = ""
+    engine: str = "vllm"
+    server: str = ""  # URL[,URL...]: play on servers the user started instead of loop.sh's own
+    dp: str = "1"  # the vLLM server's data parallel size
+    tp: str = "1"  # and tensor parallel size
+    nproc: str = "1"  # training processes (accelerate launch)
+    accel_config: str = ""  # their Accelerate config (configs/accelerate/)
+    lora: str = ""  # --lora: train a LoRA adapter of rank LORA_RANK instead of every weight
+    call_format: str = "json"  # how the model writes calls (common/calls.py)
+    tasks_per_round: str = "32"
+    n: str = "8"  # samples per task: the GRPO group
+    mini_batch: str = "8"  # tasks per optimiser step, at least
+    lr: str = "1e-6"
+    kl: str = "0.001"
+    temp: str = "1.0"  # rollouts' sampling temperature
+    max_steps: str = "20"  # bfcl-eval's step limit: a turn's 21st step with calls force-quits the task
+    max_len: str = "16384"  # rollouts' context
+    max_new: str = "1024"  # rollouts' new tokens per model call
+    train_limit: str = ""  # first K training tasks only
+    eval_limit: str = ""  # first K held-in tasks per category only
+    micro_tokens: str = "32768"  # padded tokens per training forward (a longer sequence goes alone)
+    extra_train: str = ""  # more train_grpo.py flags
+    # Disk: once round t's policy exists, earlier rounds lose their optimiser state and, unless
+    # evaluated, their policy. KEEP=latest drops evaluated policies too; KEEP=all deletes nothing.
+    keep: str = "evaluated"
+    tasks: str = "data/train.jsonl"
+    seed: str = "0"
+    # Out-of-distribution benches after the last round (bfcl-memory, bfcl-web, tau2; off by default);
+    # OOD_LIMIT: first K per category/domain. τ²-bench's user simulator: USER_MODEL (a model
+    # folder loop.sh serves) or USER_BASE_URL and USER_MODEL_NAME.
+    ood: str = ""
+    ood_limit: str = ""
+    user_model: str = ""
+    user_base_url: str = ""
+    user_model_name: str = ""
+    # What the model is shown: the prompts of bfcl-eval's handler BFCL_HANDLER, in training too
+    # (PROMPTS=template: the model's chat template, verl's convention). Evaluation runs as
+    # bfcl-eval's local inference: the model's own context and up to 4096 new tokens per call,
+    # unless EVAL_LEN / EVAL_NEW lower them (scores.json then says they are not bfcl-eval's).
+    bfcl_handler: str = "QwenFCHandler"
+    prompts: str = "bfcl"
+    eval_len: str = ""
+    eval_new: str = ""
+    revision: str = ""
+    # Memory of one GPU (GiB, as torch reports it: an 80 GB H100 has 79.6) for the memory plan
+    # (common/memplan.py). Empty: a CPU preset.
+    gpu_mem_gib: str = ""
+    report_to: str = "none"  # experiment trackers (Accelerate's log_with names, comma-separated; all; none)
+
+    @property
+    def sharded(self):
+        """Whether training shards the weights over its processes, as ACCEL_CONFIG asks: FSDP, or
+        DeepSpeed's ZeRO-3 (the file's distributed_type and zero_stage)."""
+        path = os.path.join(ROOT, self.accel_config)
+        if not self.accel_config or not os.path.isfile(path):
+            return False
+        with open(path) as f:
+            lines = [line.split("#", 1)[0].split(":", 1) for line in f]
+        keys = {kv[0].strip(): kv[1].strip().strip("'\"") for kv in lines if len(kv) == 2}
+        return keys.get("distributed_type") == "FSDP" or keys.get("zero_stage") == "3"
+
+
+# The values a setting takes, where it takes few.
+CHOICES = {"keep": ("evaluated", "latest", "all"), "prompts": ("bfcl", "template")}
+# config.json's keys for the fields whose key is not the field's name: what earlier runs recorded,
+# what a resume compares and what readers of config.json use.
+RECORDED_AS = {"accel_config": "accelerate_config", "temp": "temperature", "max_len": "max_model_len",
+               "max_new": "max_new_tokens"}
+# Settings a rerun may change, and config.json follows: they do not change the loop's results
+# (what stays on disk, which OOD benches run after the last round, which trackers get the figures).
+MAY_CHANGE = {"server", "keep", "report_to", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name",
+              "gpu_mem_gib"}
+
+# The GPU presets: one vLLM server, data parallel over 4 GPUs x TP 1, for rollouts (a 3-8B model
+# and its KV cache fit one 80 GB GPU; docs/hardware.md §4), then FSDP full fine-tuning with
+# gradient checkpointing over the same 4 GPUs (e.g. 4x A100/H100 80GB). Their per-GPU memory:
+# bash loop.sh PRESET --plan (docs/hardware.md §8).
+FOUR_GPUS = dict(nproc="4", dp="4", accel_config="configs/accelerate/fsdp_4gpu.yaml", gpu_mem_gib="79",
+                 extra_train="--gradient-checkpointing")
+PRESETS = {
+    # the offline tiny model on CPU: 8 first-turn training tasks (data/tiny.jsonl), minutes per round
+    "tiny": Preset(
+        model="offline-tiny",  # built (once, cached) by loop.sh, unless --set MODEL=... names another
+        tasks="data/tiny.jsonl", eval_limit="1", tasks_per_round="8", n="4", mini_batch="2", lr="1e-4",
+        max_steps="3", max_new="96", rounds="2", eval_every="2", ood_limit="1",
+        eval_new="256",  # CPU minutes: a tiny model that misses its stop would write 4096 tokens a call
+        extra_train="--cpu"),
+    "qwen3b": Preset(model="Qwen/Qwen2.5-3B-Instruct", revision="aa8e72537993ba99e69dfaafa59ed015b17504d1",
+                     micro_tokens="16384", **FOUR_GPUS),
+    "qwen7b": Preset(model="Qwen/Qwen2.5-7B-Instruct", revision="a09a35458c702b33eeacc393d103063234e8bc28",
+                     micro_tokens="8192", **FOUR_GPUS),
+    # ToolACE writes calls as a Python list [f(a=1)]. No commit of this repository is pinned: a run
+    # names one with --set REVISION=<commit>.
+    "toolace8b": Preset(model="Team-ACE/ToolACE-2-Llama-3.1-8B", bfcl_handler="LlamaHandler", call_format="python",
+                        micro_tokens="8192", **FOUR_GPUS),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    omega: str  # what evolve.py does to Ω: evolve it, keep it fixed after round 0, or switch every cue off
+    reweight: bool  # train_grpo.py's diagnosis weight (else --no-reweight)
+
+
+# SEAL, its baseline and its ablations: modes of the same code (docs/design.md §1).
+MODES = {
+    "seal": Mode("evolve", True),
+    "vanilla": Mode("off", False),
+    "no-env": Mode("off", True),
+    "no-reweight": Mode("evolve", False),
+    "no-closed-loop": Mode("fixed", True),
+}
+
+# The defaults a stage run by hand takes: the presets' own.
+LR = float(Preset.lr)  # train_grpo.py --lr
+KL_COEF = float(Preset.kl)  # train_grpo.py --kl-coef
+MINI_BATCH_TASKS = int(Preset.mini_batch)  # train_grpo.py --mini-batch-tasks
+GROUP_SIZE = int(Preset.n)  # rollout.py --n
+TEMPERATURE = float(Preset.temp)  # rollout.py --temperature
+MAX_STEPS_PER_TURN = int(Preset.max_steps)  # --max-steps-per-turn of rollouts and evaluation: bfcl-eval's limit
+LORA_RANK = 16  # train_grpo.py --lora-r, and the rank the vLLM server is started for
+# Positions projected onto the vocabulary at once (common/grpo.py sequence_logprobs; the memory plan
+# counts one chunk). The log-prob pass peaks at about LOGPROB_CHUNK x vocabulary x 14 bytes in
+# backward (bf16 logits, their float32 copy, log-softmax and its gradient): 2.2 GB at Qwen2.5's
+# 152,064 entries, against 5.7-7.4 GB for ONE float32 copy of a 10k-13k-token sequence. 1024 rows
+# keep the projection a large matmul (full GPU throughput); a 12k-token micro-batch is 12 chunks,
+# launch overhead negligible.
+LOGPROB_CHUNK = 1024
+
+
+def resolve(name, sets=()):
+    """PRESETS[name] with each "VAR=VALUE" of `sets` applied, checked."""
+    if name not in PRESETS:
+        raise PresetError(f"unknown preset {name} ({', '.join(PRESETS)})")
+    fields = {f.name.upper(): f.name for f in dataclasses.fields(Preset)}
+    changes = {}
+    for kv in sets:
+        var, eq, value = kv.partition("=")
+        if not eq:
+            raise PresetError(f"--set {kv}: VAR=VALUE expected")
+        if var not in fields:
+            raise PresetError(f"--set {var}: not a preset variable ({' '.join(fields)})")
+        changes[fields[var]] = value
+    preset = dataclasses.replace(PRESETS[name], **changes)
+    for field, choices in CHOICES.items():
+        value = getattr(preset, field)
+        if value not in choices:
+            raise PresetError(f"{field.upper()}={value}: use {', '.join(choices[:-1])} or {choices[-1]}")
+    return preset
+
+
+def mode(name):
+    if name not in MODES:
+        raise PresetError(f"unknown mode {name} ({', '.join(MODES)})")
+    return MODES[name]
+
+
+def record(preset, preset_name, mode_name):
+    """The settings config.json records, as {key: text}: the preset, the mode and every variable."""
+    m = mode(mode_name)
+    out = {"preset": preset_name, "mode": mode_name, "omega": m.omega, "reweight": "" if m.reweight else "--no-reweight"}
+    for f in dataclasses.fields(Preset):
+        out[RECORDED_AS.get(f.name, f.name)] = getattr(preset, f.name)
+    return out
+
+
+def shell(preset, preset_name, mode_name):
+    """The bash assignments loop.sh evaluates (every value quoted)."""
+    settings = record(preset, preset_name, mode_name)
+    lines = [f"{f.name.upper()}={shlex.quote(getattr(preset, f.name))}" for f in dataclasses.fields(Preset)]
+    lines += [f"OMEGA={shlex.quote(settings['omega'])}", f"REWEIGHT={shlex.quote(settings['reweight'])}",
+              f"LORA_RANK={LORA_RANK}", "RECORD=(" + " ".join(shlex.quote(f"{k}={v}") for k, v in settings.items()) + ")"]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m common.presets", description=__doc__.split("\n\n")[0])
+    p.add_argument("preset", help=", ".join(PRESETS))
+    p.add_argument("--mode", default="seal", help=", ".join(MODES))
+    p.add_argument("--set", action="append", default=[], metavar="VAR=VALUE", help="override one preset variable")
+    a = p.parse_args(argv)
+    try:
+        print(shell(resolve(a.preset, a.set), a.preset, a.mode))
+    except PresetError as e:
+        print(f"loop: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
