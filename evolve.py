@@ -20,9 +20,9 @@ feedback. Families are never switched off in seal mode (Ω_0 starts with both
 on, and taking a family away would shift what the policy has learnt to read);
 capability cues are re-chosen every round, so they come and go.
 
---mode takes loop.sh's modes; what each does to Ω is MODES: seal evolves it as above
-(no-reweight too: it differs only in training's weight); no-closed-loop keeps Ω_t's cues
-as they are (Ω fixed after round 0); vanilla and no-env switch every family off (they
+--mode takes loop.sh's modes (common/presets.py MODES, their `omega`): seal evolves Ω as
+above (no-reweight too: it differs only in training's weight); no-closed-loop keeps Ω_t's
+cues as they are (Ω fixed after round 0); vanilla and no-env switch every family off (they
 differ only in training's weight). All still record C_t. Without --previous,
 Ω_t = interface.initial(). Without --diagnoses, writes the mode's Ω_0 (round 0):
 initial(), or all off. ρ is copied from Ω_t.
@@ -34,14 +34,13 @@ from collections import defaultdict
 
 from common import interface
 from common.jsonl import RecordError, read_jsonl, write_json
+from common.presets import MODES
 from common.taxonomy import LABELS
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--diagnoses", default=None, help="diagnoses.jsonl of round t (omit to write Ω_0)")
 parser.add_argument("--previous", default=None, help="interface.json of round t (default: Ω_0)")
 parser.add_argument("--out", required=True, help="interface.json to write (Ω_{t+1})")
-# What each of loop.sh's modes does to Ω (their weights differ in train_grpo.py's --no-reweight).
-MODES = {"seal": "evolve", "no-reweight": "evolve", "no-closed-loop": "fixed", "vanilla": "off", "no-env": "off"}
 parser.add_argument("--mode", default="seal", choices=list(MODES))
 parser.add_argument("--min-count", type=int, default=8, help="turns a label needs to get a cue")
 parser.add_argument("--min-share", type=float, default=0.10, help="share of all turns a label needs")
@@ -140,7 +139,7 @@ def describe(z, profile):
 
 
 def main(args):
-    cues = MODES[args.mode]
+    cues = MODES[args.mode].omega
     if args.diagnoses is None:  # Ω_0 of the mode
         omega = interface.off() if cues == "off" else interface.initial()
         if args.round is not None:
