@@ -72,9 +72,12 @@ import random
 import sys
 import time
 
+from common.presets import PRESETS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TASKS = os.path.join(REPO, "data", "train.jsonl")
-PRESET_TASKS = os.path.join(REPO, "data", "tiny.jsonl")  # the tiny preset's tasks (data/prepare.py)
+TINY = PRESETS["tiny"]
+PRESET_TASKS = os.path.join(REPO, TINY.tasks)  # the tiny preset's tasks (data/prepare.py)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -161,8 +164,8 @@ MEASURE = {
     "eval_tasks": 32,
     "eval_max_new_tokens": 128,
     "check_samples": 8,
-    "check_max_new_tokens": 96,  # the tiny preset's MAX_NEW and MAX_STEPS (loop.sh)
-    "check_max_steps": 3,
+    "check_max_new_tokens": int(TINY.max_new),  # as the preset's rollouts play
+    "check_max_steps": int(TINY.max_steps),
 }
 MAX_TARGET = 384  # tokens of one assistant message trained on (a few ground-truth turns are longer)
 
@@ -271,12 +274,6 @@ def render(task, msgs, omega=None):
             nxt = conv.turn_messages(turn, announce(turn))
         text += content + conv.continuation(results or None, [""] * len(results), nxt)
     return text.removesuffix(GENERATION_PROMPT)
-
-
-def first_prompt_messages(task):
-    """The messages of turn 0 before the first model step (the evaluation prompt)."""
-    from common import bfcl
-    return [{"role": m["role"], "content": m["content"]} for m in bfcl.turn_messages(task, 0)]
 
 
 # ----------------------------------------------------------------------------- tokenizer
