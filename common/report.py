@@ -1,13 +1,13 @@
-"""A run's report: runs/NAME/report.md and PNG plots, rebuilt from the artifacts.
+"""A run's report: runs/NAME/report.md and PNG plots, rebuilt from the artifacts; and runs side by side.
 
     python -m common.report runs/NAME
+    python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...   # compare(runs)
 
 Reads only what the stages wrote (diagnoses, interfaces, train metrics, rollout
-summaries, timing, evaluation scores), so it can run at any moment of a live
-run; loop.sh calls it after every round.
+summaries, timing, evaluation scores; common/runs.py), so it can run at any moment
+of a live run; loop.sh calls it after every round.
 """
 
-import glob
 import os
 import sys
 
@@ -17,35 +17,22 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common.bfcl import CATEGORIES  # noqa: E402
-from common.jsonl import atomic_open, read_json, read_jsonl  # noqa: E402
-from common.runinfo import base_dir  # noqa: E402
+from common.jsonl import RecordError, atomic_open  # noqa: E402
+from common.runs import STAGES, Run, optional_json, optional_jsonl  # noqa: E402
 from common.taxonomy import LABELS  # noqa: E402
 
-STAGES = ["interface", "rollout", "diagnose", "evolve", "train", "eval"]
 
-
-# A live run lacks the artifacts of stages that have not run yet: absent is empty, not an error.
-def _json(path):
-    return read_json(path) if os.path.isfile(path) else None
-
-
-def _jsonl(path):
-    return read_jsonl(path) if os.path.isfile(path) else []
-
-
-def collect(run):
+def collect(path):
     """Per-round facts of a run, from whatever artifacts exist so far."""
-    rounds = []
-    timing = _jsonl(os.path.join(run, "timing.jsonl"))
-    for folder in sorted(glob.glob(os.path.join(run, "round_[0-9][0-9][0-9]"))):
-        t = int(folder[-3:])
-        diag = _jsonl(os.path.join(folder, "diagnoses.jsonl"))
-        omega = _json(os.path.join(folder, "interface.json"))
+    run, rounds = Run(path), []
+    for t, folder in run.rounds():
+        diag = optional_jsonl(os.path.join(folder, "diagnoses.jsonl"))
+        omega = optional_json(os.path.join(folder, "interface.json"))
         if not diag:  # Ω of the next round exists before its rollouts
             continue
         labels = [z for d in diag for z in d["turn_labels"]]
-        metrics = _jsonl(os.path.join(folder, "train_metrics.jsonl"))
-        summary = _json(os.path.join(folder, "rollout_summary.json")) or {}
+        metrics = optional_jsonl(os.path.join(folder, "train_metrics.jsonl"))
+        summary = optional_json(os.path.join(folder, "rollout_summary.json")) or {}
         row = {
             "round": t,
             "reward": sum(d["reward"] for d in diag) / len(diag) if diag else None,
@@ -58,16 +45,11 @@ def collect(run):
             "steps": sum(m["step"] > 0 for m in metrics),
             "global_step": max((m.get("global_step", 0) for m in metrics), default=0),
             "summary": summary,
-            "seconds": {s: sum(x["seconds"] for x in timing if x["round"] == t and x["stage"] == s) for s in STAGES},
+            "seconds": run.seconds(t),
         }
         rounds.append(row)
-    evals = {}
-    for path in sorted(glob.glob(os.path.join(run, "eval", "*", "scores.json"))):
-        evals[os.path.basename(os.path.dirname(path))] = _json(path)
-    config = _json(os.path.join(run, "config.json")) or {}
-    preset = config.get("settings", {}).get("preset")
-    base = _json(os.path.join(base_dir(run, preset), "eval", "scores.json"))
-    return rounds, evals, base, config
+    evals = {f"round_{t:03d}": scores for t, scores in run.evals()}
+    return rounds, evals, run.base_eval(), run.config
 
 
 def cues_text(omega):
@@ -148,6 +130,56 @@ def markdown(run, rounds, evals, base, config):
         lines.append(f"| {name} | " + " | ".join(f"{sc.get(c, float('nan')):.2f}" for c in CATEGORIES)
                      + f" | {sc['average']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def compare(paths):
+    """Print Table 1 (held-in) and, for runs scored with loop.sh --ood, Table 2: each preset's base
+    model once, then every evaluated round. Returns Table 1's rows of (name, scores)."""
+    rows, ood, bases = [], [], set()
+    for path in paths:
+        if not os.path.isdir(path):
+            raise RecordError(f"{path}: no such run folder")
+        run = Run(path, strict=True)
+        if run.base not in bases:
+            bases.add(run.base)
+            if (scores := run.base_eval()) is not None:
+                rows.append((f"{run.preset} base", scores))
+            ood.append((f"{run.preset} base", run.base_ood()))
+        name = os.path.basename(os.path.normpath(path))
+        rows += [(f"{name} r{t:03d}", scores) for t, scores in run.evals()]
+        ood += [(f"{name} r{t:03d}", benches) for t, benches in run.ood()]
+    width = max(len(name) for name, _ in rows) if rows else 10
+    print(f"{'':{width}}" + "".join(f"{c:>14}" for c in CATEGORIES + ["average"]))
+    for name, sc in rows:
+        same = sc.get("bfcl_eval", {}).get("same_settings", True)
+        print(f"{name:{width}}" + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in CATEGORIES + ["average"])
+              + ("" if same else "  * not bfcl-eval's settings: " + "; ".join(sc["bfcl_eval"]["differs"])))
+    print_ood([(name, benches) for name, benches in ood if benches])
+    return rows
+
+
+# The paper's Table 2: BFCL V4 memory per backend and its mean, web search where it ran, and
+# τ²-bench per domain and their mean, with the user simulator that τ² scores depend on.
+OOD_COLUMNS = [("bfcl-memory", "memory_kv", "mem kv"), ("bfcl-memory", "memory_vector", "mem vector"),
+               ("bfcl-memory", "memory_rec_sum", "mem rec_sum"), ("bfcl-memory", "memory", "memory avg"),
+               ("bfcl-web", "web_search", "web search"), ("tau2", "retail", "τ² retail"),
+               ("tau2", "airline", "τ² airline"), ("tau2", "telecom", "τ² telecom"), ("tau2", "average", "τ² avg")]
+
+
+def print_ood(rows):
+    """The Table-2 block for the (name, {bench: scores}) rows that hold OOD scores (loop.sh --ood)."""
+    if not rows:
+        return
+    width = max(len(name) for name, _ in rows)
+    print("\nOut of distribution (Table 2): BFCL V4 memory (web search where it ran) and τ²-bench")
+    print(f"{'':{width}}" + "".join(f"{label:>13}" for _, _, label in OOD_COLUMNS) + "  τ² user simulator")
+    for name, benches in rows:
+        cells = []
+        for bench, key, _ in OOD_COLUMNS:
+            v = benches.get(bench, {}).get(key)
+            cells.append(f"{v:>13.2f}" if isinstance(v, (int, float)) else f"{'—' if v is None else v:>13}")
+        sim = benches.get("tau2", {}).get("user_simulator") or {}
+        print(f"{name:{width}}" + "".join(cells) + f"  {sim.get('model') or sim.get('name') or sim.get('kind', '—')}")
 
 
 def main(run):

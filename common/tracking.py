@@ -22,7 +22,6 @@ nothing. TensorBoard's event files go to runs/NAME/tracking/seal/. The run's con
 """
 
 import argparse
-import glob
 import importlib.util
 import math
 import os
@@ -32,11 +31,10 @@ import uuid
 from common.bfcl import CATEGORIES
 from common.interface import FAILURE_LABELS
 from common.jsonl import read_json, read_jsonl, write_json
-from common.runinfo import base_dir
+from common.runs import Run
 from common.taxonomy import LABELS
 
 PROJECT = "seal"  # W&B / Comet / Trackio project, MLflow experiment, TensorBoard folder name
-STAGES = ["interface", "rollout", "diagnose", "evolve", "train"]
 # Accelerate's tracker name -> the package to install; a name it does not know is refused.
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "comet_ml": "comet-ml",
             "mlflow": "mlflow", "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab"}
@@ -162,8 +160,9 @@ def train_figures(metrics):
     return figs
 
 
-def round_figures(folder, t, timing, max_new_tokens):
-    """Every figure of round t, or None while the round is not complete (no train metrics yet)."""
+def round_figures(folder, t, seconds, max_new_tokens):
+    """Every figure of round t, or None while the round is not complete (no train metrics yet).
+    `seconds`: its stages' times (common.runs.Run.seconds) but its eval's, logged with its scores."""
     metrics_path = os.path.join(folder, "train_metrics.jsonl")
     if not os.path.isfile(metrics_path):
         return None
@@ -174,7 +173,6 @@ def round_figures(folder, t, timing, max_new_tokens):
     figs |= omega_figures(read_json(os.path.join(folder, "interface.json")))
     figs |= train_figures(read_jsonl(metrics_path))
     summary_path = os.path.join(folder, "rollout_summary.json")
-    seconds = {s: sum(x["seconds"] for x in timing if x["round"] == t and x["stage"] == s) for s in STAGES}
     if os.path.isfile(summary_path):
         summary = read_json(summary_path)
         figs["rollout/gen_tokens"] = summary["gen_tokens"]
@@ -187,44 +185,37 @@ def round_figures(folder, t, timing, max_new_tokens):
     return figs
 
 
-def _scores(prefix, path):
+def _scores(prefix, scores):
     """A scores.json's percentages (its top-level numbers; the nested objects say how it was run)."""
-    return {f"{prefix}/{k}": v for k, v in read_json(path).items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {f"{prefix}/{k}": v for k, v in scores.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def units(run):
+def units(path):
     """Every complete unit of the run so far: (step, key, figures), in step order."""
-    run = run.rstrip("/")
-    config = read_json(os.path.join(run, "config.json"))
-    settings = config["settings"]
-    max_new = int(settings["max_new_tokens"]) if settings.get("max_new_tokens") else None
-    timing_path = os.path.join(run, "timing.jsonl")
-    timing = read_jsonl(timing_path) if os.path.isfile(timing_path) else []
-    base = base_dir(run, settings.get("preset"))
+    run = Run(path.rstrip("/"), strict=True)
+    max_new = int(run.settings["max_new_tokens"]) if run.settings.get("max_new_tokens") else None
     out = []
-    if os.path.isfile(path := os.path.join(base, "eval", "scores.json")):
-        out.append((0, "eval base", _scores("val-core/heldin", path)))
-    for folder in sorted(glob.glob(os.path.join(run, "round_[0-9][0-9][0-9]"))):
-        t = int(folder[-3:])
-        if (figs := round_figures(folder, t, timing, max_new)) is not None:
+    if (base := run.base_eval()) is not None:
+        out.append((0, "eval base", _scores("val-core/heldin", base)))
+    for t, folder in run.rounds():
+        seconds = {s: v for s, v in run.seconds(t).items() if s != "eval"}
+        if (figs := round_figures(folder, t, seconds, max_new)) is not None:
             out.append((t, f"round {t}", figs))
-    for path in sorted(glob.glob(os.path.join(run, "eval", "round_[0-9][0-9][0-9]", "scores.json"))):
-        t = int(os.path.basename(os.path.dirname(path))[-3:])
-        figs = _scores("val-core/heldin", path)
+    for t, scores in run.evals():
+        figs = _scores("val-core/heldin", scores)
         # the last: a run that computed the base model's scores also timed that as round 0's eval
-        seconds = [x["seconds"] for x in timing if x["round"] == t and x["stage"] == "eval"]
+        seconds = [x["seconds"] for x in run.timing if x["round"] == t and x["stage"] == "eval"]
         if seconds:
             figs["timing_s/eval"] = seconds[-1]
         out.append((t + 1, f"eval round {t}", figs))
-    for path in sorted(glob.glob(os.path.join(run, "ood", "round_[0-9][0-9][0-9]", "*", "scores.json"))):
-        bench = os.path.basename(os.path.dirname(path))
-        t = int(os.path.basename(os.path.dirname(os.path.dirname(path)))[-3:])
-        figs = _scores(f"val-core/ood/{bench}", path)
-        if os.path.isfile(b := os.path.join(base, "ood", bench, "scores.json")):
-            figs |= _scores(f"val-core/ood-base/{bench}", b)
-        out.append((t + 1, f"ood {t} {bench}", figs))
-    return sorted(out, key=lambda u: u[0]), config
+    base_ood = run.base_ood()
+    for t, benches in run.ood():
+        for bench, scores in benches.items():
+            figs = _scores(f"val-core/ood/{bench}", scores)
+            if bench in base_ood:
+                figs |= _scores(f"val-core/ood-base/{bench}", base_ood[bench])
+            out.append((t + 1, f"ood {t} {bench}", figs))
+    return sorted(out, key=lambda u: u[0]), run.config
 
 
 # ----------------------------------------------------------------------------- trackers

@@ -60,3 +60,44 @@ def test_report_of_a_live_run(tmp_path, capsys):
     _write(str(empty / "config.json"), {})
     report.main(str(empty))
     assert "## Rounds" in (empty / "report.md").read_text()
+
+
+def test_compare_and_trackers_read_runs_one_way(tmp_path, capsys):
+    """common/runs.py is the one reader of a run folder: `evaluate.py --compare` (report.compare)
+    prints each preset's base model once, then every evaluated round of each run, and the
+    Table-2 block from the OOD scores; the trackers' units come from the same folders. A
+    folder under eval/ that is not a round's (a bench run by hand) is no round's score."""
+    from common import runs, tracking
+
+    held = {"base": 50.0, "miss_func": 25.0, "miss_param": 0.0, "long_context": 100.0, "average": 43.75}
+    for name in ("seal", "vanilla"):
+        run = tmp_path / name
+        _write(str(run / "config.json"), {"settings": {"preset": "tiny", "max_new_tokens": "96"}})
+        _write(str(run / "timing.jsonl"), [{"round": 1, "stage": "eval", "seconds": 3.0}], lines=True)
+        _write(str(run / "eval" / "round_001" / "scores.json"), held | {"average": 60.0 if name == "seal" else 45.0})
+    _write(str(tmp_path / "seal" / "eval" / "memory" / "scores.json"), {"memory": 10.0})
+    _write(str(tmp_path / "seal" / "ood" / "round_001" / "tau2" / "scores.json"),
+           {"retail": 20.0, "average": 20.0, "user_simulator": {"kind": "endpoint", "name": "user-7b"}})
+    _write(str(tmp_path / "base-tiny" / "eval" / "scores.json"), held)
+    _write(str(tmp_path / "base-tiny" / "ood" / "tau2" / "scores.json"), {"retail": 10.0, "average": 10.0})
+
+    run = runs.Run(str(tmp_path / "seal"))
+    assert [t for t, _ in run.evals()] == [1] and run.base_eval() == held
+    assert run.ood() == [(1, {"tau2": json.loads((tmp_path / "seal" / "ood" / "round_001" / "tau2" /
+                                                   "scores.json").read_text())})]
+    assert run.seconds(1) == dict.fromkeys(runs.STAGES, 0) | {"eval": 3.0}
+
+    rows = report.compare([str(tmp_path / "seal"), str(tmp_path / "vanilla")])
+    assert [(name, sc["average"]) for name, sc in rows] == [("tiny base", 43.75), ("seal r001", 60.0),
+                                                            ("vanilla r001", 45.0)]
+    out = capsys.readouterr().out.splitlines()
+    ood = out[out.index("Out of distribution (Table 2): BFCL V4 memory (web search where it ran) and τ²-bench") + 2:]
+    assert [line.split()[:2] for line in ood] == [["tiny", "base"], ["seal", "r001"]]
+    assert ood[1].endswith("user-7b") and "20.00" in ood[1] and "10.00" in ood[0]
+    with pytest.raises(report.RecordError, match="no such run folder"):
+        report.compare([str(tmp_path / "none")])
+
+    units, _ = tracking.units(str(tmp_path / "seal"))
+    assert [(step, key) for step, key, _ in units] == [(0, "eval base"), (2, "eval round 1"), (2, "ood 1 tau2")]
+    assert units[1][2]["val-core/heldin/average"] == 60.0 and units[1][2]["timing_s/eval"] == 3.0
+    assert units[2][2]["val-core/ood/tau2/retail"] == 20.0 and units[2][2]["val-core/ood-base/tau2/retail"] == 10.0
