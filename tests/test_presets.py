@@ -15,7 +15,7 @@ from common.presets import PRESETS, Preset
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_PRESETS = [name for name, p in PRESETS.items() if p.gpu_mem_gib]
 # The last commit whose loop.sh held the presets as shell variables.
-BEFORE = "d566b6a"
+BEFORE = "4862d71cc5e53177f6e4931bb57f8b0ceb22234f"
 # Values a shell mangles unless each is quoted: spaces, quotes, $, a glob, a newline, nothing.
 AWKWARD = {"USER_MODEL_NAME": "a b  'c' \"d\" $HOME `x` *", "OOD": "bfcl-memory tau2", "EXTRA_TRAIN": "--cpu\n--x",
            "SERVER": ""}
