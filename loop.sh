@@ -260,6 +260,7 @@ for ((t = 0; t < ROUNDS; t++)); do
   fi
   prune "$t"
   $PY -m common.report "$RUN" > /dev/null
+  $PY -m common.view "$RUN" > /dev/null || echo "loop: the viewer was not rebuilt (python -m common.view $RUN says why)" >&2
   track
 done
 if [ -n "$OOD" ]; then
@@ -267,4 +268,5 @@ if [ -n "$OOD" ]; then
   ood "$policy" final "$RUN/ood/round_$(printf %03d $((ROUNDS - 1)))"
   track
 fi
+$PY -m common.view "$RUN" > /dev/null || echo "loop: the viewer was not rebuilt (python -m common.view $RUN says why)" >&2
 $PY -m common.report "$RUN"
