@@ -203,6 +203,13 @@ POLICY_TAGS = ["actor/pg_loss", "actor/kl_loss", "actor/pg_clipfrac", "actor/pg_
                "seal/wa/mean", "perf/throughput"]
 
 
+def test_the_viewer_loop_built_shows_every_round_in_a_browser(runs):
+    """loop.sh rebuilt the viewer after every round: headless Chromium renders each round's rows,
+    a filter, and a trajectory with its verdict and label (tests/test_view.py)."""
+    from tests.test_view import check_tiny_runs
+    check_tiny_runs(runs)
+
+
 def test_tensorboard_reads_back_every_round(runs):
     """REPORT_TO=tensorboard: one step per round with the figures its artifacts hold, held-in
     scores at 0 (base) and 2 (after round 1), the run's id and what was logged kept in the run."""
