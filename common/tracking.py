@@ -35,6 +35,12 @@ from common.runs import Run
 from common.taxonomy import LABELS
 
 PROJECT = "seal"  # W&B / Comet / Trackio project, MLflow experiment, TensorBoard folder name
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A round's trajectories in the trackers that take tables (TRL's completions table, plus SEAL's
+# label and w): those of largest |w·A|, the ones that moved the policy most.
+TABLE_ROWS = 16
+TABLE_COLUMNS = ["task_id", "sample", "category", "prompt", "completion", "reward", "advantage", "w", "w_advantage",
+                 "turn_labels"]
 # Accelerate's tracker name -> the package to install; a name it does not know is refused.
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "comet_ml": "comet-ml",
             "mlflow": "mlflow", "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab"}
@@ -185,6 +191,38 @@ def round_figures(folder, t, seconds, max_new_tokens):
     return figs
 
 
+def trajectory_table(run, folder):
+    """Round rows of TABLE_COLUMNS, largest |w·A| first: the prompt is the task's user turns, the
+    completion the model's texts; A and w as train_grpo.py computes them (common/grpo.py)."""
+    from common.bfcl import load_tasks
+    from common.grpo import join_trajectories, load_rho
+
+    rollouts = read_jsonl(os.path.join(folder, "rollouts.jsonl"))
+    diagnoses = {(d["task_id"], d["sample_index"]): d for d in read_jsonl(os.path.join(folder, "diagnoses.jsonl"))}
+    joined = join_trajectories(rollouts, list(diagnoses.values()), load_rho(os.path.join(folder, "interface.json")),
+                               reweight=run.settings.get("reweight") != "--no-reweight")
+    path = run.settings.get("tasks") or "data/train.jsonl"
+    tasks = load_tasks(path if os.path.isabs(path) else os.path.join(ROOT, path))
+    texts = {(r["task_id"], r["sample_index"]): "\n\n".join(s["text"] for t in r["turns"] for s in t["steps"])
+             for r in rollouts}
+    rows = []
+    for j in sorted(joined, key=lambda j: -abs(j.weight * j.advantage))[:TABLE_ROWS]:
+        key, task = (j.task_id, j.sample_index), tasks.get(j.task_id, {})
+        prompt = "\n\n".join(m["content"] for q in task.get("questions", []) for m in q)
+        rows.append([j.task_id, j.sample_index, diagnoses[key]["category"], prompt, texts[key], j.reward, j.advantage,
+                     j.weight, j.weight * j.advantage, " ".join(diagnoses[key]["turn_labels"])])
+    return rows
+
+
+def table_text(rows):
+    """The table as TensorBoard's text plugin shows it (markdown), completions cut to 200 characters."""
+    cell = lambda v: (f"{v:.3f}" if isinstance(v, float) else str(v)).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    lines = ["| task | sample | reward | A | w | w·A | turn labels | completion |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append("| " + " | ".join(cell(v) for v in (r[0], r[1], r[5], r[6], r[7], r[8], r[9], r[4][:200])) + " |")
+    return "\n".join(lines)
+
+
 def _scores(prefix, scores):
     """A scores.json's percentages (its top-level numbers; the nested objects say how it was run)."""
     return {f"{prefix}/{k}": v for k, v in scores.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -253,15 +291,23 @@ def log(run, report_to):
                    "trackio": {"name": f"{name}-{run_id[:8]}", "resume": "allow"},
                    "comet_ml": {"experiment_key": run_id},
                    "mlflow": {"run_name": name, "run_id": state.get("mlflow_run_id")}}
-    logged = {}
+    logged, tables = {}, {}
     for n in names:  # one Accelerator per tracker: each gets its own new units and config
         acc = Accelerator(cpu=True, log_with=[n], project_config=ProjectConfiguration(
             project_dir=run, logging_dir=folder))
         first = n not in state["logged"]
         acc.init_trackers(PROJECT, config=_config(config) if first else None,
                           init_kwargs={n: init_kwargs.get(n, {})})
-        for step, _, figs in new[n]:
+        for step, key, figs in new[n]:
             acc.log({k: v for k, v in figs.items() if v is not None}, step=step)
+            if key.startswith("round ") and (n == "tensorboard" or hasattr(acc.get_tracker(n), "log_table")):
+                if step not in tables:  # read once for every tracker
+                    tables[step] = trajectory_table(Run(run), os.path.join(run, f"round_{step:03d}"))
+                rows = tables[step]
+                if n == "tensorboard":
+                    acc.get_tracker(n, unwrap=True).add_text("seal/trajectories", table_text(rows), global_step=step)
+                else:
+                    acc.get_tracker(n).log_table("seal/trajectories", columns=TABLE_COLUMNS, data=rows, step=step)
         if n == "mlflow":
             state["mlflow_run_id"] = acc.get_tracker("mlflow").active_run.info.run_id
         acc.end_training()

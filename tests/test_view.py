@@ -98,7 +98,8 @@ def synthetic_run(path, tasks, eval_tasks, rounds=2, n=4, step_chars=0, hostile=
                  "profile": {}, "rho": RHO}
         with open(os.path.join(folder, "interface.json"), "w") as f:
             json.dump(omega, f)
-        _write(os.path.join(folder, "train_metrics.jsonl"), [{"step": 1, "global_step": t + 1, "w_mean": 1.2}])
+        _write(os.path.join(folder, "train_metrics.jsonl"), [{"step": 0, "global_step": 0, "w_mean": 1.2, "w_std": 0.4,
+                 "zero_var_share": 0.5, "reward_mean": 0.625, "temperature": 1.0, "ref_model": None, "logprob_seconds": 1.0}])
     ev = os.path.join(path, "eval", f"round_{rounds - 1:03d}")
     plays = [dict(_rollout(task, 0, rounds - 1, i % 2 == 1, bad, step_chars), interface_version=None)
              for i, task in enumerate(eval_tasks)]
@@ -311,3 +312,26 @@ def check_tiny_runs(runs):
         text = browse(page, f"traj/1/{d['task_id']}/{d['sample_index']}").text()
         assert ("valid" if d["official"]["valid"] else d["official"]["error_type"]) in text
         assert d["turn_labels"][0] in text
+
+
+def test_trackers_get_each_rounds_trajectories_with_label_and_w(runs):
+    """REPORT_TO: a round's table (TRL's completions table plus label and w; A and w the
+    trainer's) and TensorBoard's text summary of it, read back by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from common import tracking
+    run = runs / "vanilla"
+    rows = tracking.trajectory_table(tracking.Run(str(run)), str(run / "round_000"))
+    page = data(run / "viewer" / "index.html", "round_000")["rows"]
+    trained = {(r["task_id"], r["sample_index"]): (r["A"], r["w"]) for r in page}
+    assert len(rows) == 16 and [abs(r[8]) for r in rows] == sorted((abs(r[8]) for r in rows), reverse=True)
+    assert all(trained[r[0], r[1]] == (r[6], r[7]) for r in rows)
+    task = load_tasks(str(run / "tasks.jsonl"))[rows[0][0]]
+    assert rows[0][3] == task["questions"][0][0]["content"] and "<tool_call>" in rows[0][4]  # prompt, completion
+    assert tracking.log(str(run), "tensorboard")["tensorboard"][:2] == ["round 0", "round 1"]
+    acc = EventAccumulator(str(run / "tracking" / "seal"), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = acc.Tensors("seal/trajectories/text_summary")
+    assert [e.step for e in texts] == [0, 1]
+    text = texts[0].tensor_proto.string_val[0].decode()
+    assert text.count("\n") == 1 + len(rows) and rows[0][0] in text

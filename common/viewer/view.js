@@ -401,6 +401,7 @@ async function render() {
   main.replaceChildren(h("div", { id: "view", "data-view": view || "round" }, body));
   document.title = `SEAL ${RUN.name} ${location.hash}`;
   document.body.setAttribute("data-ready", location.hash || "#");
+  document.body.setAttribute("data-ms", Math.round(performance.now()));  // since navigation: bench/view_bench.py
 }
 
 window.addEventListener("hashchange", render);
