@@ -32,7 +32,7 @@ import os
 import random
 import sys
 
-from common import bfcl, play, prompts
+from common import bfcl, play, playargs
 from common import interface as omega_api
 from common.jsonl import RecordError, write_json, write_jsonl
 
@@ -52,7 +52,7 @@ parser.add_argument("--prompts", default="bfcl", choices=["bfcl", "template"],
                     help="bfcl: the prompts bfcl-eval's --handler builds (evaluation's); template: the "
                          "model's chat template with tools= (verl's convention)")
 parser.add_argument("--round", type=int, default=0)
-play.add_play_args(parser, max_model_len=16384, max_new_tokens=512)
+playargs.add_play_args(parser, max_model_len=16384, max_new_tokens=512)
 parser.add_argument("--summary", default=None, help="also write the summary as JSON here")
 
 
@@ -77,22 +77,14 @@ def select_tasks(path, limit=None, ids=None, batch=None, round_=0):
 
 
 def main(args):
-    try:
-        args.call_format = args.call_format or prompts.call_format(args.handler)
-    except prompts.HandlerError as e:
-        parser.error(f"--handler: {e}")
-    schedule = play.schedule_for(args.engine, args.schedule, parser.error)
+    spec = playargs.play_spec(args, parser, omega=omega_api.load(args.interface), temperature=args.temperature,
+                              prompts=args.prompts)
     tasks = select_tasks(args.tasks, args.limit, args.task_ids, args.batch, args.round)
-    omega = omega_api.load(args.interface)
     log = os.path.splitext(args.out)[0] + ".server.log"
-    with play.open_engine(args, args.model, seed=args.seed, log=log) as engine:
-        records, timing = play.play(tasks, args.n, engine, omega=omega, fmt=args.call_format,
-                                    temperature=args.temperature, max_steps_per_turn=args.max_steps_per_turn,
-                                    max_model_len=args.max_model_len, max_new_tokens=args.max_new_tokens,
-                                    round_=args.round, policy=os.path.abspath(args.model), schedule=schedule,
-                                    prompts=args.prompts, handler=args.handler)
+    with playargs.open_engine(args, args.model, max_model_len=spec.max_model_len, seed=args.seed, log=log) as engine:
+        records, timing = play.play(tasks, args.n, engine, spec, round_=args.round, policy=os.path.abspath(args.model))
     write_jsonl(args.out, records)
-    stats = {**play.summary(records), "schedule": schedule, **play.cache_summary(timing),
+    stats = {**play.summary(records), "schedule": spec.schedule, **play.cache_summary(timing),
              "seconds": round(timing["seconds"], 3), "engine_seconds": round(timing["engine_seconds"], 3)}
     print(json.dumps(stats, indent=1))
     if args.summary:

@@ -81,8 +81,8 @@ root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 train = bfcl.load_tasks(os.path.join(root, "data", "train.jsonl"))
 tasks = [train[i.removesuffix("_1turn")] for i in bfcl.load_tasks(PRESET_TASKS)]
 model = build_cached()
-settings = dict(temperature=0.0, max_new_tokens=args.max_new_tokens, max_steps_per_turn=args.max_steps_per_turn,
-                progress=False, schedule="async")
+spec = play.PlaySpec(temperature=0.0, max_new_tokens=args.max_new_tokens, max_steps_per_turn=args.max_steps_per_turn,
+                     schedule="async")
 log = tempfile.mkdtemp(prefix="engine-bench-")
 print(f"engine bench, {time.strftime('%Y-%m-%d')}: tiny model, {len(tasks)} tasks x {args.n}, temperature 0, "
       f"{args.repeats} interleaved runs; load average {os.getloadavg()[0]:.1f}")
@@ -96,7 +96,7 @@ try:
     engines = (("in-process", local), ("server", server))
     for name, engine in engines:
         t = time.perf_counter()
-        play.play(tasks, args.n, engine, **settings)
+        play.play(tasks, args.n, engine, spec, progress=False)
         print(f"  first run on a fresh engine, {name}: {time.perf_counter() - t:.1f} s (not counted)")
     sums = {"in-process": [0, 0.0], "server": [0, 0.0]}
     reference = None
@@ -105,7 +105,7 @@ try:
             local.llm.reset_prefix_cache()
             serve.request(state["url"], "/reset_prefix_cache", {})
             t = time.perf_counter()
-            recs, _ = play.play(tasks, args.n, engine, **settings)
+            recs, _ = play.play(tasks, args.n, engine, spec, progress=False)
             sums[name][0] += len(recs)
             sums[name][1] += time.perf_counter() - t
             ids = [r["tokens"]["ids"] for r in recs]

@@ -3,7 +3,7 @@
     .venv/bin/python bench/prompt_ids_bench.py [--repeats 2] [--every 1]
 
 Plays the held-in tasks (every `--every`-th) as evaluate.py does (bfcl-eval's prompts,
-re-rendered each step, `play._lockstep`), the policy writing the ground-truth calls and then an
+re-rendered each step, `play.run`), the policy writing the ground-truth calls and then an
 answer, so no model time hides the play loop's own: once with each step's prompt ids from
 `PromptIds`, once encoding every prompt whole (what the play loop did before), alternately in
 one process. Checks that both give the same ids; prints seconds and the ratio.
@@ -14,8 +14,6 @@ import argparse
 import os
 import sys
 import time
-
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,7 +52,8 @@ class Oracle:
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 tasks = list(bfcl.load_tasks(os.path.join(root, "data", "heldin.jsonl")).values())[:: args.every]
 tok = load_tokenizer(build_cached())
-reused = play.Trajectory._encode
+reused = play.HandlerView._encode
+SPEC = play.PlaySpec(temperature=0.0, max_model_len=1 << 30, max_new_tokens=4096, rerender=True)
 
 
 def whole(self, text):
@@ -62,13 +61,11 @@ def whole(self, text):
 
 
 def run(encode):
-    play.Trajectory._encode = encode
+    play.HandlerView._encode = encode
     ids, start = [], time.perf_counter()
     for task in tasks:  # one at a time: the oracle answers the one trajectory in play
-        t = play.Trajectory(task, 0, None, tok, "json", "bfcl", "QwenFCHandler", rerender=True,
-                            stop_ids=[tok.eos_token_id])
-        counts = {"start": 0.0, "engine_seconds": 0.0, "generated": 0}
-        play._lockstep([t], Oracle(tok, [t]), counts, tqdm(disable=True), 0.0, 20, 1 << 30, 4096)
+        t = play.Rerendered(task, 0, SPEC, tok, stop_ids=[tok.eos_token_id])
+        play.run([t], Oracle(tok, [t]), SPEC, progress=False)
         ids.append(t.next_prompt)
     return time.perf_counter() - start, ids
 

@@ -52,14 +52,14 @@ else:  # the preset's tasks are training tasks cut to their first turn (data/pre
 tasks = [train[i] for i in ids]
 model = build_cached()
 settings = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                max_steps_per_turn=args.max_steps_per_turn, progress=False)
+                max_steps_per_turn=args.max_steps_per_turn)
 
 
 def run(engine, schedule):
     if hasattr(engine, "slots"):  # each run starts cold: no prompt cached by the previous one
         serve.request(engine.slots[0][0], "/reset_prefix_cache", {})
     cpu = time.process_time()
-    recs, timing = play.play(tasks, args.n, engine, schedule=schedule, **settings)
+    recs, timing = play.play(tasks, args.n, engine, play.PlaySpec(schedule=schedule, **settings), progress=False)
     timing["cpu_seconds"] = time.process_time() - cpu
     calls = [len(s["text"]) for r in recs for turn in r["turns"] for s in turn["steps"]]
     return {"trajectories": len(recs), "tokens": sum(r["stats"]["gen_tokens"] for r in recs),

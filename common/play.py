@@ -22,92 +22,178 @@ one batched engine call per step, so each step waits for its longest generation;
 generation as soon as its previous one is parsed, executed and its continuation
 appended, and the engine's continuous batching keeps the batch full. A failure
 while handling one trajectory aborts the engine's queued requests and raises
-TrajectoryFailed naming the task and sample. rollout.py and evaluate.py are thin
-command lines around `play`.
+TrajectoryFailed naming the task and sample.
+
+    spec = PlaySpec(omega=omega, temperature=1.0, schedule="async")  # common/playargs.py: from flags
+    records, timing = play(tasks, n, engine, spec, round_=t, policy=model_dir)
+
+rollout.py, evaluate.py and ood/memory.py are thin command lines around `play`.
 """
 
 import collections
-import contextlib
-import os
+import dataclasses
 import time
 
 from tqdm import tqdm
 
-from common import bfcl, serve
+from common import bfcl
 from common import interface as omega_api
 from common.chat import Renderer, after_stop, kept_output, tool_messages
 from common.engines import sampling_params
-from common.jsonl import RecordError
+from common.presets import MAX_STEPS_PER_TURN
 from common.prompts import Conversation, PromptIds, announced, first_prompt
 
 
-class Trajectory:
-    """One sample of one task: its environment, what the model is shown, and the record.
+@dataclasses.dataclass(frozen=True)
+class PlaySpec:
+    """How every trajectory of a play is played, built once per stage from its flags (common/playargs.py).
 
-    `prompts` "bfcl" shows the model what bfcl-eval's handler `handler` builds
-    (common/prompts.py); "template" renders with the model's own chat template
-    (`tools=`, verl's convention; common/chat.py). With `rerender` (evaluation,
-    "bfcl" only) every prompt is the handler's rendering of the whole history, as
-    bfcl-eval's harness sends it; otherwise the generated ids stay in the context
-    (token-in/token-out) and only what follows them is rendered.
+    omega                Ω (interface.json), or None: plain prompts, bfcl-eval's decode-failure rule
+    fmt                  how calls are decoded: json (<tool_call> blocks) or python ([f(a=1)] lists)
+    temperature          what the engine samples with: a temperature, or a dict of SAMPLING_KEYS
+    max_steps_per_turn   a turn's step with calls past this many force-quits the task
+    max_model_len        the context in tokens; max_new_tokens: the cap per model call
+    schedule             "lockstep" (one batched call per step) or "async" (per trajectory, vLLM)
+    prompts, handler     what the model is shown: "bfcl", the prompts bfcl-eval's `handler` builds
+                         (common/prompts.py), or "template", the model's own chat template with
+                         `tools=` (verl's convention; common/chat.py)
+    rerender             every prompt is the handler's rendering of the whole history, as
+                         bfcl-eval's harness sends it (evaluation); otherwise the generated ids
+                         stay in the context (token-in/token-out) and only what follows is rendered
     """
 
-    def __init__(self, task, sample_index, omega, tokenizer, fmt, prompts="bfcl", handler="QwenFCHandler",
-                 rerender=False, stop_ids=()):
-        if prompts not in ("bfcl", "template"):
-            raise ValueError(f"unknown prompt format {prompts!r} (bfcl or template)")
-        if rerender and prompts != "bfcl":
+    omega: dict | None = None
+    fmt: str = "json"
+    temperature: float | dict = 1.0
+    max_steps_per_turn: int = MAX_STEPS_PER_TURN
+    max_model_len: int | None = 16384
+    max_new_tokens: int = 512
+    schedule: str = "lockstep"
+    prompts: str = "bfcl"
+    handler: str = "QwenFCHandler"
+    rerender: bool = False
+
+    def __post_init__(self):
+        if self.schedule not in ("lockstep", "async"):
+            raise ValueError(f"unknown schedule {self.schedule!r} (lockstep or async)")
+        if self.prompts not in ("bfcl", "template"):
+            raise ValueError(f"unknown prompt format {self.prompts!r} (bfcl or template)")
+        if self.rerender and self.prompts != "bfcl":
             raise ValueError("re-rendered prompts are bfcl-eval's (prompts='bfcl')")
-        self.task, self.sample_index, self.omega, self.fmt = task, sample_index, omega, fmt
-        self.tok, self.rerender, self.stop_ids = tokenizer, rerender, set(stop_ids)
-        self.decode_failure = "feedback" if omega and omega["error_feedback"] else "end_turn"
+
+
+class TemplateView:
+    """What the model is shown under `prompts="template"`: its own chat template, the
+    conversation kept as messages."""
+
+    def __init__(self, tokenizer, task, tools, shown, system, handler):
+        self.tok, self.task, self.tools = tokenizer, task, tools
+        self.renderer, self.history, self.before = Renderer(tokenizer, shown, system), [], None
+
+    def enter_turn(self, turn, shown, revealed):
+        """The user messages of `turn` (new tools as `shown`), and the same without Ω's cues."""
+        msgs = bfcl.turn_messages(self.task, turn, new_tools=shown)
+        self.history += msgs
+        return msgs, (bfcl.turn_messages(self.task, turn) if revealed is not None else msgs)
+
+    def prompt_ids(self):
+        return self.renderer.prompt(self.history)
+
+    def plain_prompt_ids(self):
+        """The first prompt without Ω's cues."""
+        return Renderer(self.tok, self.tools).prompt(self.history)
+
+    def closing(self):
+        return self.renderer.closing()
+
+    def add_output(self, text):
+        self.before = list(self.history)
+        self.history.append({"role": "assistant", "content": text})
+
+    def add_results(self, contents):
+        self.history += tool_messages(contents)
+
+    def continuation(self, text, results, names, turn_msgs):
+        """The text that follows the model's output `text`: what came back, and a new turn's messages."""
+        new = (tool_messages(results) if results is not None else []) + (turn_msgs or [])
+        return self.renderer.continuation_text(self.before, text, new)
+
+
+class HandlerView:
+    """What the model is shown under `prompts="bfcl"`: what bfcl-eval's handler builds, the
+    conversation kept as the handler keeps it (common/prompts.py)."""
+
+    def __init__(self, tokenizer, task, tools, shown, system, handler):
+        self.tok, self.task, self.tools, self.handler = tokenizer, task, tools, handler
+        self.conv = Conversation(handler, task, shown, system)
+        self.encoder = PromptIds(tokenizer)  # each prompt's ids, reusing the last prompt's
+        self.text = None  # the last prompt rendered
+
+    def enter_turn(self, turn, shown, revealed):
+        msgs = self.conv.turn_messages(turn, shown)
+        plain = self.conv.turn_messages(turn, revealed)
+        self.conv.add_user(turn, msgs)
+        return msgs, plain
+
+    def prompt_ids(self):
+        """The handler's rendering of the whole conversation (it can raise), as ids."""
+        self.text = self.conv.prompt()
+        return self._encode(self.text)
+
+    def _encode(self, text):
+        """Ids of a whole prompt, as vLLM's server tokenises a completion request's text."""
+        return self.encoder(text)
+
+    def plain_prompt_ids(self):  # encoded whole: not a prompt of this trajectory
+        return self.tok(first_prompt(self.task, self.tools, handler_name=self.handler))["input_ids"]
+
+    def closing(self):
+        return self.conv.continuation()
+
+    def add_output(self, text):  # token-in/token-out: the handler's history is not read again
+        pass
+
+    def add_results(self, contents):
+        pass
+
+    def continuation(self, text, results, names, turn_msgs):
+        return self.conv.continuation(results, names, turn_msgs)
+
+
+class Trajectory:
+    """One sample of one task, token-in/token-out: its environment, what the model is shown
+    (the view of `spec.prompts`), and the record. The generated ids stay in the context and
+    only what follows them is rendered."""
+
+    def __init__(self, task, sample_index, spec, tokenizer, stop_ids=()):
+        self.task, self.sample_index, self.spec, self.omega = task, sample_index, spec, spec.omega
+        self.tok, self.stop_ids = tokenizer, set(stop_ids)
+        self.decode_failure = "feedback" if self.omega and self.omega["error_feedback"] else "end_turn"
         self.env = bfcl.Environment(task)
         self.start = time.perf_counter()
         self.cue_tokens = 0
         self.turns = []
         self.stop = None
         self.error = None  # bfcl-eval's inference error: the entry failed as a whole
-        self.closing = None  # how the format closes an assistant message (token-in/token-out)
+        self.closing = None  # how the format closes an assistant message
         tools = bfcl.tools_at(task, 0)
-        shown, system = omega_api.tool_view(tools, omega), omega_api.system_cue(omega)
+        shown, system = omega_api.tool_view(tools, self.omega), omega_api.system_cue(self.omega)
         self.ids, self.mask, self.logprobs = [], [], []
-        self.step_prompts = []  # rerender: the prompt text of every step, for bfcl-eval's result files
-        self.encoder = PromptIds(tokenizer)  # bfcl prompts: each prompt's ids, reusing the last prompt's
-        if prompts == "template":
-            self.conv, self.renderer, self.history = None, Renderer(tokenizer, shown, system), []
-            self.prompt_ids = self.renderer.prompt(self._enter_turn(0))
-            plain = lambda: Renderer(tokenizer, tools).prompt(self.history)  # noqa: E731
-        else:
-            self.conv, self.renderer = Conversation(handler, task, shown, system), None
-            self._enter_turn(0)
-            self.step_prompts.append(self.conv.prompt())
-            self.prompt_ids = self._encode(self.step_prompts[0])
-            def plain():  # encoded whole: not a prompt of this trajectory
-                return self.tok(first_prompt(task, tools, handler_name=handler))["input_ids"]
-        self.next_prompt = self.prompt_ids
+        view = TemplateView if spec.prompts == "template" else HandlerView
+        self.view = view(tokenizer, task, tools, shown, system, spec.handler)
+        self._enter_turn(0)
+        self.prompt_ids = self.next_prompt = self.view.prompt_ids()
         if shown is not tools or system:
             # Schema-cue annotations and capability cues: what the prompt has beyond the plain one.
-            self.cue_tokens += max(0, len(self.prompt_ids) - len(plain()))
-
-    def _encode(self, text):
-        """Ids of a whole prompt, as vLLM's server tokenises a completion request's text."""
-        return self.encoder(text)
+            self.cue_tokens += max(0, len(self.prompt_ids) - len(self.view.plain_prompt_ids()))
 
     def _enter_turn(self, turn):
         """Start `turn` in the environment; returns its user messages (new tools announced)."""
         self.env.start_turn(turn)
         # bfcl-eval announces a held-out turn's tools (in the task's order) whatever came before
         revealed = announced(self.task, turn)
-        is_announced = revealed is not None
-        shown = omega_api.tool_view(revealed, self.omega) if is_announced else None
-        if self.conv is None:
-            msgs = bfcl.turn_messages(self.task, turn, new_tools=shown)
-            plain = bfcl.turn_messages(self.task, turn) if is_announced else msgs
-            self.history += msgs
-        else:
-            msgs = self.conv.turn_messages(turn, shown)
-            plain = self.conv.turn_messages(turn, revealed if is_announced else None)
-            self.conv.add_user(turn, msgs)
+        shown = omega_api.tool_view(revealed, self.omega) if revealed is not None else None
+        msgs, plain = self.view.enter_turn(turn, shown, revealed)
         if msgs is not plain:
             # Schema-cue annotations of revealed tools are cue tokens too.
             self.cue_tokens += max(0, len(self.tok(msgs[0]["content"], add_special_tokens=False)["input_ids"])
@@ -117,7 +203,7 @@ class Trajectory:
 
     def context(self):
         """The ids the engine gets for this trajectory's next output."""
-        return self.next_prompt if self.rerender else self.prompt_ids + self.ids
+        return self.prompt_ids + self.ids
 
     def context_len(self):
         return len(self.prompt_ids) + len(self.ids)
@@ -139,41 +225,22 @@ class Trajectory:
         self.error = error
         self.finish("inference_error", "inference_error")
 
-    def limit(self, max_model_len, max_new_tokens):
-        """The generation limit of the next call, or None once the trajectory has stopped on it.
-
-        Re-rendered (bfcl-eval's local inference): `min(max_new_tokens, ctx - input - 2)` with the
-        input counted by `tokenizer.tokenize`; a prompt with no room fails the entry (its server
-        rejects the request). Token-in/token-out: what is left of the context.
-        """
-        if self.rerender:
-            n = len(self.next_prompt) - self.tok.num_special_tokens_to_add()  # = len(tokenize(prompt))
-            if max_model_len < n + 2:
-                self.fail(f"the prompt ({n} tokens) does not fit the model's context ({max_model_len})")
-                return None
-            return min(max_new_tokens, max_model_len - n - 2)
-        room = max_model_len - self.context_len()
+    def limit(self):
+        """The generation limit of the next call (what is left of the context), or None once
+        the trajectory has stopped on it."""
+        room = self.spec.max_model_len - self.context_len()
         if room > 0:
-            return min(max_new_tokens, room)
+            return min(self.spec.max_new_tokens, room)
         self.finish("context_limit", "context_limit")
         return None
 
-    def advance(self, gen, text, max_steps_per_turn, max_model_len):
+    def advance(self, gen, text):
         """Take one model output: execute its calls and add what the model sees next."""
-        stop_text = self._take_output(gen)
-        # Only a re-rendered prompt reads the handler's history; token-in/token-out keeps the ids.
-        parsed = self.conv.add_assistant(text, len(self.next_prompt), len(gen.ids)) if self.rerender else None
-        step = {"text": text, **self.env.step(text, self.fmt), "feedback": None}
-        if self.rerender:  # bfcl-eval's result files log these per step
-            step.update(formatted_prompt=self.step_prompts[-1], prompt_tokens=len(self.next_prompt),
-                        output_tokens=len(gen.ids))
+        stop_text = self._take_output(gen, text)
+        step = {"text": text, **self.env.step(text, self.spec.fmt), "feedback": None, **self._step_log(gen)}
         turn = self.turns[-1]
         turn["steps"].append(step)
-        history = list(self.history) if self.conv is None else None
-        if self.conv is None:
-            self.history.append({"role": "assistant", "content": text})
-
-        action = turn_action(step, len(turn["steps"]), self.decode_failure, max_steps_per_turn)
+        action = turn_action(step, len(turn["steps"]), self.decode_failure, self.spec.max_steps_per_turn)
         if action == "force_quit":
             return self.finish("step_limit", "step_limit")
         results, names, turn_msgs = None, (), None
@@ -194,46 +261,38 @@ class Trajectory:
             results = contents
             names = self.env.decoded[-1][-1] if step["calls"] else []
             names = list(names) + [""] * (len(contents) - len(names))  # the handler zips results with them
-            if self.conv is None:
-                self.history += tool_messages(contents)
-            elif self.rerender:
-                self.conv.add_results(contents, parsed, names)
+            self._add_results(contents, names)
         else:
             turn["end"] = "decode_error" if step["parse_error"] else "answer"
             if len(self.turns) == len(self.task["questions"]):
                 return self.finish("done")
             turn_msgs = self._enter_turn(len(self.turns))
+        return self._next(text, stop_text, results, names, turn_msgs)
 
-        if self.rerender:
-            try:  # bfcl-eval renders the next prompt from what its handler kept; this can raise
-                prompt = self.conv.prompt()
-            except Exception as e:
-                return self.fail(str(e))
-            self.step_prompts.append(prompt)
-            self.next_prompt = self._encode(prompt)
-            return None
-        if self.conv is None:
-            new = (tool_messages(results) if results is not None else []) + (turn_msgs or [])
-            more_text = self.renderer.continuation_text(history, text, new)
-        else:
-            more_text = self.conv.continuation(results, names, turn_msgs)
+    def _take_output(self, gen, text):
+        """Append the generated ids as the context keeps them; returns the stop text kept."""
+        if self.closing is None:  # the same for every message of the conversation: rendered once
+            self.closing = self.view.closing()
+        self.view.add_output(text)
+        ids, logprobs, stop_text = kept_output(self.tok, gen, self.stop_ids, self.closing)
+        self._append(ids, 1, logprobs)
+        return stop_text
+
+    def _step_log(self, gen):
+        return {}
+
+    def _add_results(self, contents, names):
+        self.view.add_results(contents)
+
+    def _next(self, text, stop_text, results, names, turn_msgs):
+        """Append what the model sees after its output `text`, unless it does not fit."""
+        more_text = self.view.continuation(text, results, names, turn_msgs)
         more = self.tok(after_stop(more_text, stop_text), add_special_tokens=False)["input_ids"]
-        if self.context_len() + len(more) >= max_model_len:
+        if self.context_len() + len(more) >= self.spec.max_model_len:
             # What the model would see next does not fit (with room for one token).
             return self.finish("context_limit", "context_limit")
         self._append(more, 0)
         return None
-
-    def _take_output(self, gen):
-        """Append the generated ids as the context keeps them; returns the stop text kept."""
-        if self.rerender:  # the next prompt is rendered anew: the ids are only recorded
-            self._append(list(gen.ids), 1, list(gen.logprobs))
-            return ""
-        if self.closing is None:  # the same for every message of the conversation: rendered once
-            self.closing = self.renderer.closing() if self.conv is None else self.conv.continuation()
-        ids, logprobs, stop_text = kept_output(self.tok, gen, self.stop_ids, self.closing)
-        self._append(ids, 1, logprobs)
-        return stop_text
 
     def record(self, round_, policy):
         rec = {
@@ -248,6 +307,48 @@ class Trajectory:
         if self.error is not None:
             rec["inference_error"] = self.error
         return rec
+
+
+class Rerendered(Trajectory):
+    """A trajectory played as bfcl-eval's harness plays it (`spec.rerender`, evaluation): every
+    prompt is the handler's rendering of the whole history; the generated ids are only recorded."""
+
+    def __init__(self, task, sample_index, spec, tokenizer, stop_ids=()):
+        super().__init__(task, sample_index, spec, tokenizer, stop_ids)
+        self.step_prompts = [self.view.text]  # the prompt text of every step, for bfcl-eval's result files
+        self.parsed = None  # the handler's parse of the last output
+
+    def context(self):
+        return self.next_prompt
+
+    def limit(self):
+        """bfcl-eval's local inference: `min(max_new_tokens, ctx - input - 2)` with the input counted
+        by `tokenizer.tokenize`; a prompt with no room fails the entry (its server rejects it)."""
+        n = len(self.next_prompt) - self.tok.num_special_tokens_to_add()  # = len(tokenize(prompt))
+        if self.spec.max_model_len < n + 2:
+            self.fail(f"the prompt ({n} tokens) does not fit the model's context ({self.spec.max_model_len})")
+            return None
+        return min(self.spec.max_new_tokens, self.spec.max_model_len - n - 2)
+
+    def _take_output(self, gen, text):
+        self._append(list(gen.ids), 1, list(gen.logprobs))
+        self.parsed = self.view.conv.add_assistant(text, len(self.next_prompt), len(gen.ids))
+        return ""
+
+    def _step_log(self, gen):  # bfcl-eval's result files log these per step
+        return {"formatted_prompt": self.step_prompts[-1], "prompt_tokens": len(self.next_prompt),
+                "output_tokens": len(gen.ids)}
+
+    def _add_results(self, contents, names):
+        self.view.conv.add_results(contents, self.parsed, names)
+
+    def _next(self, text, stop_text, results, names, turn_msgs):
+        try:  # bfcl-eval renders the next prompt from what its handler kept; this can raise
+            self.next_prompt = self.view.prompt_ids()
+        except Exception as e:
+            return self.fail(str(e))
+        self.step_prompts.append(self.view.text)
+        return None
 
 
 def turn_action(step, steps_in_turn, decode_failure, max_steps_per_turn):
@@ -273,119 +374,32 @@ def hint_errors(step):
     return errors + ([step["parse_error"]] if step["parse_error"] else [])
 
 
-def add_play_args(parser, *, max_model_len, max_new_tokens):
-    """The engine and play flags rollout.py and evaluate.py share, declared once so that their
-    meaning cannot drift apart. The length defaults are the caller's: evaluation plays as
-    bfcl-eval's local inference (the model's context, None here; 4096 new tokens), training
-    within the preset's budget."""
-    parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"],
-                        help="vllm (vLLM servers, common/serve.py), or hf (transformers generate in this process, "
-                             "lock-step only)")
-    parser.add_argument("--handler", default="QwenFCHandler",
-                        help="the bfcl-eval handler whose prompts the model is shown and whose call format is "
-                             "the default (common/prompts.py HANDLERS)")
-    parser.add_argument("--call-format", default=None, choices=["json", "python"],
-                        help="how calls are decoded: json, Qwen <tool_call> blocks; python, [f(a=1)] lists "
-                             "(ToolACE); default: the handler's")
-    parser.add_argument("--max-steps-per-turn", type=int, default=20,
-                        help="a turn's step with calls past this many force-quits the task (bfcl-eval: 20)")
-    parser.add_argument("--max-model-len", type=int, default=max_model_len,
-                        help="context in tokens (default: %(default)s)" if max_model_len is not None else
-                        "context (default: the model's max_position_embeddings, as bfcl-eval's local inference)")
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
-                        help="cap on new tokens per model call (default: %(default)s; bfcl-eval: "
-                             "min(4096, context - prompt - 2))")
-    serve.add_server_args(parser)
-    parser.add_argument("--schedule", default=None, choices=["async", "lockstep"],
-                        help="per-trajectory (vLLM's default) or one batched call per step (HF's only)")
-
-
-def schedule_for(engine_kind, schedule, error):
-    """The schedule a stage runs: async by default on vLLM; HF generate runs lock-step only."""
-    if engine_kind == "hf" and schedule == "async":
-        error("--schedule async needs --engine vllm (the HF engine advances trajectories in lock-step)")
-    return schedule or ("async" if engine_kind == "vllm" else "lockstep")
-
-
-@contextlib.contextmanager
-def open_engine(args, model, *, seed, log):
-    """The stage's engine for `model`: vLLM servers (--server URL[,URL...], or one started here for
-    the block's lifetime, logging to --server-log or `log`), or transformers generate in this
-    process (--engine hf). Servers are checked to serve `model`'s weights before anything plays."""
-    from common.engines import ServerEngine, make_engine  # imports torch: only for model policies
-
-    if args.engine == "hf":
-        if args.server or args.tensor_parallel_size != 1 or args.data_parallel_size != 1:
-            raise RecordError("--engine hf runs in this process: no --server, tensor or data parallel size")
-        engine = make_engine("hf", model, max_model_len=args.max_model_len, seed=seed)
-        try:
-            yield engine
-        finally:
-            engine.close()
-        return
-    with contextlib.ExitStack() as stack:
-        if args.server:
-            urls = serve.parse_servers(args.server)
-            logs = {urls[0]: args.server_log} if args.server_log and len(urls) == 1 else {}
-        else:
-            log = args.server_log or log
-            url = stack.enter_context(serve.serving(
-                model, log, max_model_len=args.max_model_len, seed=seed, tensor_parallel_size=args.tensor_parallel_size,
-                data_parallel_size=args.data_parallel_size,
-                gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None)))
-            urls, logs = [url], {url: log}
-        engine = ServerEngine(urls, model, max_model_len=args.max_model_len, seed=seed, logs=logs)
-        stack.callback(engine.close)
-        yield engine
-
-
-@contextlib.contextmanager
-def greedy_player(args, error, log):
-    """evaluate.py's model policy: yields run(tasks), which plays each task once as bfcl-eval's
-    harness does (Ω removed, the handler's prompts re-rendered every step, bfcl-eval's decoding)
-    within evaluate.py's engine and length arguments, and returns the records."""
-    from common.models import model_sampling
-
-    schedule = schedule_for(args.engine, args.schedule, error)
-    # bfcl-eval asks its vLLM server for temperature 0.001; the server fills in the rest from the
-    # model's generation_config.json (vLLM's default --generation-config auto).
-    sampling = ({"temperature": 0.001, **model_sampling(args.policy)} if args.decoding == "bfcl" else 0.0)
-    with open_engine(args, args.policy, seed=0, log=log) as engine:
-        def run(tasks):
-            return play(tasks, 1, engine, omega=None, fmt=args.call_format, temperature=sampling,
-                        max_steps_per_turn=args.max_steps_per_turn, max_model_len=args.max_model_len,
-                        max_new_tokens=args.max_new_tokens, policy=os.path.abspath(args.policy), schedule=schedule,
-                        prompts="bfcl", handler=args.handler, rerender=True)[0]
-        yield run
-
-
 class TrajectoryFailed(RuntimeError):
     """Handling one trajectory failed (engine request or environment); the stage must fail."""
 
 
-def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps_per_turn=20,
-         max_model_len=16384, max_new_tokens=512, round_=0, policy="", progress=True, schedule="lockstep",
-         prompts="bfcl", handler="QwenFCHandler", rerender=False):
-    """Rollout records for `n` samples of every task, in (task, sample) order, and the wall
-    time of the loop with the part spent inside the engine (and, when the engine counts
-    them, the prompt tokens sent and those served from its prefix cache).
-
-    `temperature` is what the engine samples with (a temperature, or a dict of
-    common.engines.SAMPLING_KEYS); `prompts`, `handler` and `rerender` say what the model
-    is shown (Trajectory)."""
-    if schedule not in ("lockstep", "async"):
-        raise ValueError(f"unknown schedule {schedule!r} (lockstep or async)")
-    if schedule == "async" and not hasattr(engine, "submit"):
+def play(tasks, n, engine, spec, *, round_=0, policy="", progress=True):
+    """Rollout records for `n` samples of every task played with `spec`, in (task, sample) order,
+    and the wall time of the loop with the part spent inside the engine (and, when the engine
+    counts them, the prompt tokens sent and those served from its prefix cache)."""
+    if spec.schedule == "async" and not hasattr(engine, "submit"):
         raise ValueError(f"{type(engine).__name__} runs lock-step only (schedule 'async' needs vLLM servers)")
-    tok = engine.tokenizer
-    trajs = [Trajectory(task, k, omega, tok, fmt, prompts, handler, rerender, engine.stop_ids)
-             for task in tasks for k in range(n)]
-    bar = tqdm(total=len(trajs), desc="trajectories", unit="traj", disable=not progress)
-    counts = {"start": time.perf_counter(), "engine_seconds": 0.0, "generated": 0}
+    kind = Rerendered if spec.rerender else Trajectory
+    trajs = [kind(task, k, spec, engine.tokenizer, engine.stop_ids) for task in tasks for k in range(n)]
+    start = time.perf_counter()
     before = {k: getattr(engine, k) for k in ("prompt_tokens", "cached_tokens") if hasattr(engine, k)}
-    step = _lockstep if schedule == "lockstep" else _async
+    engine_seconds = run(trajs, engine, spec, progress)
+    timing = {"seconds": time.perf_counter() - start, "engine_seconds": engine_seconds}
+    timing.update({k: getattr(engine, k) - v for k, v in before.items()})
+    sampling = sampling_params(spec.temperature)  # what the engine sampled with; the trainer needs T
+    return [t.record(round_, policy) | {"sampling": sampling} for t in trajs], timing
+
+
+def run(trajs, engine, spec, progress=True):
+    """Play trajectories to their end with `spec.schedule`; returns the seconds spent inside the engine."""
+    bar = tqdm(total=len(trajs), desc="trajectories", unit="traj", disable=not progress)
     try:
-        step(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_model_len, max_new_tokens)
+        return (_lockstep if spec.schedule == "lockstep" else _async)(trajs, engine, spec.temperature, bar)
     except BaseException:
         for t in trajs:
             if t.stop is None:
@@ -393,81 +407,80 @@ def play(tasks, n, engine, *, omega=None, fmt="json", temperature=1.0, max_steps
         raise
     finally:
         bar.close()
-    timing = {"seconds": time.perf_counter() - counts["start"], "engine_seconds": counts["engine_seconds"]}
-    timing.update({k: getattr(engine, k) - v for k, v in before.items()})
-    sampling = sampling_params(temperature)  # what the engine sampled with; the trainer needs T
-    return [t.record(round_, policy) | {"sampling": sampling} for t in trajs], timing
 
 
-def _room(t, max_model_len, max_new_tokens, bar):
+def _room(t, bar):
     """The generation limit of a trajectory's next call, or None once it stopped on it."""
-    limit = t.limit(max_model_len, max_new_tokens)
+    limit = t.limit()
     if limit is None:
         bar.update(1)
     return limit
 
 
-def _handle(t, gen, tok, counts, bar, max_steps_per_turn, max_model_len):
-    counts["generated"] += len(gen.ids)
+def _handle(t, gen, tok, bar):
     try:
-        t.advance(gen, decode(tok, gen, t.stop_ids), max_steps_per_turn, max_model_len)
+        t.advance(gen, decode(tok, gen, t.stop_ids))
     except Exception as e:
         raise TrajectoryFailed(f"task {t.task['id']} sample {t.sample_index}: {type(e).__name__}: {e}") from e
     if t.stop is not None:
         bar.update(1)
 
 
-def _lockstep(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_model_len, max_new_tokens):
-    t0 = counts["start"]
+def _speed(bar, generated, t0):
+    bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t0, 1e-9):.0f}")
+
+
+def _lockstep(trajs, engine, temperature, bar):
+    t0, engine_seconds, generated = time.perf_counter(), 0.0, 0
     while True:
-        waiting = []
-        for t in trajs:
-            if t.stop is None and (limit := _room(t, max_model_len, max_new_tokens, bar)) is not None:
-                waiting.append((t, limit))
+        waiting = [(t, limit) for t in trajs if t.stop is None and (limit := _room(t, bar)) is not None]
         if not waiting:
-            return
+            return engine_seconds
         t_gen = time.perf_counter()
         gens = engine.generate([t.context() for t, _ in waiting], [m for _, m in waiting], temperature)
-        counts["engine_seconds"] += time.perf_counter() - t_gen
+        engine_seconds += time.perf_counter() - t_gen
         for (t, _), gen in zip(waiting, gens, strict=True):
-            _handle(t, gen, engine.tokenizer, counts, bar, max_steps_per_turn, max_model_len)
-        bar.set_postfix(tok_s=f"{counts['generated'] / max(time.perf_counter() - t0, 1e-9):.0f}")
+            generated += len(gen.ids)
+            _handle(t, gen, engine.tokenizer, bar)
+        _speed(bar, generated, t0)
 
 
-def _async(trajs, engine, counts, bar, temperature, max_steps_per_turn, max_model_len, max_new_tokens):
-    t0 = counts["start"]
+def _async(trajs, engine, temperature, bar):
+    t0, engine_seconds, generated = time.perf_counter(), 0.0, 0
 
     def submit(i):
+        """Submit trajectory i's next generation; returns the seconds it took (vLLM's own request
+        processing: lock-step's generate() counts it inside the engine too)."""
         t = trajs[i]
-        if (limit := _room(t, max_model_len, max_new_tokens, bar)) is None:
-            return
+        if (limit := _room(t, bar)) is None:
+            return 0.0
         t_gen = time.perf_counter()
         try:
             engine.submit(i, t.context(), limit, temperature)
         except Exception as e:
             raise TrajectoryFailed(f"task {t.task['id']} sample {t.sample_index}: "
                                    f"engine request failed: {type(e).__name__}: {e}") from e
-        # vLLM's own request processing (lock-step's generate() counts it inside the engine too)
-        counts["engine_seconds"] += time.perf_counter() - t_gen
+        return time.perf_counter() - t_gen
 
     try:
-        for i in range(len(trajs)):
-            submit(i)
+        engine_seconds += sum(submit(i) for i in range(len(trajs)))
         while engine.pending:
             t_gen = time.perf_counter()
             done = engine.poll()
-            counts["engine_seconds"] += time.perf_counter() - t_gen
+            engine_seconds += time.perf_counter() - t_gen
             for i, gen in done:
-                _handle(trajs[i], gen, engine.tokenizer, counts, bar, max_steps_per_turn, max_model_len)
+                generated += len(gen.ids)
+                _handle(trajs[i], gen, engine.tokenizer, bar)
                 if trajs[i].stop is None:
-                    submit(i)  # straight back into the running batch
+                    engine_seconds += submit(i)  # straight back into the running batch
                 if trajs[i].stop is not None and hasattr(engine, "release"):
                     engine.release(i)  # its server may take a new trajectory
             if done:
-                bar.set_postfix(tok_s=f"{counts['generated'] / max(time.perf_counter() - t0, 1e-9):.0f}")
+                _speed(bar, generated, t0)
     except BaseException:
         engine.abort()  # no request of a failed stage keeps running in the engine
         raise
+    return engine_seconds
 
 
 def decode(tok, gen, stop_ids):

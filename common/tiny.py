@@ -576,9 +576,10 @@ def preset_reward(model_dir, tasks, args, engine=None, omega=None, progress=Fals
     if own:
         engine = make_engine("hf", model_dir, max_model_len=DEFAULTS["max_positions"], seed=args["seed"])
     try:
-        records, _ = play.play(tasks, args["check_samples"], engine, omega=omega, temperature=args["check_temperature"],
-                               max_steps_per_turn=args["check_max_steps"], max_model_len=DEFAULTS["max_positions"],
-                               max_new_tokens=args["check_max_new_tokens"], progress=progress)
+        spec = play.PlaySpec(omega=omega, temperature=args["check_temperature"],
+                             max_steps_per_turn=args["check_max_steps"], max_model_len=DEFAULTS["max_positions"],
+                             max_new_tokens=args["check_max_new_tokens"])
+        records, _ = play.play(tasks, args["check_samples"], engine, spec, progress=progress)
     finally:
         if own:
             engine.close()

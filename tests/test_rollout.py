@@ -118,8 +118,8 @@ def check_rollout(tmp_path, tiny_model, tasks, tokenizer, engine, *server):
 def test_same_seed_same_records_on_hf(tiny_model, tasks):
     def run(temperature):
         engine = make_engine("hf", tiny_model, max_model_len=16384, seed=5)
-        recs, _ = play.play([tasks["multi_turn_base_105"]], 2, engine, temperature=temperature, max_new_tokens=24,
-                         max_steps_per_turn=2, progress=False)
+        spec = play.PlaySpec(temperature=temperature, max_new_tokens=24, max_steps_per_turn=2)
+        recs, _ = play.play([tasks["multi_turn_base_105"]], 2, engine, spec, progress=False)
         for r in recs:
             r["stats"].pop("seconds")
         return recs
@@ -135,9 +135,9 @@ def test_same_seed_same_records_on_hf(tiny_model, tasks):
 def test_context_limit_stops_the_trajectory_without_crashing_the_batch(tiny_model, tasks):
     short, long_ = tasks["multi_turn_base_105"], tasks["multi_turn_base_0"]
     engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
-    plen = len(play.Trajectory(short, 0, None, engine.tokenizer, "json").prompt_ids)
-    recs, _ = play.play([short, long_], 1, engine, max_model_len=plen + 12, max_new_tokens=64, temperature=1.0,
-                     progress=False)
+    plen = len(play.Trajectory(short, 0, play.PlaySpec(), engine.tokenizer).prompt_ids)
+    recs, _ = play.play([short, long_], 1, engine, play.PlaySpec(max_model_len=plen + 12, max_new_tokens=64),
+                        progress=False)
     assert recs[0]["stop"] == "context_limit" and recs[0]["turns"][-1]["end"] == "context_limit"
     assert 0 < len(recs[0]["tokens"]["ids"]) and len(recs[0]["tokens"]["prompt_ids"]) + len(recs[0]["tokens"]["ids"]) <= plen + 12
     # The longer task's prompt alone does not fit: it stops before any generation.
@@ -151,7 +151,7 @@ def test_rollout_announces_held_tools_at_their_turn(tiny_model, tasks, tokenizer
     reveal = int(next(iter(task["missed_function"])))
     held = [t["name"] for t in task["missed_function"][str(reveal)]]
     engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
-    rec = play.play([task], 1, engine, max_new_tokens=1, temperature=1.0, progress=False)[0][0]
+    rec = play.play([task], 1, engine, play.PlaySpec(max_new_tokens=1), progress=False)[0][0]
     assert rec["stop"] == "done" and len(rec["turns"]) == len(task["questions"])
     assert all(len(turn["steps"]) == 1 and turn["end"] in ("answer", "decode_error") for turn in rec["turns"])
     prompt = tokenizer.decode(rec["tokens"]["prompt_ids"])
@@ -203,8 +203,8 @@ def test_play_loop_follows_the_decode_failure_rule_of_omega(tiny_model, tasks, t
     omega = {"absent": None, "off": omega_api.off(), "initial": omega_api.initial()}[omega_kind]
     engine = make_engine("hf", tiny_model, max_model_len=16384, seed=1)
     limit = 1
-    recs, _ = play.play([tasks[i] for i in TASK_IDS], 1, engine, omega=omega, temperature=1.0, max_new_tokens=12,
-                        max_steps_per_turn=limit, progress=False)
+    spec = play.PlaySpec(omega=omega, max_new_tokens=12, max_steps_per_turn=limit)
+    recs, _ = play.play([tasks[i] for i in TASK_IDS], 1, engine, spec, progress=False)
     failures = 0
     for rec in recs:
         assert rec["decode_failure"] == rule
@@ -230,7 +230,7 @@ def test_cues_reach_the_prompt_masked_and_counted(tasks, tokenizer):
     omega = omega_api.initial()
     omega["capability_cues"] = [{"label": "recovery_failure", "text": omega_api.CAPABILITY_TEXT["recovery_failure"]}]
     bad = '<tool_call>\n{"name": "cd", "arguments": {}}\n</tool_call>'
-    rec = play.play([task], 1, Scripted(tokenizer, lambda p: bad), omega=omega, max_steps_per_turn=2,
+    rec = play.play([task], 1, Scripted(tokenizer, lambda p: bad), play.PlaySpec(omega=omega, max_steps_per_turn=2),
                     progress=False)[0][0]
     step = rec["turns"][0]["steps"][0]
     # The call ran (bfcl-eval runs it) and failed; the hint follows its schema break.
@@ -243,8 +243,8 @@ def test_cues_reach_the_prompt_masked_and_counted(tasks, tokenizer):
     assert rec["stats"]["cue_tokens"] >= len(tokenizer(step["feedback"], add_special_tokens=False)["input_ids"])
     check_record(task, rec, tokenizer, omega)
     # Evaluation: with Ω absent or switched off the prompt is the plain one, byte for byte.
-    plain = play.Trajectory(task, 0, None, tokenizer, "json").prompt_ids
-    assert play.Trajectory(task, 0, omega_api.off(), tokenizer, "json").prompt_ids == plain
+    plain = play.Trajectory(task, 0, play.PlaySpec(), tokenizer).prompt_ids
+    assert play.Trajectory(task, 0, play.PlaySpec(omega=omega_api.off()), tokenizer).prompt_ids == plain
     assert plain != rec["tokens"]["prompt_ids"]
 
 
@@ -260,8 +260,8 @@ def test_template_prompts_stay_an_option(tasks, tokenizer):
     """`--prompts template` (verl's convention): the chat template's own rendering, no drift."""
     task = tasks["multi_turn_base_0"]
     call = '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>'
-    rec = play.play([task], 1, Scripted(tokenizer, lambda p: call), max_steps_per_turn=1, progress=False,
-                    prompts="template")[0][0]
+    rec = play.play([task], 1, Scripted(tokenizer, lambda p: call), play.PlaySpec(max_steps_per_turn=1,
+                    prompts="template"), progress=False)[0][0]
     r = Renderer(tokenizer, bfcl.tools_at(task, 0))
     assert rec["tokens"]["prompt_ids"] == tokenizer.apply_chat_template(
         bfcl.turn_messages(task, 0), tools=r.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -285,9 +285,28 @@ def test_a_stop_id_the_format_does_not_write_leaves_the_context(tasks, tokenizer
                 return [Generation(g.ids[:-1] + [stop], g.logprobs, "stop") for g in out]
         engine = TwoStops(tokenizer, lambda p: call)
         engine.stop_ids = [im_end, eot]
-        rec = play.play([task], 1, engine, max_steps_per_turn=1, progress=False)[0][0]
+        rec = play.play([task], 1, engine, play.PlaySpec(max_steps_per_turn=1), progress=False)[0][0]
         step = rec["turns"][0]["steps"][0]
         assert step["text"] == call and step["calls"]
         generated = [i for i, m in zip(rec["tokens"]["ids"], rec["tokens"]["mask"], strict=True) if m]
         assert eot not in rec["tokens"]["ids"] and (im_end in generated) == (stop == im_end)
         check_record(task, rec, tokenizer)
+
+
+def test_play_spec_is_built_once_from_the_flags():
+    """A stage's flags become one PlaySpec (common/playargs.py): the handler's call format, the
+    schedule its engine runs, the stage's own settings; a spec that cannot be played is refused."""
+    import argparse
+
+    from common import playargs
+    parser = argparse.ArgumentParser()
+    playargs.add_play_args(parser, max_model_len=16384, max_new_tokens=512)
+    spec = playargs.play_spec(parser.parse_args([]), parser, temperature=0.5)
+    assert (spec.fmt, spec.schedule, spec.temperature, spec.max_steps_per_turn) == ("json", "async", 0.5, 20)
+    spec = playargs.play_spec(parser.parse_args(["--engine", "hf", "--handler", "LlamaHandler"]), parser)
+    assert (spec.fmt, spec.schedule, spec.handler, spec.max_model_len) == ("python", "lockstep", "LlamaHandler", 16384)
+    with pytest.raises(SystemExit):
+        playargs.play_spec(parser.parse_args(["--engine", "hf", "--schedule", "async"]), parser)
+    for bad in ({"schedule": "eager"}, {"prompts": "raw"}, {"prompts": "template", "rerender": True}):
+        with pytest.raises(ValueError):
+            play.PlaySpec(**bad)

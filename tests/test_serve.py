@@ -23,7 +23,7 @@ from common.jsonl import RecordError, read_json, write_json
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK_IDS = ["multi_turn_base_105", "multi_turn_miss_func_146", "multi_turn_miss_param_100",
             "multi_turn_long_context_100"]
-GREEDY = dict(temperature=0.0, max_new_tokens=24, max_steps_per_turn=2, progress=False)
+GREEDY = dict(temperature=0.0, max_new_tokens=24, max_steps_per_turn=2)
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +132,15 @@ def probe_of(model, folder):
 def test_reload_serves_the_new_policy_and_the_check_reads_its_weights(tiny_server, tiny_server_state, tiny_model,
                                                                        other_policy, tasks):
     before, _ = play.play(tasks[:2], 1, make_engine("vllm", tiny_model, max_model_len=16384, servers=[tiny_server]),
-                          **GREEDY)
+                          play.PlaySpec(**GREEDY), progress=False)
     with pytest.raises(RecordError, match=f"serves {tiny_model}, not {other_policy}"):
         make_engine("vllm", other_policy, max_model_len=16384, servers=[tiny_server])
     serve.reload([tiny_server], other_policy, tiny_server_state)
     serve.check(tiny_server, other_policy)  # the label and the probe's log-probabilities
     engine = make_engine("vllm", other_policy, max_model_len=16384, servers=[tiny_server])
-    after, _ = play.play(tasks[:2], 1, engine, **GREEDY)
-    hf, _ = play.play(tasks[:2], 1, make_engine("hf", other_policy, max_model_len=16384), **GREEDY)
+    after, _ = play.play(tasks[:2], 1, engine, play.PlaySpec(**GREEDY), progress=False)
+    hf, _ = play.play(tasks[:2], 1, make_engine("hf", other_policy, max_model_len=16384), play.PlaySpec(**GREEDY),
+                      progress=False)
     assert [r["tokens"]["ids"][:8] for r in after] == [r["tokens"]["ids"][:8] for r in hf]
     assert [r["tokens"]["ids"] for r in after] != [r["tokens"]["ids"] for r in before]
     # A probe that the server's weights do not give is refused, whatever the label says.
@@ -200,7 +201,7 @@ def test_lora_adapter_loads_at_run_time(tiny_server, tiny_model, tmp_path):
 def test_one_stage_on_two_servers_pins_trajectories_and_gives_the_same_records(tiny_server, second_server,
                                                                                 tiny_model, tasks):
     one = make_engine("vllm", tiny_model, max_model_len=16384, servers=[tiny_server])
-    single, _ = play.play(tasks, 1, one, schedule="async", **GREEDY)
+    single, _ = play.play(tasks, 1, one, play.PlaySpec(schedule="async", **GREEDY), progress=False)
     two = make_engine("vllm", tiny_model, max_model_len=16384, servers=[tiny_server, second_server["url"]])
     served, submit = {}, two.submit
 
@@ -209,7 +210,7 @@ def test_one_stage_on_two_servers_pins_trajectories_and_gives_the_same_records(t
         served.setdefault(key, set()).add(two.slots[two.pins[key]][0])
 
     two.submit = watch
-    recs, timing = play.play(tasks, 1, two, schedule="async", **GREEDY)
+    recs, timing = play.play(tasks, 1, two, play.PlaySpec(schedule="async", **GREEDY), progress=False)
     assert all(len(s) == 1 for s in served.values())  # a trajectory stays on its server
     assert sorted(min(s) for s in served.values()) == sorted([tiny_server] * 2 + [second_server["url"]] * 2)
     assert not two.pins and not two.pending and timing["cached_tokens"] > 0

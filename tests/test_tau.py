@@ -1,4 +1,4 @@
-"""τ²-bench through evaluate.py --suite tau2 (ood/tau.py), on τ²'s own orchestrator and evaluator.
+"""τ²-bench through python -m ood.tau (ood/tau.py), on τ²'s own orchestrator and evaluator.
 
 The oracle (gold actions replayed as model text, gold user actions by a scripted user)
 must score 100 and a lazy oracle must not; the tiny model plays one task per domain as
@@ -23,7 +23,7 @@ ROW_KEYS = {"domain", "task_id", "reward", "termination", "error", "reward_info"
 
 
 def evaluate(*args, timeout=600):
-    return subprocess.run([sys.executable, "evaluate.py", "--suite", "tau2", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ood.tau", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
@@ -138,7 +138,7 @@ def test_tiny_model_plays_each_domain_against_served_user(tmp_path, tiny_model, 
                    "--max-model-len", "16384", "--concurrency", "3", "--out", str(out), timeout=900)
     seconds = time.perf_counter() - t0
     assert res.returncode == 0, res.stderr[-4000:]
-    assert _servers(tiny_model) == before  # the server evaluate.py started is gone
+    assert _servers(tiny_model) == before  # the server ood/tau.py started is gone
     rows, scores = read_out(out)
     assert [r["domain"] for r in rows] == ["retail", "airline", "telecom"]
     for r in rows:

@@ -396,7 +396,8 @@ def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_p
 
     task = next(t for t in bfcl.load_tasks(tiny.PRESET_TASKS).values() if t["ground_truth"][0])
     engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
-    records, _ = play.play([task], 3, engine, temperature=0.7, max_steps_per_turn=1, max_new_tokens=24, progress=False)
+    records, _ = play.play([task], 3, engine, play.PlaySpec(temperature=0.7, max_steps_per_turn=1, max_new_tokens=24),
+                           progress=False)
     engine.close()
     assert [r["sampling"] for r in records] == [sampling_params(0.7)] * 3  # plain sampling at 0.7
     # real diagnoses, with rewards set so that the group has something to learn on any build
