@@ -7,15 +7,16 @@
 
 A model of the shape configs/models/<id>.json gives (random weights: nothing is downloaded;
 --layers keeps the first K decoder layers, and the plan is computed for those K), float32 master
-weights, the Accelerator train_grpo.py builds (FSDP2 with bf16 compute and float32 gradient
-reduction when launched so), gradient checkpointing unless --no-gradient-checkpointing, AdamW,
-and one sequence of --tokens tokens (a BFCL-like mask: 2 of every 3 blocks of 64 are model tokens)
-trained by common/grpo.py's accumulate_gradients. The second step is measured (the first creates
-AdamW's state): memory allocated at marks (before the step, at the output layer, when backward
-leaves the output layer, after backward) and the peak between them, from torch.cuda's allocator
-statistics on GPU and from the profiler's allocation events on CPU (exact tensor accounting;
-RSS is not). Each row adds to the plan's term what the measured span also holds (named in the
-row), so a row compares like with like; rows within 15 % read ok.
+weights, the Accelerator train_grpo.py builds (common/distributed.py: FSDP2 with bf16 compute
+and float32 gradient reduction when launched so), gradient checkpointing unless
+--no-gradient-checkpointing, AdamW, and one sequence of --tokens tokens (a BFCL-like mask: 2 of
+every 3 blocks of 64 are model tokens) trained by common/grpo.py's accumulate_gradients. The
+second step is measured (the first creates AdamW's state): memory allocated at marks (before the
+step, at the output layer, when backward leaves the output layer, after backward) and the peak
+between them, from torch.cuda's allocator statistics on GPU and from the profiler's allocation
+events on CPU (exact tensor accounting; RSS is not). Each row adds to the plan's term what the
+measured span also holds (named in the row), so a row compares like with like; rows within 15 %
+read ok.
 Appends the rows to --table (markdown, a header when new) and prints them and one JSON line.
 """
 
@@ -252,13 +253,9 @@ def main():
     ap.add_argument("--table", help="markdown file the rows are appended to")
     ap.add_argument("--save-load", metavar="DIR", help="then time one sharded save of the state into DIR (removed after) and its load")
     args = ap.parse_args()
-    from accelerate.utils import DistributedType
+    from common import distributed
 
-    import train_grpo
-
-    # as train_grpo.py builds it, with its defaults (the process-group timeout among them)
-    accelerator = train_grpo.make_accelerator(argparse.Namespace(
-        cpu=args.cpu, grad_clip=train_grpo.parser.get_default("grad_clip"), timeout=train_grpo.parser.get_default("timeout")))
+    accelerator = distributed.make_accelerator(cpu=args.cpu)  # train_grpo.py's, with its defaults
     if args.cpu:
         model_cfg, name, tokens = SMALL, "small Qwen2 (CPU dry run)", min(args.tokens, 512)
     else:
@@ -274,7 +271,7 @@ def main():
     saved = {}
     then = (lambda m, o: saved.update(save_and_load(args.save_load, m, o, accelerator))) if args.save_load else None
     marks, weights, grads, state = measure_step(model, tokens, accelerator, ckpt, then)
-    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    sharded = distributed.sharded(accelerator)
     on_gpu = accelerator.device.type == "cuda"
     table = rows(arch, marks, weights, grads, state, tokens, accelerator.num_processes, sharded, on_gpu, ckpt,
                  memplan.logprob_chunk())

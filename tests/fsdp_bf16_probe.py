@@ -11,7 +11,6 @@ rounded again to bf16 on their way out of the model. Rank 0 writes every process
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -20,14 +19,13 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsdp_probe  # noqa: E402
 
-import train_grpo  # noqa: E402
+from common.distributed import make_accelerator  # noqa: E402
 from common.grpo import _dummy_forward, collate, join_trajectories, sequence_logprobs, token_logprobs  # noqa: E402
 from common.jsonl import read_jsonl  # noqa: E402
 
 
 def main(model_dir, rollouts, diagnoses, out):
-    args = SimpleNamespace(cpu=True, grad_clip=1.0, timeout=10)
-    accelerator = train_grpo.make_accelerator(args, mixed_precision="bf16")
+    accelerator = make_accelerator(cpu=True, timeout=10, mixed_precision="bf16")
     assert accelerator.is_fsdp2, accelerator.distributed_type
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_grpo  # noqa: E402
+from common.distributed import make_accelerator  # noqa: E402
 from common.grpo import accumulate_gradients, join_trajectories, score_trajectories  # noqa: E402
 from common.jsonl import read_jsonl  # noqa: E402
 
@@ -45,7 +46,7 @@ def unsharded_grads(model):
 
 
 def main(model_dir, rollouts, diagnoses, out):
-    accelerator = train_grpo.make_accelerator(SimpleNamespace(cpu=True, grad_clip=1.0, timeout=10))
+    accelerator = make_accelerator(cpu=True, timeout=10)
     assert accelerator.is_fsdp2, accelerator.distributed_type
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))

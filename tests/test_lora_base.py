@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from common.distributed import make_accelerator
 from common.engines import make_engine
 from common.jsonl import RecordError
 from common.models import resolve_model
@@ -94,7 +95,7 @@ def test_train_grpo_loads_the_adapters_base_from_elsewhere(layout, tiny_model, m
     assert train_grpo.choose_reference(args.kl_coef, args.ref_model, policy) == train_grpo.Reference("base", policy.base_path)
     AcceleratorState._reset_state(True)
     try:
-        model, *_ = train_grpo.load_policy(args, policy, train_grpo.make_accelerator(args))
+        model, *_ = train_grpo.load_policy(args, policy, make_accelerator(cpu=True))
         assert model.peft_config["default"].base_model_name_or_path == policy.base_path  # what a save records
         _same_weights(model.merge_and_unload().state_dict(), layout["merged"])
     finally:

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 from stages import in_process
 
+from common.distributed import distributed_plugins, gradient_dtypes
 from common.grpo import collate, join_trajectories, sequence_logprobs
 from common.jsonl import read_jsonl
 
@@ -423,8 +424,6 @@ def test_accelerate_configs_parse(monkeypatch):
     derives from the file, train_grpo.py builds the plugin the file asks for, with its settings."""
     from accelerate.commands.config.config_args import load_config_from_file
 
-    import train_grpo
-
     files = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs", "accelerate")) if f.endswith(".yaml"))
     assert files == sorted(ACCEL_CONFIGS)
     for name, kind in ACCEL_CONFIGS.items():
@@ -433,7 +432,7 @@ def test_accelerate_configs_parse(monkeypatch):
         with monkeypatch.context() as m:
             for k, v in launch_env(name).items():
                 m.setenv(k, v)
-            plugins = train_grpo.distributed_plugins(cfg.mixed_precision, 0.5)
+            plugins = distributed_plugins(cfg.mixed_precision, 0.5)
         assert list(plugins) == {"FSDP": ["fsdp_plugin"], "DEEPSPEED": ["deepspeed_plugin"]}.get(kind, []), name
         if kind == "FSDP":
             fsdp, asked = plugins["fsdp_plugin"], cfg.fsdp_config
@@ -466,13 +465,11 @@ def launch_env(name):
 def test_gradients_are_reduced_in_float32(monkeypatch):
     """The plugins train_grpo.py hands Accelerate under each 7B config: bf16 compute, float32
     gradient accumulation and reduction (Accelerate's own bf16 policy reduces in bf16)."""
-    import train_grpo
-
     for name in ("fsdp_4gpu", "zero3_4gpu", "ddp_cpu2"):
         with monkeypatch.context() as m:
             for k, v in launch_env(name).items():
                 m.setenv(k, v)
-            plugins = train_grpo.distributed_plugins("bf16", 0.5)
+            plugins = distributed_plugins("bf16", 0.5)
         if name == "fsdp_4gpu":
             policy = plugins["fsdp_plugin"].mixed_precision_policy
             assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
@@ -493,8 +490,6 @@ def test_bf16_autocast_keeps_float32_gradients(tiny):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    import train_grpo
-
     AcceleratorState._reset_state(True)
     try:
         accelerator = Accelerator(cpu=True, mixed_precision="bf16")
@@ -506,9 +501,9 @@ def test_bf16_autocast_keeps_float32_gradients(tiny):
         accelerator.backward(model(input_ids=ids).logits.float().logsumexp(-1).sum())
         assert seen == [torch.bfloat16]  # the matmuls ran in bf16
         assert {p.grad.dtype for p in params} == {torch.float32}
-        assert train_grpo.gradient_dtypes(accelerator, model, params) == {"grad": torch.float32, "reduce": torch.float32}
+        assert gradient_dtypes(accelerator, model, params) == {"grad": torch.float32, "reduce": torch.float32}
         with pytest.raises(RuntimeError, match="float32"):
-            train_grpo.gradient_dtypes(accelerator, model, [p.to(torch.bfloat16) for p in params])
+            gradient_dtypes(accelerator, model, [p.to(torch.bfloat16) for p in params])
     finally:
         AcceleratorState._reset_state(True)
 
@@ -644,6 +639,37 @@ def test_optimizer_state_carries_across_rounds(tiny, carried, tmp_path):
     }  # fmt: skip
     # the policy is float32 on CPU: the optimiser folder holds no second copy of the weights
     assert "model" not in state
+
+
+# A metrics line's fields, in docs/design.md §3's order: an optimiser step's, and the one line
+# of a round with nothing to learn.
+STEP_FIELDS = ["step", "global_step", "epoch", "loss", "pg_loss", "kl", "clip_frac", "dual_clip_frac", "grad_norm",
+               "w_mean", "w_std", "wa_mean", "unplayed_share", "zero_var_share", "reward_mean", "model_tokens",
+               "tokens_per_s", "seconds", "logprob_mismatch", "is_ratio_mean", "is_ratio_max", "temperature",
+               "ref_model", "logprob_seconds", "lr"]
+IDLE_FIELDS = ["step", "global_step", "w_mean", "w_std", "zero_var_share", "reward_mean", "temperature", "ref_model",
+               "logprob_seconds"]
+
+
+def test_round_with_nothing_to_learn_writes_its_input_unchanged(tiny, carried, tmp_path):
+    """Every group of equal rewards: no step; the input policy and optimiser state are written as
+    they were, and one step-0 line records the round's global step, weights and reward."""
+    rollouts, diagnoses = make_data(str(tmp_path / "data"), {"t0": [1, 1, 1, 1], "t1": [0, 0, 0, 0]}, seed=1)
+    out = str(tmp_path / "run" / "policy")
+    state = os.path.join(carried["a"], "optimizer")
+    proc = ok(run_train(carried["a"], rollouts, diagnoses, out, *CARRY, "--ref-model", tiny,
+                        "--optimizer-state", state, "--save-optimizer"))
+    assert "no group has differing rewards: nothing to learn" in proc.stdout
+    (m,) = metrics_of(out)
+    assert list(m) == [*IDLE_FIELDS, "_line"]  # read_jsonl's
+    assert (m["step"], m["global_step"], m["zero_var_share"], m["reward_mean"]) == (0, 3, 1.0, 0.5)
+    assert (m["temperature"], m["ref_model"], m["w_std"]) == (1.0, os.path.abspath(tiny), 0.0)
+    before, after = load(carried["a"]).state_dict(), load(out).state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert_same_state(training_state(carried["a"], tmp_path), training_state(out, tmp_path))
+    assert json.load(open(os.path.join(out, "optimizer", "trainer_state.json")))["global_step"] == 3
+    # a round that steps writes every field, in order
+    assert all(list(m) == [*STEP_FIELDS, "_line"] for m in metrics_of(carried["b"]))
 
 
 def killed_then_rerun(model, data, out, args, launcher=()):

@@ -1,0 +1,214 @@
+"""The training processes and what they share: Accelerate, FSDP2, DeepSpeed ZeRO-3, one or N
+processes alike, with gradients accumulated and reduced in float32 on every path.
+
+    accelerator = make_accelerator(cpu=False, grad_clip=1.0, timeout=60, mixed_precision=None)
+    gradient_dtypes(accelerator, model, params)   # after prepare: {"grad", "reduce"}, both float32
+    sharded(accelerator)                          # FSDP2 or ZeRO-3: weights split over the processes
+    reshard(model)                                # after a forward with no backward (FSDP2)
+    whole_state_dict(model, accelerator)          # the weights, whole, on the main process
+    state_format()                                # the optimiser state this launch reads and writes
+    save_training_state(folder, model, optimizer, global_step, master, accelerator)
+    load_training_state(folder, info, model, optimizer, accelerator)
+    with shared_atomic_dir(out, accelerator) as tmp: ...   # one temporary folder, renamed once
+
+`accelerate launch --config_file configs/accelerate/X.yaml` picks the kind of run through the
+environment it starts the processes in; train_grpo.py and bench/plan_check.py build their
+Accelerator here, so the benches measure the trainer's own. docs/design.md §6 says why each
+setting is what it is.
+"""
+
+import contextlib
+import dataclasses
+import glob
+import os
+import shutil
+from datetime import timedelta
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
+    broadcast_object_list,
+)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+
+from common import checkpoint
+from common.jsonl import RecordError, atomic_dir, write_json
+
+GRAD_CLIP = 1.0  # max gradient norm (train_grpo.py --grad-clip)
+# Minutes a process waits for the others at a collective (train_grpo.py --timeout): torch's
+# default 10 (NCCL) would abort the other ranks while a slow disk takes the save, or a rank
+# loads a large model.
+TIMEOUT_MINUTES = 60
+
+
+def make_accelerator(cpu=False, grad_clip=GRAD_CLIP, timeout=TIMEOUT_MINUTES, mixed_precision=None):
+    """The run's Accelerator: bf16 compute on GPUs (unless `cpu`), float32 on CPU; `mixed_precision`
+    asks for another (tests run the GPU presets' bf16 FSDP2 on CPU processes with it)."""
+    if mixed_precision is None:
+        mixed_precision = "bf16" if torch.cuda.is_available() and not cpu else "no"
+    plugins = distributed_plugins(mixed_precision, grad_clip)
+    accelerator = Accelerator(
+        cpu=cpu, mixed_precision=mixed_precision, **plugins,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout))],
+    )  # fmt: skip
+    if "fsdp_plugin" in plugins and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        # Accelerate 1.15 takes FSDP for accelerators only and would run DDP on CPU processes;
+        # torch's fully_shard runs on gloo, so configs/accelerate/fsdp_cpu.yaml gets FSDP2 as asked
+        # (PartialState too, as Accelerate's own FSDP setup does: AcceleratorState copies it back)
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugins["fsdp_plugin"]
+    return accelerator
+
+
+def distributed_plugins(mixed_precision, grad_clip):
+    """The FSDP or DeepSpeed plugin `accelerate launch` asked for (through its environment), as
+    Accelerate would build it, except that gradients are accumulated and reduced in float32.
+
+    Accelerate's bf16 policy reduces in bf16: FSDP2 would reduce-scatter each micro-batch's
+    gradients in bf16, ZeRO-3 likewise; at lr 1e-6 and 7B that rounding is the size
+    of the update (verl reduces in float32). Set here, not in the config files, so that no
+    config can drop it. DDP needs nothing: its buckets take the float32 weights' dtype
+    (checked in gradient_dtypes).
+
+    Accelerate's policy also casts every FSDP2 module's output to bf16 (output_dtype); the
+    log-probs leave the model as its output (common/grpo.py sequence_logprobs), computed in
+    float32 from the bf16 logits, and that cast would round them to bf16 again (±0.012 nats at
+    log p = -3): the ratio, the KL term and the clip fraction would sit on that noise while the
+    reference, scored outside FSDP, stays float32. No output cast: each module returns what it
+    computed (bf16 hidden states, float32 log-probs)."""
+    plugins = {}
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        fsdp = FullyShardedDataParallelPlugin()
+        if mixed_precision != "no":
+            fsdp.set_mixed_precision(mixed_precision, override=True)
+            fsdp.mixed_precision_policy = dataclasses.replace(
+                fsdp.mixed_precision_policy, reduce_dtype=torch.float32, output_dtype=None
+            )
+        plugins["fsdp_plugin"] = fsdp
+    if deepspeed():
+        ds = DeepSpeedPlugin()
+        ds.set_mixed_precision(mixed_precision)
+        ds.gradient_clipping = grad_clip
+        ds.deepspeed_config.update({
+            # there is no DataLoader to infer it from; DeepSpeed only uses it for its logging
+            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": grad_clip,
+            "communication_data_type": "fp32",
+        })  # fmt: skip
+        # ZeRO's default accumulates in the model's dtype (bf16)
+        ds.deepspeed_config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
+        plugins["deepspeed_plugin"] = ds
+    return plugins
+
+
+def deepspeed():
+    """`accelerate launch` asked for DeepSpeed (known before the Accelerator is built)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def gradient_dtypes(accelerator, model, params):
+    """{"grad": dtype gradients are accumulated in, "reduce": dtype they are reduced in}; raises
+    if either is not float32 (what bench/gpu_check.sh prints from the log)."""
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        cfg = accelerator.state.deepspeed_plugin.deepspeed_config
+        found = {
+            "grad": cfg.get("data_types", {}).get("grad_accum_dtype"),
+            "reduce": cfg.get("communication_data_type"),
+        }
+        found = {k: {"fp32": torch.float32}.get(v, v) for k, v in found.items()}
+    elif kind == DistributedType.FSDP:
+        policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+        reduce = policy.reduce_dtype or policy.param_dtype if policy else None
+        found = {"grad": reduce or params[0].dtype, "reduce": reduce or params[0].dtype}
+    else:
+        # autocast computes in bf16 but a gradient takes its weight's dtype, and DDP's buckets
+        # the gradients' (a comm hook, none registered here, could compress them)
+        dtypes = {p.dtype for p in params}
+        grad = dtypes.pop() if len(dtypes) == 1 else dtypes
+        found = {"grad": grad, "reduce": None if getattr(model, "_comm_hooks", None) else grad}
+    if any(v != torch.float32 for v in found.values()):
+        raise RuntimeError(f"gradients must be accumulated and reduced in float32, got {found} ({kind})")
+    return found
+
+
+def sharded(accelerator):
+    """The weights, gradients and optimiser state are split over the processes (FSDP2, ZeRO-3)."""
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+
+def reshard(model):
+    """Put FSDP2's sharded parameters back on the modules after a forward with no backward.
+    Accelerate shards the final norm and the output layer as one group that skips resharding
+    after forward (the root likewise): after such a forward those modules hold the unsharded
+    tensors in place of the sharded parameters the optimiser steps, so the optimiser's state
+    would name parameters the model no longer has (get_optimizer_state_dict: KeyError). A
+    backward reshards them; a forward alone (train_grpo.py's weights probe) does not. Nothing
+    to do without FSDP2."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def whole_state_dict(model, accelerator):
+    """The weights, whole, on the main process (empty elsewhere); every process must call it:
+    under FSDP2 it gathers the shards. (Not accelerator.get_state_dict: it picks FSDP2's gather
+    by Accelerate's distributed_type, which on CPU processes says MULTI_CPU, and would hand
+    the main process sharded DTensors whose every use in save_pretrained is a collective the
+    other processes never enter.)"""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.get_state_dict(model)  # ZeRO-3's 16-bit gather
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def state_format():
+    """The format of the optimiser state this launch writes and reads: DCP's (common/checkpoint.py),
+    or under ZeRO-3 DeepSpeed's own."""
+    return "deepspeed" if deepspeed() else checkpoint.FORMAT
+
+
+def save_training_state(folder, model, optimizer, global_step, master, accelerator):
+    """AdamW's state and (`master`) the float32 weights into `folder`, each process its shard."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # DCP does not know ZeRO-3's partitions; DeepSpeed's own checkpoint holds the float32
+        # master weights and moments, each rank its partition
+        accelerator.save_state(folder)
+        if accelerator.is_main_process:
+            write_json(os.path.join(folder, checkpoint.INFO), {"format": "deepspeed", "global_step": global_step})
+        return
+    checkpoint.save(
+        folder, model, optimizer, global_step, master, world_size=accelerator.num_processes,
+        distributed_type=accelerator.distributed_type.value, main=accelerator.is_main_process,
+    )  # fmt: skip
+
+
+def load_training_state(folder, info, model, optimizer, accelerator):
+    """What save_training_state wrote (`info`: its checkpoint.read_info), into the prepared pair."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        checkpoint.load(folder, info, model, optimizer)
+        return
+    try:  # DeepSpeed's checkpoint: partitioned float32 master weights and moments
+        accelerator.load_state(folder)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise RecordError(f"{folder}: does not match this model's trainable parameters ({e})") from None
+
+
+@contextlib.contextmanager
+def shared_atomic_dir(path, accelerator):
+    """common.jsonl.atomic_dir opened by the main process, its temporary folder shared with all.
+    The temporary folders of earlier runs that were killed before their rename (no except
+    clause runs on SIGKILL) are removed first: nothing else writes `path`."""
+    if accelerator.is_main_process:
+        for stale in glob.glob(
+            os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{os.path.basename(path)}-*")
+        ):
+            shutil.rmtree(stale, ignore_errors=True)
+    with atomic_dir(path) if accelerator.is_main_process else contextlib.nullcontext() as tmp:
+        tmp = broadcast_object_list([tmp])[0]
+        yield tmp
+        accelerator.wait_for_everyone()  # every process has written its part before the rename
