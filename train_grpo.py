@@ -250,7 +250,7 @@ def read_policy(model, lora):
 def check_vocabulary(trajectories, rollouts, vocab_size, path):
     """Every token id is one the model has (names the rollout's line)."""
     lines = {(r["task_id"], r["sample_index"]): r["_line"] for r in rollouts}
-    for t in trajectories:
+    for t in (seq for traj in trajectories for seq in traj.sequences()):
         if vocab_size and max(t.prompt_ids + t.ids) >= vocab_size:
             raise RecordError(
                 f"{path}:{lines[t.task_id, t.sample_index]}: token id outside the model's vocabulary ({vocab_size})"
@@ -280,7 +280,7 @@ class MiniBatch:
     """The whole groups of one optimiser step."""
 
     trajs: list  # every trajectory of the mini-batch's groups
-    mine: list  # this process's micro-batches (lists of trajectories)
+    mine: list  # this process's micro-batches (lists of sequences: a segmented trajectory's segments apart)
     norm: int  # model tokens of the whole mini-batch, on all processes: the token-mean's denominator
 
 
@@ -298,11 +298,12 @@ def plan_mini_batches(args, trajectories, accelerator):
     mini_batches = []
     for start, stop in mini_batch_slices(len(tasks), args.mini_batch_tasks):
         trajs = [t for tid in tasks[start:stop] for t in by_task[tid]]
+        seqs = [s for t in trajs for s in t.sequences()]  # each segment is scored as its own sequence
         plan = plan_micro_batches(
-            [t.length for t in trajs], accelerator.num_processes, args.max_tokens_per_micro_batch
+            [s.length for s in seqs], accelerator.num_processes, args.max_tokens_per_micro_batch
         )
-        mine = [[trajs[k] for k in mb] for mb in plan[accelerator.process_index]]
-        mini_batches.append(MiniBatch(trajs=trajs, mine=mine, norm=sum(t.model_tokens for t in trajs)))
+        mine = [[seqs[k] for k in mb] for mb in plan[accelerator.process_index]]
+        mini_batches.append(MiniBatch(trajs=trajs, mine=mine, norm=sum(s.model_tokens for s in seqs)))
     return mini_batches, zero_var_share
 
 
@@ -518,7 +519,7 @@ def step_metrics(kl_coef, mb, sums, grad_norm, seconds, this_round, accelerator)
         "zero_var_share": this_round.zero_var_share,
         "reward_mean": sum(t.reward for t in mb.trajs) / len(mb.trajs),
         "model_tokens": int(tokens),
-        "tokens_per_s": sum(t.length for t in mb.trajs) / seconds,
+        "tokens_per_s": sum(s.length for t in mb.trajs for s in t.sequences()) / seconds,
         "seconds": seconds,
         "logprob_mismatch": mm_sum / mm_count if mm_count else None,
         "is_ratio_mean": ratio_sum / mm_count if mm_count else None,

@@ -18,6 +18,12 @@ Token alignment: a trajectory is one sequence `prompt_ids + ids`; the logits at 
 predict the token at t+1, so the log-probability of ids[i] (sequence position P+i, P the
 prompt length) comes from the logits at position P+i-1. Only ids with mask 1 (tokens the
 model generated) carry loss; prompt, cue and tool-response tokens are context only.
+
+A trajectory whose context was re-rendered (a thinking model's new user turn: bfcl-eval's
+handler drops the earlier reasoning, docs/design.md §3) is several such sequences, its
+segments: each is scored as its own sequence, in the context the model generated it in, with
+the trajectory's advantage and weight; each model token is in exactly one of them, so the
+token-mean counts it once.
 """
 
 import contextlib
@@ -168,7 +174,8 @@ def token_loss(logp, old_logp, ref_logp, adv, mask, norm, clip=0.2, kl_coef=0.0,
 class TrainingSequence:
     """One rollout joined with its diagnosis, as the trainer needs it: the token sequence, its
     loss mask, reward, weight and advantage, and the log-probs scored on it (common.play's
-    Trajectory is the episode being played, a different thing)."""
+    Trajectory is the episode being played, a different thing). A segmented rollout's first
+    segment; its further ones are `segments`, sequences of their own (sequences())."""
 
     task_id: str
     sample_index: int
@@ -183,6 +190,11 @@ class TrainingSequence:
     unplayed_turns: int = 0  # of those, turns the rollout never entered (it stopped earlier)
     old_logprobs: torch.Tensor | None = field(default=None, repr=False)  # aligned with ids
     ref_logprobs: torch.Tensor | None = field(default=None, repr=False)
+    segments: list = field(default_factory=list, repr=False)  # the further segments, TrainingSequences
+
+    def sequences(self):
+        """Every sequence the trainer scores for this trajectory: itself, then its further segments."""
+        return [self, *self.segments]
 
     @property
     def length(self):
@@ -191,6 +203,18 @@ class TrainingSequence:
     @property
     def model_tokens(self):
         return sum(self.mask)
+
+
+def token_segments(tokens, where="rollouts"):
+    """The sequences of a rollout record's `tokens`, checked: the tokens themselves (the first
+    segment), then each of `tokens.segments` (absent: the one sequence). Raises RecordError."""
+    _check_tokens(tokens, where)
+    more = tokens.get("segments", [])
+    if not isinstance(more, list) or not more and "segments" in tokens:
+        raise RecordError(f"{where}: tokens.segments must be a non-empty list when present")
+    for k, seg in enumerate(more, 1):
+        _check_tokens(seg, f"{where}: tokens.segments[{k - 1}]")
+    return [tokens, *more]
 
 
 def _check_tokens(tokens, where):
@@ -259,10 +283,8 @@ def join_trajectories(
         seen.add(key)
         if key not in diag_by_key:
             raise RecordError(f"{where}: no diagnosis for task {key[0]} sample {key[1]} in {diagnoses_path}")
-        _check_tokens(r["tokens"], where)
         d, weight = diag_by_key[key]
-        t = r["tokens"]
-        trajectories.append(
+        first, *more = [
             TrainingSequence(
                 task_id=key[0],
                 sample_index=key[1],
@@ -275,7 +297,10 @@ def join_trajectories(
                 labelled_turns=len(d.get("turn_labels") or []),
                 unplayed_turns=max(0, len(d.get("turn_labels") or []) - len(r.get("turns") or [])),
             )
-        )
+            for t in token_segments(r["tokens"], where)
+        ]
+        first.segments = more
+        trajectories.append(first)
     for key, (d, _) in diag_by_key.items():
         if key not in seen:
             raise RecordError(
@@ -284,7 +309,8 @@ def join_trajectories(
 
     adv, _ = group_advantages([t.task_id for t in trajectories], [t.reward for t in trajectories])
     for t, a in zip(trajectories, adv, strict=True):
-        t.advantage = a
+        for seq in t.sequences():
+            seq.advantage = a
     return trajectories
 
 

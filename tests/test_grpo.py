@@ -461,6 +461,74 @@ def test_join_weights_and_advantages(tmp_path):
     assert plain[0].weight == 1.0
 
 
+def segmented(tid, k, segments):
+    """A rollout whose tokens are several segments: (prompt_ids, ids, mask) each."""
+    first, *more = [{"prompt_ids": list(p), "ids": list(i), "mask": list(m), "logprobs": [-1.0] * len(i)}
+                    for p, i, m in segments]
+    return {"task_id": tid, "sample_index": k, "tokens": first | {"segments": [s | {"turn": 1} for s in more]}}
+
+
+def test_join_segments_carry_the_trajectory_advantage_and_weight(tmp_path):
+    """A segmented rollout is one trajectory of its group (its advantage is the group's, counted
+    once) whose sequences are its segments, each with the trajectory's A and w."""
+    seg = segmented("a", 0, [([3], [1, 2], [1, 1]), ([3, 4, 5], [6, 7, 8], [1, 0, 1])])
+    a, b = join(tmp_path, [seg, rollout("a", 1)], [diagnosis("a", 0, 1, {"invalid_tool_call": 1.0}), diagnosis("a", 1, 0)])
+    assert [s.prompt_ids for s in a.sequences()] == [[3], [3, 4, 5]] and b.sequences() == [b]
+    assert a.advantage == pytest.approx(1, rel=1e-5) and b.advantage == pytest.approx(-1, rel=1e-5)
+    assert all((s.advantage, s.weight, s.reward) == (a.advantage, 2.0, 1.0) for s in a.sequences())
+    assert sum(s.model_tokens for s in a.sequences()) == 4
+
+
+@pytest.mark.parametrize("segments, message", [
+    ([], r"r\.jsonl:1: tokens\.segments must be a non-empty list"),
+    ("x", r"r\.jsonl:1: tokens\.segments must be a non-empty list"),
+    ([{"prompt_ids": [1], "ids": [2], "mask": [1]}], r"r\.jsonl:1: tokens\.segments\[0\]: tokens\.logprobs missing"),
+    ([{"prompt_ids": [], "ids": [2], "mask": [1], "logprobs": [0.0]}], r"tokens\.segments\[0\]: tokens\.prompt_ids is empty"),
+])
+def test_join_refuses_bad_segments(tmp_path, segments, message):
+    rec = rollout("a", 0)
+    rec["tokens"]["segments"] = segments
+    with pytest.raises(RecordError, match=message):
+        join(tmp_path, [rec], [diagnosis("a", 0, 1)])
+
+
+def test_segments_are_scored_in_their_own_context_and_counted_once(tmp_path):
+    """Each segment's log-probs are those of its own prompt + ids (not of the concatenated
+    trajectory); the mini-batch's token-mean denominator counts every model token once; the
+    loss of a segmented trajectory is the token-mean over all its segments' model tokens."""
+    import argparse
+
+    import accelerate
+
+    import train_grpo
+    from common.grpo import accumulate_gradients, score_trajectories
+
+    segs = [([5, 6, 7], [1, 2, 3, 9], [1, 0, 0, 1]), ([5, 6, 8, 10], [11, 12, 13], [1, 0, 1])]
+    a, b = join(tmp_path, [segmented("a", 0, segs), rollout("a", 1, ids=(4, 5, 6), mask=(1, 1, 0))],
+                [diagnosis("a", 0, 1), diagnosis("a", 1, 0)])
+    args = argparse.Namespace(seed=0, zero_variance="keep", mini_batch_tasks=8, max_tokens_per_micro_batch=16)
+    acc = accelerate.Accelerator(cpu=True)
+    (mb,), _ = train_grpo.plan_mini_batches(args, [a, b], acc)
+    assert mb.trajs == [a, b] and sorted(map(id, (s for m in mb.mine for s in m))) == sorted(map(id, [*a.sequences(), b]))
+    assert mb.norm == 2 + 2 + 2  # model tokens, each once
+    model = small_qwen().eval()
+    score_trajectories(model, mb.mine, "cpu", "old_logprobs")
+    with torch.no_grad():
+        for s in [*a.sequences(), b]:
+            full = torch.log_softmax(model(torch.tensor([s.prompt_ids + s.ids])).logits[0], -1)
+            P = len(s.prompt_ids)
+            expect = torch.stack([full[P + i - 1, tok] for i, tok in enumerate(s.ids)])
+            m = torch.tensor(s.mask, dtype=torch.bool)
+            assert torch.allclose(s.old_logprobs[m], expect[m], atol=1e-5)
+    for s in [*a.sequences(), b]:
+        s.ref_logprobs = s.old_logprobs
+    model.train()
+    totals = accumulate_gradients(model, acc, mb.mine, mb.norm)
+    # at the input weights every ratio is 1: the loss is -Σ w·A over model tokens / their count
+    expect = -(4 * a.weight * a.advantage + 2 * b.weight * b.advantage) / 6
+    assert totals["tokens"] == 6 and totals["pg_sum"] / mb.norm == pytest.approx(expect, rel=1e-5)
+
+
 @pytest.mark.parametrize(
     "rollouts, diagnoses, message",
     [
