@@ -1,9 +1,10 @@
 """The per-token log-probs the GRPO loss and the old/reference passes use, under FSDP2 with the
-GPU presets' bf16 mixed precision, on CPU processes, for tests/test_train_grpo.py. The
-accelerator is train_grpo.py's own, asked for bf16: weights are gathered and computed in bf16,
-and the log-probs must still come back in float32, equal to a float32 log-softmax of the bf16
-logits the output layer computed (the hidden states and gathered weight it was given), not
-rounded again to bf16 on their way out of the model. Rank 0 writes every process's findings to OUT.
+GPU presets' bf16 mixed precision, for tests/test_train_grpo.py (CPU processes) and
+bench/gpu_check.sh (one GPU). The accelerator is train_grpo.py's own (common/distributed.py),
+asked for bf16: weights are gathered and computed in bf16, and the log-probs must still come
+back in float32, equal to a float32 log-softmax of the bf16 logits the output layer computed
+(the hidden states and gathered weight it was given), not rounded again to bf16 on their way
+out of the model. Rank 0 writes every process's findings to OUT and prints them in one line.
 
     accelerate launch --config_file configs/accelerate/fsdp_cpu.yaml tests/fsdp_bf16_probe.py MODEL ROLLOUTS DIAGNOSES OUT
 """
@@ -11,30 +12,34 @@ rounded again to bf16 on their way out of the model. Rank 0 writes every process
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fsdp_probe  # noqa: E402
-
+import train_grpo  # noqa: E402
 from common.distributed import make_accelerator  # noqa: E402
 from common.grpo import _dummy_forward, collate, join_trajectories, sequence_logprobs, token_logprobs  # noqa: E402
 from common.jsonl import read_jsonl  # noqa: E402
+from common.taxonomy import RHO  # noqa: E402
 
 
 def main(model_dir, rollouts, diagnoses, out):
-    accelerator = make_accelerator(cpu=True, timeout=10, mixed_precision="bf16")
+    accelerator = make_accelerator(cpu=not torch.cuda.is_available(), timeout=10, mixed_precision="bf16")
     assert accelerator.is_fsdp2, accelerator.distributed_type
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
     head = accelerator.unwrap_model(model).get_output_embeddings()
     given = []  # registered before sequence_logprobs's own hooks: sees the whole hidden state
     head.register_forward_pre_hook(lambda m, a: given.append((a[0].detach(), m.weight.detach().clone())))
-    trajectories = join_trajectories(read_jsonl(rollouts), read_jsonl(diagnoses), {"missing_tool_call": 1.6})
+    trajectories = join_trajectories(read_jsonl(rollouts), read_jsonl(diagnoses), RHO)
     found = []
-    for micro in fsdp_probe.plan(trajectories, accelerator).mine:
+    # every group, its rewards equal or not (the tiny model on real tasks often solves none)
+    plan = SimpleNamespace(zero_variance="keep", seed=0, mini_batch_tasks=len(trajectories), max_tokens_per_micro_batch=100)
+    (mb,), _ = train_grpo.plan_mini_batches(plan, trajectories, accelerator)
+    for micro in mb.mine:
         if not micro:  # the other process has a micro-batch here: FSDP's collectives must line up
             _dummy_forward(model, accelerator.device)
             _dummy_forward(model, accelerator.device).backward()
@@ -60,6 +65,10 @@ def main(model_dir, rollouts, diagnoses, out):
     if accelerator.is_main_process:
         with open(out, "w") as f:
             json.dump(everyone, f)
+        found = [x for process in everyone for x in process]
+        print(f"log-probs {sorted({x['dtype'] for x in found})} computed in {sorted({x['compute_dtype'] for x in found})}: "
+              f"max |diff| from float32 {max(x['max_diff'] for x in found):.2g} "
+              f"(a bf16 cast: up to {max(x['bf16_rounding'] for x in found):.2g})")
     accelerator.end_training()
 
 
