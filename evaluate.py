@@ -2,6 +2,7 @@
 
     python evaluate.py --policy DIR --split heldin --out runs/NAME/eval/TAG [--engine vllm|hf] \
         [--schedule async|lockstep]
+    python evaluate.py --policy DIR --split all --bfcl-model Qwen/Qwen3-4B-Instruct-2507-FC --out OUT
     python evaluate.py --policy oracle --split heldin --out runs/oracle/eval
     python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...
 
@@ -14,9 +15,14 @@ rendered, executed, turn by turn) and scores them with bfcl-eval's
 multi_turn_checker: a check of the whole pipeline. Writes DIR/results.jsonl (one
 verdict per task) and DIR/scores.json (percent per category and their average),
 and DIR/result/, the same plays as bfcl-eval's own result files for its `bfcl
-evaluate` (`--bfcl-model`, docs/bfcl-results.md). `--compare` prints the held-in
-scores of finished runs side by side (base model once, then every evaluated
-round), like the paper's Tables 1 and 3, and their OOD scores (common/report.py).
+evaluate` (`--bfcl-model`, docs/bfcl-results.md). `--split all` plays every
+BFCL V3 multi-turn task bfcl-eval ships (4 categories x 200, read from its files
+as data/prepare.py reads them), the set the BFCL leaderboard scores; heldin and
+train are the paper's 400/400 split (data/<split>.jsonl). `--compare` prints the
+scores of finished runs or evaluation folders side by side (base model once, then
+every evaluated round), like the paper's Tables 1 and 3, the BFCL leaderboard's
+figure for the bfcl-eval entry they were scored under (common/bfcl_results.py
+LEADERBOARD), and their OOD scores (common/report.py).
 
 The out-of-distribution benches are their own commands (docs/ood.md): BFCL V4
 memory and web search, `python -m ood.memory`; τ²-bench, `python -m ood.tau`.
@@ -38,8 +44,10 @@ from common.scores import mean, percent_by_group
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--policy", help="policy folder, or 'oracle' (ground truth)")
 parser.add_argument("--compare", nargs="+", metavar="RUN", help="print the scores of these run folders")
-parser.add_argument("--split", default="heldin", choices=["heldin", "train"])
-parser.add_argument("--tasks", default=None, help="task file (default: data/<split>.jsonl)")
+parser.add_argument("--split", default="heldin", choices=["heldin", "train", "all"],
+                    help="heldin, train: the paper's split (data/<split>.jsonl); all: bfcl-eval's 800 tasks, "
+                         "the BFCL leaderboard's")
+parser.add_argument("--tasks", default=None, help="task file (default: the split's)")
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
 parser.add_argument("--out", help="output folder")
 playargs.add_play_args(parser, max_model_len=None, max_new_tokens=playargs.BFCL_MAX_NEW_TOKENS)
@@ -64,6 +72,17 @@ def oracle_trajectory(task, fmt="python"):
                 steps.append({"text": text, **env.step(text, fmt=fmt)})
             turns.append({"steps": steps, "end": "answer"})
         return env.decoded, turns
+
+
+def split_tasks(split, path=None):
+    """(tasks, what they are) of a split, or of the task file `path`. `all` is built at run time
+    from the installed bfcl-eval's files, as data/prepare.py builds the split's records."""
+    if split == "all" and not path:
+        from data import prepare
+        tasks = prepare.build_tasks(prepare.bfcl_data_dir())
+        return list(tasks.values()), f"bfcl-eval's {len(tasks)} multi-turn tasks"
+    path = path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"{split}.jsonl")
+    return list(bfcl.load_tasks(path).values()), os.path.relpath(path)
 
 
 def without_prompts(record):
@@ -117,8 +136,7 @@ def main(args):
         bfcl_results.handler(args.bfcl_model)  # before anything is played
     except RecordError as e:
         parser.error(f"--bfcl-model: {e}")
-    path = args.tasks or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"{args.split}.jsonl")
-    tasks = list(bfcl.load_tasks(path).values())
+    tasks, which = split_tasks(args.split, args.tasks)
     if args.limit:
         tasks = bfcl.first_per_category(tasks, args.limit)
 
@@ -139,15 +157,17 @@ def main(args):
         results.append({"task_id": task["id"], "category": task["category"], **bfcl.official_verdict(task, dec)})
     scores = category_scores(results)
     if args.policy != "oracle":
-        scores["bfcl_eval"] = {"handler": args.handler, "registry": prompts.registry_name(args.handler),
+        scores["bfcl_eval"] = {"handler": args.handler, "registry": args.bfcl_model, "tasks": len(tasks),
                                "context": spec.max_model_len, "same_settings": not differs, "differs": differs}
     write_jsonl(os.path.join(args.out, "results.jsonl"), results)
     write_json(os.path.join(args.out, "scores.json"), scores)
     # After our scores, so that a record bfcl's format cannot hold costs only these files.
     bfcl_results.write_result_files(args.out, tasks, records, args.bfcl_model)
-    print_table(scores, f"{args.policy} on {os.path.relpath(path)} (BFCL multi-turn @ bfcl-eval 2026.3.23)")
+    print_table(scores, f"{args.policy} on {len(tasks)} tasks of {which} (BFCL multi-turn @ bfcl-eval 2026.3.23)")
     if differs:
         print("  not bfcl-eval's settings: " + "; ".join(differs))
+    if args.policy != "oracle" and (note := bfcl_results.leaderboard_note(args.bfcl_model, len(tasks))):
+        print("  " + note)
     if args.policy == "oracle":
         for r in results:
             if not r["valid"]:

@@ -2,6 +2,7 @@
 
     write_result_files(out_dir, tasks, records, "Qwen/Qwen3-8B-FC")   # common.prompts.registry_name(handler)
     # -> out_dir/result/Qwen_Qwen3-8B-FC/multi_turn/BFCL_v4_multi_turn_<category>_result.json
+    leaderboard_note("Qwen/Qwen3-4B-Instruct-2507-FC", len(tasks))   # the leaderboard's figure, or None
 
 One entry per task, as `multi_threaded_inference` and the multi-turn prompting loop
 (`BaseHandler.inference_multi_turn_prompting`) write it: `result` per turn, per step,
@@ -16,6 +17,9 @@ model's text) have a response format our records hold. The model's text is never
 decoded here with bfcl-eval's `decode_execute` (QwenFCHandler's `eval()`s a call it
 finds as a string): the decoded calls logged are the ones our parser gave and the
 environment ran.
+
+LEADERBOARD holds the BFCL leaderboard's multi-turn score of the registry entries it is known
+for, to set beside a score of all 800 tasks (evaluate.py --split all).
 """
 
 import functools
@@ -25,6 +29,26 @@ from types import SimpleNamespace
 
 from common import prompts  # first: it imports common.bfcl, which sets BFCL_PROJECT_ROOT for bfcl-eval
 from common.jsonl import RecordError
+
+# The BFCL leaderboard's multi-turn score (%) by bfcl-eval registry entry: the model run by that
+# entry's handler as bfcl-eval's local inference, over all LEADERBOARD_TASKS multi-turn tasks, the
+# unweighted mean of the four categories (as evaluate.py's average). Stated figures only.
+LEADERBOARD = {
+    "Qwen/Qwen3-4B-Instruct-2507-FC": (22.12, "BFCL leaderboard V4, last updated 2026-04-12"),
+}
+LEADERBOARD_TASKS = 800  # 4 categories x 200
+
+
+def leaderboard_note(registry_name, tasks):
+    """The leaderboard's figure for this entry in one line (None if it has none), saying whether a
+    score over `tasks` tasks compares with it: only one over all of them does."""
+    if registry_name not in LEADERBOARD:
+        return None
+    figure, source = LEADERBOARD[registry_name]
+    note = f"BFCL leaderboard: {registry_name} {figure:.2f} over all {LEADERBOARD_TASKS} tasks ({source})"
+    if tasks != LEADERBOARD_TASKS:
+        note += f"; not comparable with a score over {tasks} tasks (evaluate.py --split all)"
+    return note
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 
     python -m common.report runs/NAME
     python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...   # compare(runs)
+    python evaluate.py --compare runs/qwen3-4b-all   # an evaluate.py --out (--split all), beside the leaderboard
 
 Reads only what the stages wrote (diagnoses, interfaces, train metrics, rollout
 summaries, timing, evaluation scores; common/runs.py), so it can run at any moment
@@ -17,7 +18,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common.bfcl import CATEGORIES  # noqa: E402
-from common.jsonl import RecordError, atomic_open  # noqa: E402
+from common.bfcl_results import LEADERBOARD, LEADERBOARD_TASKS  # noqa: E402
+from common.jsonl import RecordError, atomic_open, read_json  # noqa: E402
 from common.runs import STAGES, Run, optional_json, optional_jsonl  # noqa: E402
 from common.taxonomy import LABELS  # noqa: E402
 
@@ -134,26 +136,40 @@ def markdown(run, rounds, evals, base, config):
 
 def compare(paths):
     """Print Table 1 (held-in) and, for runs scored with loop.sh --ood, Table 2: each preset's base
-    model once, then every evaluated round. Returns Table 1's rows of (name, scores)."""
+    model once, then every evaluated round; a folder holding a scores.json (an evaluate.py --out,
+    e.g. of --split all) is one row. Below, the BFCL leaderboard's figure for each bfcl-eval entry
+    the rows were scored under (common/bfcl_results.py LEADERBOARD). Returns Table 1's rows of
+    (name, scores)."""
     rows, ood, bases = [], [], set()
     for path in paths:
         if not os.path.isdir(path):
             raise RecordError(f"{path}: no such run folder")
+        name = os.path.basename(os.path.normpath(path))
+        if os.path.isfile(scores := os.path.join(path, "scores.json")):
+            rows.append((name, read_json(scores)))
+            continue
         run = Run(path, strict=True)
         if run.base not in bases:
             bases.add(run.base)
             if (scores := run.base_eval()) is not None:
                 rows.append((f"{run.preset} base", scores))
             ood.append((f"{run.preset} base", run.base_ood()))
-        name = os.path.basename(os.path.normpath(path))
         rows += [(f"{name} r{t:03d}", scores) for t, scores in run.evals()]
         ood += [(f"{name} r{t:03d}", benches) for t, benches in run.ood()]
-    width = max(len(name) for name, _ in rows) if rows else 10
+    board = {e["registry"]: LEADERBOARD[e["registry"]] for _, sc in rows
+             if (e := sc.get("bfcl_eval", {})).get("registry") in LEADERBOARD}
+    width = max([len(name) for name, _ in rows] + [len("BFCL leaderboard") if board else 10])
     print(f"{'':{width}}" + "".join(f"{c:>14}" for c in CATEGORIES + ["average"]))
     for name, sc in rows:
-        same = sc.get("bfcl_eval", {}).get("same_settings", True)
+        e = sc.get("bfcl_eval", {})
+        notes = [] if e.get("same_settings", True) else ["* not bfcl-eval's settings: " + "; ".join(e["differs"])]
+        if e.get("registry") in board and e.get("tasks") != LEADERBOARD_TASKS:
+            notes.append(f"† {e.get('tasks', 'not all')} tasks; the leaderboard's figure is over all {LEADERBOARD_TASKS}")
         print(f"{name:{width}}" + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in CATEGORIES + ["average"])
-              + ("" if same else "  * not bfcl-eval's settings: " + "; ".join(sc["bfcl_eval"]["differs"])))
+              + "".join(f"  {n}" for n in notes))
+    for registry, (figure, source) in board.items():
+        print(f"{'BFCL leaderboard':{width}}" + f"{'—':>14}" * len(CATEGORIES) + f"{figure:>14.2f}"
+              + f"  {registry}, all {LEADERBOARD_TASKS} tasks ({source})")
     print_ood([(name, benches) for name, benches in ood if benches])
     return rows
 

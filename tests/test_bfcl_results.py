@@ -33,12 +33,14 @@ def evaluate(out, *args):
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def bfcl_evaluate(out, tmp_path, model=MODEL):
-    """bfcl-eval's runner on out/result: ({task id: error type, None if valid}, {category: accuracy %}, overall %)."""
+def bfcl_evaluate(out, tmp_path, model=MODEL, partial=True):
+    """bfcl-eval's runner on out/result: ({task id: error type, None if valid}, {category: accuracy %}, overall %).
+    Without `partial`, as the leaderboard runs it: every entry of each category must be there."""
     env = {**os.environ, "BFCL_PROJECT_ROOT": str(tmp_path / "bfcl-root")}
     res = subprocess.run([sys.executable, "-m", "bfcl_eval", "evaluate", "--model", model, "--test-category",
-                          "multi_turn", "--result-dir", str(out / "result"), "--score-dir", str(out / "score"),
-                          "--partial-eval"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                          "multi_turn", "--result-dir", str(out / "result"), "--score-dir", str(out / "score")]
+                         + ["--partial-eval"] * partial, cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     played = [json.loads(line)["id"] for f in (out / "result" / dir_name(model) / "multi_turn").iterdir()
               for line in f.read_text().splitlines()]
@@ -114,6 +116,32 @@ def test_tasks_bfcl_eval_does_not_have_get_no_result_file(tmp_path):
     assert json.loads((out / "scores.json").read_text())["average"] == 100.0
     assert not list(out.rglob("*_result.json"))
     assert bfcl_results.bfcl_entry("multi_turn_base_12") and not bfcl_results.bfcl_entry("multi_turn_base_2_1turn")
+
+
+def test_all_800_tasks_result_files_are_scored_as_the_leaderboard_scores_them(tmp_path):
+    """`--split all` writes an entry for each of the 800 tasks, which bfcl-eval's runner scores
+    without --partial-eval (it refuses a category with an entry missing). Played here: the oracle
+    on the first two tasks of each category; the others as unplayed entries (no turn), which both
+    checkers fail as force-terminated."""
+    import evaluate
+
+    tasks, _ = evaluate.split_tasks("all")
+    played = {t["id"] for t in bfcl.first_per_category(tasks, 2)}
+    records, results = [], []
+    for task in tasks:
+        decoded, turns = evaluate.oracle_trajectory(task, "json") if task["id"] in played else ([], [])
+        records.append({"task_id": task["id"], "turns": turns, "stop": "done"})
+        results.append({"task_id": task["id"], "category": task["category"], **bfcl.official_verdict(task, decoded)})
+    out = tmp_path / "out"
+    files = bfcl_results.write_result_files(out, tasks, records, MODEL)
+    assert [sum(1 for _ in open(f)) for f in files] == [200] * 4
+    errors, scores, overall = bfcl_evaluate(out, tmp_path, partial=False)
+    assert errors == {r["task_id"]: r["error_type"] for r in results}
+    assert {i for i, e in errors.items() if e is None} == played
+    assert set(errors.values()) == {None, "multi_turn:force_terminated"}
+    ours = evaluate.category_scores(results)  # 2 of 200 per category
+    assert scores == {c: ours[c] for c in bfcl.CATEGORIES} == dict.fromkeys(bfcl.CATEGORIES, 1.0)
+    assert overall == ours["average"] == 1.0
 
 
 @pytest.fixture(scope="module")

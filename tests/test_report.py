@@ -101,3 +101,35 @@ def test_compare_and_trackers_read_runs_one_way(tmp_path, capsys):
     assert [(step, key) for step, key, _ in units] == [(0, "eval base"), (2, "eval round 1"), (2, "ood 1 tau2")]
     assert units[1][2]["val-core/heldin/average"] == 60.0 and units[1][2]["timing_s/eval"] == 3.0
     assert units[2][2]["val-core/ood/tau2/retail"] == 20.0 and units[2][2]["val-core/ood-base/tau2/retail"] == 10.0
+
+
+def test_compare_sets_the_leaderboards_figure_beside_a_score_of_all_800_tasks(tmp_path, capsys):
+    """An evaluation folder (evaluate.py --out of --split all) is a row of its own; the leaderboard's
+    figure of the bfcl-eval entry it was scored under follows the table once, in the average's
+    column, and a row of that entry over fewer tasks is marked as not comparable with it."""
+    from common.bfcl_results import LEADERBOARD
+
+    entry = "Qwen/Qwen3-4B-Instruct-2507-FC"
+    figure, source = LEADERBOARD[entry]
+    held = {"base": 30.0, "miss_func": 20.0, "miss_param": 10.0, "long_context": 20.0, "average": 20.0}
+    meta = {"handler": "QwenFCHandler", "registry": entry, "context": 262144, "same_settings": True, "differs": []}
+    _write(str(tmp_path / "qwen3-4b-all" / "scores.json"), held | {"bfcl_eval": meta | {"tasks": 800}})
+    run = tmp_path / "runs" / "q"
+    _write(str(run / "config.json"), {"settings": {"preset": "qwen3-4b"}})
+    _write(str(tmp_path / "runs" / "base-qwen3-4b" / "eval" / "scores.json"),
+           held | {"average": 25.0, "bfcl_eval": meta | {"tasks": 400}})
+    _write(str(run / "eval" / "round_001" / "scores.json"), held | {"bfcl_eval": meta | {"tasks": 400}})
+    # an entry without a figure gets no leaderboard row, whatever its task count
+    _write(str(tmp_path / "q8-all" / "scores.json"), held | {"bfcl_eval": meta | {"registry": "Qwen/Qwen3-8B-FC",
+                                                                                   "tasks": 800}})
+
+    rows = report.compare([str(tmp_path / "qwen3-4b-all"), str(run), str(tmp_path / "q8-all")])
+    assert [(name, sc["average"]) for name, sc in rows] == [("qwen3-4b-all", 20.0), ("qwen3-4b base", 25.0),
+                                                            ("q r001", 20.0), ("q8-all", 20.0)]
+    lines = capsys.readouterr().out.splitlines()
+    board = [line for line in lines if line.startswith("BFCL leaderboard")]
+    assert len(board) == 1 and board[0].split()[2:7] == ["—"] * 4 + [f"{figure:.2f}"]
+    assert board[0].endswith(f"{entry}, all 800 tasks ({source})")
+    marked = [line.split()[0] for line in lines if "†" in line]
+    assert marked == ["qwen3-4b", "q"] and "† 400 tasks" in lines[2]
+    assert lines.index(board[0]) == len(rows) + 1  # right below the table
