@@ -106,12 +106,15 @@ class TemplateView:
     def closing(self):
         return self.renderer.closing()
 
-    def add_output(self, text):
+    def add_output(self, text, prompt_tokens=0, output_tokens=0):
         self.before = list(self.history)
         self.history.append({"role": "assistant", "content": text})
 
-    def add_results(self, contents):
+    def add_results(self, contents, names):
         self.history += tool_messages(contents)
+
+    def drops_reasoning(self):
+        return False
 
     def continuation(self, text, results, names, turn_msgs):
         """The text that follows the model's output `text`: what came back, and a new turn's messages."""
@@ -128,6 +131,8 @@ class HandlerView:
         self.conv = Conversation(handler, task, shown, system)
         self.encoder = PromptIds(tokenizer)  # each prompt's ids, reusing the last prompt's
         self.text = None  # the last prompt rendered
+        self.parsed = None  # the handler's parse of the last output
+        self.reasoning = False  # an output since the last rendering had reasoning the handler took off
 
     def enter_turn(self, turn, shown, revealed):
         msgs = self.conv.turn_messages(turn, shown)
@@ -138,6 +143,7 @@ class HandlerView:
     def prompt_ids(self):
         """The handler's rendering of the whole conversation (it can raise), as ids."""
         self.text = self.conv.prompt()
+        self.reasoning = False
         return self._encode(self.text)
 
     def _encode(self, text):
@@ -150,11 +156,21 @@ class HandlerView:
     def closing(self):
         return self.conv.continuation()
 
-    def add_output(self, text):  # token-in/token-out: the handler's history is not read again
-        pass
+    def add_output(self, text, prompt_tokens=0, output_tokens=0):
+        """The output into the handler's history as bfcl-eval's harness puts it (its parse: for
+        QwenFCHandler the decoded calls, the reasoning apart), which a re-render shows."""
+        self.parsed = self.conv.add_assistant(text, prompt_tokens, output_tokens)
+        # QwenFCHandler splits off what precedes </think> (its _parse_query_response_prompting)
+        self.reasoning |= self.parsed["model_responses"] != text
 
-    def add_results(self, contents):
-        pass
+    def add_results(self, contents, names):
+        self.conv.add_results(contents, self.parsed, names)
+
+    def drops_reasoning(self):
+        """Whether the handler's rendering at a new user turn drops reasoning the context holds:
+        QwenFCHandler's _format_prompt keeps an assistant message's reasoning only after the
+        last user query, so the next prompt does not extend the generated tokens."""
+        return self.reasoning
 
     def continuation(self, text, results, names, turn_msgs):
         return self.conv.continuation(results, names, turn_msgs)
@@ -163,7 +179,10 @@ class HandlerView:
 class Trajectory:
     """One sample of one task, token-in/token-out: its environment, what the model is shown
     (the view of `spec.prompts`), and the record. The generated ids stay in the context and
-    only what follows them is rendered."""
+    only what follows them is rendered, except where bfcl-eval's handler drops reasoning the
+    context holds (a thinking model's new user turn): there the context is the handler's
+    rendering of the whole history, as evaluation shows it, and a new segment of the record
+    starts (docs/design.md §3)."""
 
     def __init__(self, task, sample_index, spec, tokenizer, stop_ids=()):
         self.task, self.sample_index, self.spec, self.omega = task, sample_index, spec, spec.omega
@@ -179,6 +198,8 @@ class Trajectory:
         tools = bfcl.tools_at(task, 0)
         shown, system = omega_api.tool_view(tools, self.omega), omega_api.system_cue(self.omega)
         self.ids, self.mask, self.logprobs = [], [], []
+        self.segments = []  # the record's finished segments; the current one is prompt_ids, ids, ...
+        self.segment_turn = 0  # the turn the current segment starts at
         view = TemplateView if spec.prompts == "template" else HandlerView
         self.view = view(tokenizer, task, tools, shown, system, spec.handler)
         self._enter_turn(0)
@@ -273,7 +294,7 @@ class Trajectory:
         """Append the generated ids as the context keeps them; returns the stop text kept."""
         if self.closing is None:  # the same for every message of the conversation: rendered once
             self.closing = self.view.closing()
-        self.view.add_output(text)
+        self.view.add_output(text, self.context_len(), len(gen.ids))
         ids, logprobs, stop_text = kept_output(self.tok, gen, self.stop_ids, self.closing)
         self._append(ids, 1, logprobs)
         return stop_text
@@ -282,10 +303,12 @@ class Trajectory:
         return {}
 
     def _add_results(self, contents, names):
-        self.view.add_results(contents)
+        self.view.add_results(contents, names)
 
     def _next(self, text, stop_text, results, names, turn_msgs):
         """Append what the model sees after its output `text`, unless it does not fit."""
+        if turn_msgs is not None and self.view.drops_reasoning():
+            return self._rerender()
         more_text = self.view.continuation(text, results, names, turn_msgs)
         more = self.tok(after_stop(more_text, stop_text), add_special_tokens=False)["input_ids"]
         if self.context_len() + len(more) >= self.spec.max_model_len:
@@ -294,14 +317,34 @@ class Trajectory:
         self._append(more, 0)
         return None
 
+    def _rerender(self):
+        """Go on from the handler's rendering of the whole history (evaluation's prompt at this
+        step) in a new segment, unless it cannot be built (bfcl-eval's inference error) or fit."""
+        try:
+            prompt = self.view.prompt_ids()
+        except Exception as e:
+            return self.fail(str(e))
+        if len(prompt) >= self.spec.max_model_len:
+            return self.finish("context_limit", "context_limit")
+        self.segments.append(self._segment())
+        self.prompt_ids, self.ids, self.mask, self.logprobs = prompt, [], [], []
+        self.segment_turn = len(self.turns) - 1
+        return None
+
+    def _segment(self):
+        seg = {"turn": self.segment_turn} if self.segment_turn else {}  # the first starts the task
+        return seg | {"prompt_ids": self.prompt_ids, "ids": self.ids, "mask": self.mask, "logprobs": self.logprobs}
+
     def record(self, round_, policy):
+        first, *more = segments = self.segments + [self._segment()]
+        tokens = first | ({"segments": more} if more else {})
         rec = {
             "task_id": self.task["id"], "category": self.task["category"], "sample_index": self.sample_index,
             "round": round_, "policy": policy,
             "interface_version": self.omega.get("version") if self.omega else None,
             "turns": self.turns, "stop": self.stop, "decode_failure": self.decode_failure,
-            "tokens": {"prompt_ids": self.prompt_ids, "ids": self.ids, "mask": self.mask, "logprobs": self.logprobs},
-            "stats": {"gen_tokens": sum(self.mask), "cue_tokens": self.cue_tokens,
+            "tokens": tokens,
+            "stats": {"gen_tokens": sum(sum(seg["mask"]) for seg in segments), "cue_tokens": self.cue_tokens,
                       "seconds": round(time.perf_counter() - self.start, 3)},
         }
         if self.error is not None:
@@ -316,7 +359,6 @@ class Rerendered(Trajectory):
     def __init__(self, task, sample_index, spec, tokenizer, stop_ids=()):
         super().__init__(task, sample_index, spec, tokenizer, stop_ids)
         self.step_prompts = [self.view.text]  # the prompt text of every step, for bfcl-eval's result files
-        self.parsed = None  # the handler's parse of the last output
 
     def context(self):
         return self.next_prompt
@@ -332,15 +374,12 @@ class Rerendered(Trajectory):
 
     def _take_output(self, gen, text):
         self._append(list(gen.ids), 1, list(gen.logprobs))
-        self.parsed = self.view.conv.add_assistant(text, len(self.next_prompt), len(gen.ids))
+        self.view.add_output(text, len(self.next_prompt), len(gen.ids))
         return ""
 
     def _step_log(self, gen):  # bfcl-eval's result files log these per step
         return {"formatted_prompt": self.step_prompts[-1], "prompt_tokens": len(self.next_prompt),
                 "output_tokens": len(gen.ids)}
-
-    def _add_results(self, contents, names):
-        self.view.conv.add_results(contents, self.parsed, names)
 
     def _next(self, text, stop_text, results, names, turn_msgs):
         try:  # bfcl-eval renders the next prompt from what its handler kept; this can raise
@@ -505,7 +544,8 @@ def summary(records):
                                  / max(sum(len(s["call_errors"]) for s in all_steps), 1), 4),
         "gen_tokens": sum(r["stats"]["gen_tokens"] for r in records),
         "cue_tokens": sum(r["stats"]["cue_tokens"] for r in records),
-        "context_tokens": sum(len(r["tokens"]["prompt_ids"]) + len(r["tokens"]["ids"]) for r in records),
+        "context_tokens": sum(len(s["prompt_ids"]) + len(s["ids"]) for r in records
+                              for s in [r["tokens"], *r["tokens"].get("segments", [])]),
     }
 
 

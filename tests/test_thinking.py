@@ -1,0 +1,147 @@
+"""Thinking models trained on what they saw (docs/design.md §3, segments).
+
+bfcl-eval's QwenFCHandler keeps an assistant message's reasoning only after the last user
+query: at a new user turn its prompt drops the reasoning the model wrote, and is no extension
+of the generated tokens. A training rollout goes on from the handler's rendering there, in a new
+segment. Checked against bfcl-eval's own multi-turn loop (tests/test_prompts.py `theirs`): every
+step's prompt is the one it builds, byte for byte; the trainer scores each segment in its own
+context; calls are parsed from the answer, never from the reasoning.
+"""
+
+import json
+import os
+
+import pytest
+from test_prompts import Script, theirs
+from transformers import AutoTokenizer
+
+from common import bfcl, play, prompts
+from common import calls as C
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def heldin():
+    return bfcl.load_tasks(os.path.join(ROOT, "data", "heldin.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def entries():
+    from bfcl_eval.utils import load_dataset_entry
+    return {e["id"]: e for cat in bfcl.CATEGORIES for e in load_dataset_entry(f"multi_turn_{cat}")}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def multi_turn(heldin, k=3):
+    """Tasks of several user turns: the first `k` of each category with at least three."""
+    out = []
+    for cat in bfcl.CATEGORIES:
+        out += [t for t in heldin.values() if t["category"] == cat and len(t["questions"]) >= 3][:k]
+    return out
+
+
+def thinking_script(task, think_turns):
+    """Per (turn, step): reasoning on the turns in `think_turns`, then the ground-truth calls
+    (as the handler renders them) and a plain answer."""
+    def script(task_id, turn, step):
+        head = f"<think>\nturn {turn}, step {step}: plan\n</think>\n\n" if turn in think_turns else ""
+        gt = bfcl.ground_truth_calls(task, turn)
+        if gt and step == 0:
+            return head + "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in gt)
+        return head + "Done."
+    return script
+
+
+class Seen(Script):
+    """The scripted policy, keeping every prompt (as ids) the trajectory sent it."""
+
+    def __init__(self, tokenizer, script):
+        super().__init__(tokenizer, script)
+        self.prompts = []
+
+    def generate(self, prompts_, max_new_tokens, temperature):
+        self.prompts += [list(p) for p in prompts_]
+        return super().generate(prompts_, max_new_tokens, temperature)
+
+
+def train_play(task, engine):
+    spec = play.PlaySpec(temperature=1.0, max_model_len=1 << 30, max_new_tokens=4096)
+    traj = play.Trajectory(task, 0, spec, engine.tokenizer, engine.stop_ids)
+    engine.traj = traj
+    play.run([traj], engine, spec, progress=False)
+    return traj.record(0, "script")
+
+
+@pytest.mark.parametrize("think_turns", [range(99), (0, 2)], ids=["every_turn", "turns_0_2"])
+def test_training_prompts_are_bfcl_evals_with_reasoning_dropped_where_it_drops_it(heldin, entries, tokenizer,
+                                                                                 think_turns):
+    """Token-in/token-out training rollouts of a model that thinks (on every turn, or on some):
+    every step's prompt is the one bfcl-eval's multi-turn loop formats from the same outputs,
+    byte for byte, the reasoning of earlier turns dropped; a new segment starts exactly at the
+    turns after one with reasoning, its prompt_ids the handler's prompt as the server tokenises
+    it; within a segment each prompt extends the last; the model tokens are the outputs, once."""
+    for task in multi_turn(heldin):
+        engine = Seen(tokenizer, thinking_script(task, think_turns))
+        rec = train_play(task, engine)
+        texts = [s["text"] for turn in rec["turns"] for s in turn["steps"]]
+        seen, error = theirs(entries[task["id"]], texts)
+        assert error is None and rec["stop"] == "done"
+        mine = [tokenizer.decode(p, skip_special_tokens=False) for p in engine.prompts]
+        assert mine == seen, task["id"]
+        segs = [rec["tokens"], *rec["tokens"].get("segments", [])]
+        starts = [t for t in range(1, len(rec["turns"])) if t - 1 in think_turns]
+        assert [s.get("turn", 0) for s in segs] == [0, *starts]
+        # each segment's prompt is a step's whole prompt; the steps in it extend it token for token
+        step_of_turn = [sum(len(t["steps"]) for t in rec["turns"][:k]) for k in range(len(rec["turns"]))]
+        bounds = [step_of_turn[s.get("turn", 0)] for s in segs] + [len(seen)]
+        for seg, k, end in zip(segs, bounds, bounds[1:], strict=False):
+            assert seg["prompt_ids"] == engine.prompts[k] == tokenizer(seen[k])["input_ids"]
+            context = seg["prompt_ids"] + seg["ids"]
+            assert all(p == context[:len(p)] for p in engine.prompts[k:end])
+        generated = [tokenizer.decode([i for i, m in zip(s["ids"], s["mask"], strict=True) if m]) for s in segs]
+        assert "".join(generated) == "".join(f"{t}<|im_end|>" for t in texts)
+        assert rec["stats"]["gen_tokens"] == sum(sum(s["mask"]) for s in segs)
+
+
+def test_a_history_the_handler_cannot_render_fails_at_the_new_turn(heldin, entries, tokenizer):
+    """A thinking output with a malformed <tool_call> block: bfcl-eval keeps it and its next
+    turn's prompt raises, an inference error for the entry; the training rollout re-renders at
+    that turn and stops there the same way."""
+    task = multi_turn(heldin, 1)[0]
+    good = thinking_script(task, range(99))
+
+    def script(tid, turn, step):
+        return '<think>\nx\n</think>\n\n<tool_call>\n{"name": "ls"}\n</tool_call>' if (turn, step) == (0, 0) \
+            else good(tid, turn, step)
+    engine = Seen(tokenizer, script)
+    rec = train_play(task, engine)
+    seen, error = theirs(entries[task["id"]], [s["text"] for t in rec["turns"] for s in t["steps"]])
+    assert error is not None and rec["stop"] == "inference_error" and rec["inference_error"] == str(error)
+    assert len(rec["turns"]) == 2 and "segments" not in rec["tokens"]
+
+
+def test_non_thinking_rollouts_stay_one_segment(heldin, tokenizer):
+    """Without reasoning the context is never re-rendered: one segment, as before segments existed."""
+    task = multi_turn(heldin, 1)[0]
+    rec = train_play(task, Seen(tokenizer, thinking_script(task, ())))
+    assert rec["stop"] == "done" and "segments" not in rec["tokens"]
+
+
+@pytest.mark.parametrize("text", [
+    "<think>\nI could call <tool_call>\n{\"name\": \"rm\", \"arguments\": {\"file_name\": \"a\"}}\n</tool_call>\n</think>\n\nDone.",
+    "<think>\nplan\n</think>\n\n<tool_call>\n{\"name\": \"ls\", \"arguments\": {}}\n</tool_call>",
+    "<think>\n<tool_call>\n{\"name\": \"rm\"}\n</tool_call></think><tool_call>\n{\"name\": \"pwd\", \"arguments\": {}}\n</tool_call>",
+    "no reasoning <tool_call>\n{\"name\": \"ls\", \"arguments\": {}}\n</tool_call>",
+])
+def test_calls_are_parsed_from_the_answer_as_bfcl_eval_decodes_it(text):
+    """The calls (what runs, what diagnosis, evidence and Ω's cues read) are those of the answer
+    bfcl-eval's QwenFCHandler splits off the reasoning (its _parse_query_response_prompting,
+    whose `model_responses` its harness decodes): a call written inside <think> never runs."""
+    answer = prompts.handler("QwenFCHandler")._parse_query_response_prompting(prompts.response(text))["model_responses"]
+    assert C.parse(text, "json") == C.parse(answer, "json")
+    assert "rm" not in [c["name"] for c in C.parse(text, "json")[0]]
