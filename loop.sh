@@ -4,12 +4,13 @@
 #   bash loop.sh PRESET [--rounds N] [--mode seal|vanilla|no-env|no-reweight|no-closed-loop]
 #                       [--name NAME] [--eval-every K] [--runs DIR] [--ood] [--set VAR=VALUE ...] [--plan]
 #
-# PRESET is tiny (CPU, minutes), qwen3b, qwen7b or toolace8b (GPU nodes; see README).
+# PRESET is tiny (CPU, minutes), qwen3b, qwen7b or toolace8b (the paper's, GPU nodes; see README),
+# qwen3-4b or qwen3-8b. A GPU preset runs on the GPUs nvidia-smi -L lists, or --set GPUS=1|2|4|8.
 # --set overrides one preset variable (e.g. --set N=4 --set TASKS_PER_ROUND=8); every variable, its
 # default and each preset's values are in common/presets.py, as are the modes.
 # --plan prints the GPU presets' per-GPU memory plan (common/memplan.py) and exits, installing and
 # downloading nothing (python3 alone, on a fresh clone too); a run whose plan does not fit stops
-# before round 0 naming the variable to change.
+# before setup and round 0, naming the variable to change.
 # Every artifact lands in runs/NAME/ (docs/design.md §3). Rerunning the same command resumes
 # from the first missing artifact: stages write atomically, so a file that exists is
 # complete, and complete artifacts are never recomputed. KEEP (a preset variable) says
@@ -41,26 +42,30 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-if [ -n "$PLAN" ]; then
-  # The plan is the standard library's arithmetic on configs/models/: on a fresh clone it needs no
-  # setup (whose GPU build is ~10 GB of downloads), only a python3.
-  PY=.venv/bin/python
-  [ -x "$PY" ] || PY=${PYTHON:-python3}
-  command -v "$PY" >/dev/null || { echo "loop: --plan needs a python3 (>= 3.8) on PATH, or PYTHON naming one" >&2; exit 2; }
-else
-  bash setup.sh
-  PY=.venv/bin/python
-fi
+# The settings, the memory plan and every refusal come first, from the standard library's Python
+# (common/presets.py, common/memplan.py): on a fresh clone --plan needs no setup (whose GPU build is
+# ~10 GB of downloads), only a python3, and a run that cannot go ahead stops before setup downloads anything.
+PY=.venv/bin/python
+[ -x "$PY" ] || PY=${PYTHON:-python3}
+command -v "$PY" >/dev/null || { echo "loop: needs a python3 (>= 3.8) on PATH, or PYTHON naming one" >&2; exit 2; }
 
 # ---------------------------------------------------------------------------- presets and modes
-# common/presets.py checks the preset, the mode and each --set, and prints every preset variable
-# (MODEL=..., MAX_LEN=...), the mode's OMEGA and REWEIGHT, LORA_RANK, and RECORD, what config.json records.
+# common/presets.py checks the preset, the mode and each --set, places a GPU preset on its GPUS,
+# and prints every preset variable (MODEL=..., MAX_LEN=...), the mode's OMEGA and REWEIGHT,
+# LORA_RANK, and RECORD, what config.json records.
 settings=$($PY -m common.presets "$PRESET" --mode "$MODE" "${SETS[@]+"${SETS[@]}"}") || exit 2
 eval "$settings"
 # The memory plan of a GPU preset, from the architecture numbers in configs/models/ (nothing loads).
 if [ -n "$PLAN" ]; then
   if [ -z "$GPU_MEM_GIB" ]; then echo "loop: $PRESET runs on CPU: no GPU memory plan (set GPU_MEM_GIB for one)"; exit 0; fi
   exec $PY -m common.memplan "$PRESET" "${SETS[@]+"${SETS[@]}"}"
+fi
+if [ -n "$THINKING" ]; then
+  echo "loop: $PRESET's model thinks (THINKING=1: <think>...</think> before each answer), and $BFCL_HANDLER" \
+    "re-renders earlier turns without that reasoning once a new user turn begins, so a trajectory's later prompts" \
+    "do not extend the tokens the model generated. Training each re-rendered segment as its own sequence is not" \
+    "built yet: this preset plans (bash loop.sh $PRESET --plan) but does not train" >&2
+  exit 2
 fi
 if [ "$MODEL" != offline-tiny ] && [ ! -d "$MODEL" ] && ! [[ $REVISION =~ ^[0-9a-f]{40}$ ]]; then
   echo "loop: REVISION='$REVISION': $MODEL is a hub id and its commit must be pinned (--set REVISION=<40-hex commit>)," \
@@ -70,15 +75,17 @@ fi
 if [ -n "$GPU_MEM_GIB" ]; then
   $PY -m common.memplan --brief "$PRESET" "${SETS[@]+"${SETS[@]}"}" \
     || { echo "loop: stopped by the memory plan (bash loop.sh $PRESET --plan shows its terms)" >&2; exit 2; }
-  # before any download: a GPU preset on a machine without (enough) GPUs would only fail later
+  # a GPU preset on a machine without (enough) GPUs would only fail later
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
   need=$((NPROC > DP * TP ? NPROC : DP * TP))
   if [ "$gpus" -lt "$need" ]; then
     echo "loop: $PRESET runs on $need GPUs and this machine has $gpus (nvidia-smi -L); the preset that runs" \
-      "on CPU is tiny (bash loop.sh tiny), or lower NPROC, DP and TP with --set" >&2
+      "on CPU is tiny (bash loop.sh tiny), or lower GPUS with --set" >&2
     exit 2
   fi
 fi
+bash setup.sh
+PY=.venv/bin/python
 # a tracker that is not installed stops here with its pip line, before any model is built or fetched
 $PY -m common.tracking --check "$REPORT_TO" || exit 2
 if [ "$MODEL" = offline-tiny ]; then

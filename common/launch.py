@@ -1,5 +1,5 @@
 """The command that starts the train stage (loop.sh's train()): one process; `accelerate launch`
-over NPROC processes of this node; or, inside a SLURM allocation of several nodes, one
+over NPROC processes of this node (one process too, given an ACCEL_CONFIG); or, inside a SLURM allocation of several nodes, one
 `accelerate launch` per node through srun, each given the machine count, its machine rank
 (SLURM_NODEID, read on its own node) and the first node of the allocation as the main address.
 
@@ -43,7 +43,7 @@ def train_command(python, nproc, config=None, env=None):
         # SLURM_NODEID differs per node: expanded by the shell srun starts there, not here
         script = f'exec {shlex.join(launch)} --machine_rank "$SLURM_NODEID" "$@"'
         return ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c", script, "train"]
-    if nproc > 1:
+    if nproc > 1 or config:  # one GPU under FSDP2 too (GPUS=1: the presets' code path on one process)
         return accelerate_command(accelerate, nproc, config)
     return [python]
 

@@ -80,7 +80,7 @@ class PlanError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Arch:
-    """The architecture numbers the plan needs (a decoder-only Qwen2/Llama model)."""
+    """The architecture numbers the plan needs (a decoder-only Qwen2/Qwen3/Llama model)."""
 
     hidden: int
     layers: int
@@ -92,11 +92,13 @@ class Arch:
     tied: bool
     bias: bool  # biases on q, k, v (Qwen2)
     max_pos: int
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k (Qwen3)
 
     @property
     def layer_params(self):
         d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return d * q + 2 * d * kv + q * d + 3 * d * self.ffn + 2 * d + ((q + 2 * kv) if self.bias else 0)
+        return (d * q + 2 * d * kv + q * d + 3 * d * self.ffn + 2 * d + ((q + 2 * kv) if self.bias else 0)
+                + (2 * self.head_dim if self.qk_norm else 0))
 
     @property
     def root_params(self):
@@ -135,6 +137,7 @@ def read_config_dict(c, path="config"):
             bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2"
                             or "Qwen2ForCausalLM" in (c.get("architectures") or []))),
             max_pos=int(c.get("max_position_embeddings") or 0),
+            qk_norm=c.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in (c.get("architectures") or []),
         )  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise PlanError(f"{path}: cannot read the architecture numbers (missing or bad {e})") from None
@@ -170,6 +173,8 @@ def layer_activation_bytes(arch, a):
     """Bytes one decoder layer keeps for backward, per token, in compute dtype of `a` bytes."""
     norms = 2 * (4 + 2 * a) * arch.hidden
     attention = a * (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim + 4 * arch.heads
+    if arch.qk_norm:  # each head's norm of q and k: its float32 input and normalised output (RoPE keeps neither)
+        attention += (4 + a) * (arch.heads + arch.kv_heads) * arch.head_dim
     mlp = 4 * a * arch.ffn
     return norms + attention + mlp
 
@@ -343,7 +348,7 @@ def settings_plans(p):
         raise PlanError(f"{arch_path(p.model)} has no max_position_embeddings: the server's context is "
                         "unknown (set EVAL_LEN)")
     serve = server_len(max_len, eval_len, arch.max_pos)
-    sharded = nproc > 1 and p.sharded
+    sharded = p.sharded  # FSDP on one GPU too: its bf16 copies and float32 reduce-scatter are there all the same
     ckpt = "--gradient-checkpointing" in p.extra_train.split()
     lora = "--lora" in p.lora.split()
     tokens, chunk = max(micro, max_len), logprob_chunk()
@@ -352,16 +357,18 @@ def settings_plans(p):
         "rollout": rollout_plan(arch, tp, gpu_mem, serve, max_len),
         "reference": reference_plan(arch, tokens, gpu_mem, chunk=chunk),
         "train": train,
+        "full": train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, chunk=chunk) if lora else train,
     }, dict(nproc=nproc, sharded=sharded, ckpt=ckpt, lora=lora, gpu_mem=gpu_mem, max_len=max_len,
             micro=micro, chunk=chunk, serve=serve, eval_len=eval_len)
 
 
 def advice(arch, k):
     """What to change in loop.sh's variables so that the train stage fits, as phrases."""
-    def fits(nproc=None, tokens=None, ckpt=None):
+    def fits(nproc=None, tokens=None, ckpt=None, lora=None):
         return train_plan(
             arch, nproc or k["nproc"], k["sharded"], tokens or max(k["micro"], k["max_len"]),
-            k["ckpt"] if ckpt is None else ckpt, k["gpu_mem"], lora=k["lora"], chunk=k["chunk"],
+            k["ckpt"] if ckpt is None else ckpt, k["gpu_mem"], lora=k["lora"] if lora is None else lora,
+            chunk=k["chunk"],
         ).fits
 
     out = []
@@ -376,9 +383,11 @@ def advice(arch, k):
         if best:
             out.append(f"lower MAX_LEN to {best} (a micro-batch holds at least one whole sequence)")
     if k["sharded"]:
-        more = next((n for n in (2 * k["nproc"], 4 * k["nproc"]) if fits(nproc=n)), None)
+        more = next((n for n in (2 * k["nproc"], 4 * k["nproc"]) if n <= 8 and fits(nproc=n)), None)
         if more:
-            out.append(f"NPROC={more} (and GPUs to match)")
+            out.append(f"GPUS={more} (the weights sharded over {more} GPUs)")
+    if not k["lora"] and fits(lora=True):
+        out.append(f"LORA=--lora (a rank-{LORA_RANK} adapter through PEFT, the base weights frozen in bf16)")
     return out or ["use GPUs with more memory (GPU_MEM_GIB)"]
 
 
@@ -396,7 +405,7 @@ def main(argv):
     parser.add_argument("--brief", action="store_true", help="one line (loop.sh's check before round 0)")
     a = parser.parse_args(argv)
     try:
-        p = presets.resolve(a.preset, a.set)
+        p = presets.resolve(a.preset, a.set, presets.visible_gpus())
         arch, plans, k = settings_plans(p)
     except (presets.PresetError, PlanError) as e:
         sys.exit(f"memplan: {e}")
@@ -404,11 +413,15 @@ def main(argv):
     ok = rollout.fits and rollout.contexts >= 1 and reference.fits and train.fits
     if not a.brief:
         print(f"memory plan: {a.preset} {p.model} ({arch.params / 1e9:.2f} B parameters, "
-              f"{arch.layers} layers), {k['nproc']} GPUs x {p.gpu_mem_gib} GiB, rollouts MAX_LEN={k['max_len']},"
+              f"{arch.layers} layers), {k['nproc']} GPU{'s' * (k['nproc'] > 1)} x {p.gpu_mem_gib} GiB, rollouts MAX_LEN={k['max_len']},"
               f" server max_model_len={k['serve']} ({served_from(k, arch)}), MICRO_TOKENS={k['micro']},"
               f" log-prob chunk {k['chunk']}, margin {MARGIN:.0%}")
         for plan in (rollout, reference, train):
             print(render(plan, k["gpu_mem"]))
+        if k["lora"]:
+            full = plans["full"]
+            print(f"full fine-tuning instead of LoRA: {full.peak / GIB:.2f} GiB per GPU of {p.gpu_mem_gib}: "
+                  + ("fits" if full.fits else "DOES NOT FIT"))
     else:
         print(f"memory plan: rollout server {rollout.contexts:.0f} contexts of max_model_len={k['serve']} per replica, train stage "
               f"{train.peak / GIB:.1f} GiB and reference pass {reference.peak / GIB:.1f} GiB per GPU of "

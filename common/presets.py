@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import os
 import shlex
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +47,10 @@ class Preset:
     model: str = ""
     engine: str = "vllm"
     server: str = ""  # URL[,URL...]: play on servers the user started instead of loop.sh's own
+    # GPUs of the node a GPU preset runs on: 1, 2, 4 or 8, from which DP (GPUS / TP), NPROC and
+    # ACCEL_CONFIG (configs/accelerate/fsdp_<GPUS>gpu.yaml) follow unless set themselves. Empty: what
+    # `nvidia-smi -L` lists, or where it lists none (--plan on any machine) the preset's own NPROC.
+    gpus: str = ""
     dp: str = "1"  # the vLLM server's data parallel size
     tp: str = "1"  # and tensor parallel size
     nproc: str = "1"  # training processes (accelerate launch)
@@ -84,6 +89,12 @@ class Preset:
     # unless EVAL_LEN / EVAL_NEW lower them (scores.json then says they are not bfcl-eval's).
     bfcl_handler: str = "QwenFCHandler"
     prompts: str = "bfcl"
+    # 1: the model writes <think>...</think> before its answer (Qwen3-8B, as its template defaults and
+    # as bfcl-eval runs it). QwenFCHandler re-renders earlier turns without that reasoning once a new
+    # user turn begins, so the next prompt no longer extends the tokens the model generated: training
+    # must score each re-rendered segment as its own sequence, which loop.sh does not do yet (it
+    # refuses to run such a preset; --plan works).
+    thinking: str = ""
     eval_len: str = ""
     eval_new: str = ""
     revision: str = ""
@@ -106,7 +117,8 @@ class Preset:
 
 
 # The values a setting takes, where it takes few.
-CHOICES = {"keep": ("evaluated", "latest", "all"), "prompts": ("bfcl", "template")}
+CHOICES = {"keep": ("evaluated", "latest", "all"), "prompts": ("bfcl", "template"), "thinking": ("", "1")}
+GPU_COUNTS = ("1", "2", "4", "8")  # GPUS: the node sizes configs/accelerate/ has an FSDP file for
 # config.json's keys for the fields whose key is not the field's name: what earlier runs recorded,
 # what a resume compares and what readers of config.json use.
 RECORDED_AS = {"accel_config": "accelerate_config", "temp": "temperature", "max_len": "max_model_len",
@@ -138,6 +150,19 @@ PRESETS = {
     # names one with --set REVISION=<commit>.
     "toolace8b": Preset(model="Team-ACE/ToolACE-2-Llama-3.1-8B", bfcl_handler="LlamaHandler", call_format="python",
                         micro_tokens="8192", **FOUR_GPUS),
+    # Beside the paper's: the models bfcl-eval 2026.3.23 registers for local inference as
+    # Qwen/Qwen3-4B-Instruct-2507-FC and Qwen/Qwen3-8B-FC, both with QwenFCHandler
+    # (bfcl_eval/constants/model_config.py:1660 and :1684). Evaluation runs as that handler does:
+    # the model's own context (262,144 and 40,960: base_oss_handler.py:143) and up to 4096 new tokens
+    # a call (base_oss_handler.py:328-336), EVAL_LEN and EVAL_NEW's defaults; its prompt ends with
+    # "<|im_start|>assistant\n" (qwen_fc.py:238), which leaves Qwen3-8B thinking, as its template
+    # defaults. Revisions: the hub's commits as found in public snapshot paths.
+    "qwen3-4b": Preset(model="Qwen/Qwen3-4B-Instruct-2507", revision="cdbee75f17c01a7cc42f958dc650907174af0554",
+                       micro_tokens="16384", **FOUR_GPUS),  # non-thinking only
+    # Rollouts get the 4096 new tokens a call that evaluation gives (reasoning, then the answer) and
+    # 32,768 tokens of context, 8k short of its own; a micro-batch holds one such sequence.
+    "qwen3-8b": Preset(model="Qwen/Qwen3-8B", revision="b968826d9c46dd6066d109eabc6255188de91218", thinking="1",
+                       max_new="4096", max_len="32768", **FOUR_GPUS),
 }
 
 
@@ -173,8 +198,9 @@ LORA_RANK = 16  # train_grpo.py --lora-r, and the rank the vLLM server is starte
 LOGPROB_CHUNK = 1024
 
 
-def resolve(name, sets=()):
-    """PRESETS[name] with each "VAR=VALUE" of `sets` applied, checked."""
+def resolve(name, sets=(), found=0):
+    """PRESETS[name] with each "VAR=VALUE" of `sets` applied, checked; a GPU preset placed on GPUS
+    GPUs (else on the `found` GPUs `nvidia-smi -L` lists, else on its own NPROC)."""
     if name not in PRESETS:
         raise PresetError(f"unknown preset {name} ({', '.join(PRESETS)})")
     fields = {f.name.upper(): f.name for f in dataclasses.fields(Preset)}
@@ -190,8 +216,36 @@ def resolve(name, sets=()):
     for field, choices in CHOICES.items():
         value = getattr(preset, field)
         if value not in choices:
-            raise PresetError(f"{field.upper()}={value}: use {', '.join(choices[:-1])} or {choices[-1]}")
+            words = [c or "''" for c in choices]
+            raise PresetError(f"{field.upper()}={value}: use {', '.join(words[:-1])} or {words[-1]}")
+    if preset.gpu_mem_gib:
+        preset = place(preset, changes, found)
     return preset
+
+
+def place(preset, changes, found):
+    """A GPU preset on GPUS GPUs: the server's data parallel size, the training processes and their
+    FSDP config follow, each unless `changes` (the --set values) names it."""
+    gpus = preset.gpus or (str(found) if found else preset.nproc)
+    if gpus not in GPU_COUNTS:
+        where = "" if preset.gpus else f" (nvidia-smi -L lists {found}: choose with --set GPUS=K)"
+        raise PresetError(f"GPUS={gpus}{where}: a GPU preset runs on {', '.join(GPU_COUNTS[:-1])} or "
+                          f"{GPU_COUNTS[-1]} GPUs; the preset that runs on CPU is tiny")
+    k, tp = int(gpus), int(preset.tp) if preset.tp.isdigit() else 0
+    if "dp" not in changes and (tp < 1 or k % tp):
+        raise PresetError(f"TP={preset.tp}: the server's tensor parallel size must divide GPUS={gpus}")
+    derived = {"gpus": gpus, "nproc": gpus, "dp": str(k // max(tp, 1)),
+               "accel_config": f"configs/accelerate/fsdp_{gpus}gpu.yaml"}
+    return dataclasses.replace(preset, **{f: v for f, v in derived.items() if f not in changes or f == "gpus"})
+
+
+def visible_gpus():
+    """The GPUs `nvidia-smi -L` lists (0 without nvidia-smi or a driver)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
 def mode(name):
@@ -225,7 +279,7 @@ def main(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="VAR=VALUE", help="override one preset variable")
     a = p.parse_args(argv)
     try:
-        print(shell(resolve(a.preset, a.set), a.preset, a.mode))
+        print(shell(resolve(a.preset, a.set, visible_gpus()), a.preset, a.mode))
     except PresetError as e:
         print(f"loop: {e}", file=sys.stderr)
         sys.exit(2)

@@ -2,14 +2,18 @@
 SLURM allocation (fake SLURM variables: only the command is built here; that two machine ranks
 train as one machine does is tests/test_train_grpo.py's test_two_machines_match_one)."""
 
+import os
 import shlex
 import subprocess
+import sys
 
 import pytest
+import yaml
 
-from common import launch
+from common import launch, presets
 
 PY = ".venv/bin/python"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_one_node():
@@ -20,6 +24,26 @@ def test_one_node():
     # an allocation of one node is a node
     one = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "gpu01"}
     assert launch.train_command(PY, 4, None, env=one) == [".venv/bin/accelerate", "launch", "--num_processes", "4"]
+
+
+@pytest.mark.parametrize("gpus", ["1", "2", "8"])
+def test_gpus_k_launches_k_fsdp2_processes(gpus):
+    """GPUS=K as loop.sh's train() builds it (common.launch's command line, from the preset's NPROC and
+    ACCEL_CONFIG): accelerate launch over K processes with FSDP2's config for K, one GPU included;
+    each config is fsdp_4gpu.yaml's but for its process count (bf16 compute, full sharding, no offload)."""
+    p = presets.resolve("qwen3-4b", [f"GPUS={gpus}"])
+    config = f"configs/accelerate/fsdp_{gpus}gpu.yaml"
+    res = subprocess.run([sys.executable, "-m", "common.launch", PY, p.nproc, p.accel_config], cwd=ROOT,
+                         capture_output=True, text=True, check=True, env={**os.environ, "SLURM_JOB_ID": ""})
+    assert res.stdout.splitlines() == [".venv/bin/accelerate", "launch", "--num_processes", gpus, "--config_file", config]
+    with open(os.path.join(ROOT, config)) as f, open(os.path.join(ROOT, "configs/accelerate/fsdp_4gpu.yaml")) as g:
+        mine, four = yaml.safe_load(f), yaml.safe_load(g)
+    assert mine["num_processes"] == int(gpus) and mine["distributed_type"] == "FSDP" and mine["mixed_precision"] == "bf16"
+    same = {k: v for k, v in four["fsdp_config"].items() if k != "fsdp_state_dict_type"}  # not read by train_grpo.py
+    assert {k: mine["fsdp_config"][k] for k in same} == same and same["fsdp_version"] == 2
+    assert {k: v for k, v in mine.items() if k not in ("num_processes", "fsdp_config")} == {
+        k: v for k, v in four.items() if k not in ("num_processes", "fsdp_config")}
+    assert launch.train_command(PY, 1, None, env={}) == [PY]  # the CPU presets' one process stays plain python
 
 
 def test_two_node_allocation(monkeypatch):

@@ -1,6 +1,7 @@
 """common/presets.py, the one source of every setting: presets resolve, --set overrides and refuses,
-the shell loop.sh evaluates gets the Python values exactly, the memory plan reads the preset, and the
-move out of loop.sh's shell variables kept every value and every plan."""
+a GPU preset is placed on GPUS GPUs, the shell loop.sh evaluates gets the Python values exactly, the
+memory plan reads the preset, the paper's presets hold the paper's settings, and a thinking preset
+plans but does not train."""
 
 import dataclasses
 import os
@@ -14,8 +15,6 @@ from common.presets import PRESETS, Preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_PRESETS = [name for name, p in PRESETS.items() if p.gpu_mem_gib]
-# The last commit whose loop.sh held the presets as shell variables.
-BEFORE = "4862d71cc5e53177f6e4931bb57f8b0ceb22234f"
 # Values a shell mangles unless each is quoted: spaces, quotes, $, a glob, a newline, nothing.
 AWKWARD = {"USER_MODEL_NAME": "a b  'c' \"d\" $HOME `x` *", "OOD": "bfcl-memory tau2", "EXTRA_TRAIN": "--cpu\n--x",
            "SERVER": ""}
@@ -41,7 +40,9 @@ def test_every_preset_resolves_and_names_what_it_runs_on(name):
     """A preset is its entry; a GPU preset's model has the architecture numbers the plan reads, its
     training shards the weights over its GPUs, and every preset's task file is one data/prepare.py writes."""
     p = presets.resolve(name)
-    assert p == PRESETS[name] and all(isinstance(getattr(p, f.name), str) for f in dataclasses.fields(p))
+    # with no GPUs listed, a GPU preset runs on its own NPROC
+    assert p == dataclasses.replace(PRESETS[name], gpus=PRESETS[name].nproc if p.gpu_mem_gib else "")
+    assert all(isinstance(getattr(p, f.name), str) for f in dataclasses.fields(p))
     assert p.tasks in ("data/train.jsonl", "data/tiny.jsonl") and int(p.rounds) >= 1 and int(p.eval_every) >= 1
     if p.gpu_mem_gib:
         assert memplan.load_arch(p.model).params > 1e9
@@ -63,15 +64,21 @@ def test_the_stages_defaults_are_the_presets_defaults():
 def test_set_overrides_one_variable_and_refuses_what_is_not_one():
     p = presets.resolve("qwen7b", ["MAX_LEN=8192", "EXTRA_TRAIN=", "LR=1e-6=x", "ROUNDS=3"])
     assert dataclasses.asdict(p) == dataclasses.asdict(PRESETS["qwen7b"]) | {
-        "max_len": "8192", "extra_train": "", "lr": "1e-6=x", "rounds": "3"}
+        "max_len": "8192", "extra_train": "", "lr": "1e-6=x", "rounds": "3", "gpus": "4"}
     assert PRESETS["qwen7b"].max_len == "16384"  # the entry itself is left as it was
     for args, message in [(["qwen7b", "--set", "NOPE=1"], "--set NOPE: not a preset variable (ROUNDS EVAL_EVERY MODEL"),
                           (["qwen7b", "--set", "max_len=1"], "--set max_len: not a preset variable"),
                           (["qwen7b", "--set", "MAX_LEN"], "--set MAX_LEN: VAR=VALUE expected"),
-                          (["qwen9b"], "unknown preset qwen9b (tiny, qwen3b, qwen7b, toolace8b)"),
+                          (["qwen9b"], "unknown preset qwen9b (tiny, qwen3b, qwen7b, toolace8b, qwen3-4b, qwen3-8b)"),
                           (["tiny", "--mode", "seal-ish"], "unknown mode seal-ish (seal, vanilla, no-env"),
                           (["tiny", "--set", "KEEP=some"], "KEEP=some: use evaluated, latest or all"),
-                          (["tiny", "--set", "PROMPTS=chat"], "PROMPTS=chat: use bfcl or template")]:
+                          (["tiny", "--set", "PROMPTS=chat"], "PROMPTS=chat: use bfcl or template"),
+                          (["tiny", "--set", "THINKING=yes"], "THINKING=yes: use '' or 1"),
+                          (["qwen7b", "--set", "GPUS=0"], "GPUS=0: a GPU preset runs on 1, 2, 4 or 8 GPUs; the preset "
+                                                          "that runs on CPU is tiny"),
+                          (["qwen7b", "--set", "GPUS=3"], "GPUS=3: a GPU preset runs on 1, 2, 4 or 8 GPUs"),
+                          (["qwen7b", "--set", "GPUS=1", "--set", "TP=2"], "TP=2: the server's tensor parallel size "
+                                                                          "must divide GPUS=1")]:
         res = cli(*args)
         assert res.returncode == 2 and message in res.stderr and res.stdout == "", (args, res.stderr)
 
@@ -83,7 +90,7 @@ def test_the_shell_gets_the_python_values_exactly(name):
     sets = [a for k, v in AWKWARD.items() for a in ("--set", f"{k}={v}")]
     for mode, m in presets.MODES.items():
         values, record = shell_values(name, "--mode", mode, *sets)
-        p = presets.resolve(name, [f"{k}={v}" for k, v in AWKWARD.items()])
+        p = presets.resolve(name, [f"{k}={v}" for k, v in AWKWARD.items()], presets.visible_gpus())
         assert values == {**{f.name.upper(): getattr(p, f.name) for f in dataclasses.fields(p)},
                           "OMEGA": m.omega, "REWEIGHT": "" if m.reweight else "--no-reweight",
                           "LORA_RANK": str(presets.LORA_RANK)}
@@ -99,8 +106,8 @@ def test_only_sharding_accelerate_configs_count_as_sharded():
     """The plan counts FSDP / ZeRO-3 shards of the weights only where the Accelerate config asks for them."""
     sharded = {name: Preset(accel_config=f"configs/accelerate/{name}").sharded
                for name in sorted(os.listdir(os.path.join(ROOT, "configs", "accelerate")))}
-    assert sharded == {"ddp_cpu2.yaml": False, "fsdp_1gpu.yaml": True, "fsdp_4gpu.yaml": True, "fsdp_cpu.yaml": True,
-                       "zero3_4gpu.yaml": True}
+    assert sharded == {"ddp_cpu2.yaml": False, "fsdp_1gpu.yaml": True, "fsdp_2gpu.yaml": True, "fsdp_4gpu.yaml": True,
+                       "fsdp_8gpu.yaml": True, "fsdp_cpu.yaml": True, "zero3_4gpu.yaml": True}
     assert not Preset().sharded and not Preset(accel_config="configs/accelerate/none.yaml").sharded
 
 
@@ -121,33 +128,83 @@ def test_the_plan_is_the_plan_of_the_preset_and_its_sets(name):
     assert "frozen base weights (bf16, 1/8)" in res.stdout
 
 
-def _git(*args, **kw):
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, **kw)
+@pytest.mark.parametrize("gpus", ["1", "2", "4", "8"])
+def test_gpus_k_places_the_server_and_the_trainer_on_k_gpus(gpus):
+    """GPUS=K: the server's data parallel size K / TP, K training processes and the FSDP file for K;
+    what --set names itself stays; with no GPUS, the GPUs found, else the preset's own count."""
+    p = presets.resolve("qwen3-4b", [f"GPUS={gpus}"])
+    assert (p.gpus, p.dp, p.tp, p.nproc, p.accel_config) == (gpus, gpus, "1", gpus, f"configs/accelerate/fsdp_{gpus}gpu.yaml")
+    assert p.sharded and os.path.isfile(os.path.join(ROOT, p.accel_config))
+    if gpus != "1":
+        assert presets.resolve("qwen3-4b", [f"GPUS={gpus}", "TP=2"]).dp == str(int(gpus) // 2)
+    p = presets.resolve("qwen7b", [f"GPUS={gpus}", "ACCEL_CONFIG=configs/accelerate/zero3_4gpu.yaml", "DP=1"])
+    assert (p.nproc, p.dp, p.accel_config) == (gpus, "1", "configs/accelerate/zero3_4gpu.yaml")
+    assert presets.resolve("qwen7b", found=int(gpus)).nproc == gpus
+    assert presets.resolve("qwen7b", found=0).nproc == PRESETS["qwen7b"].nproc == "4"
+    with pytest.raises(presets.PresetError, match="nvidia-smi -L lists 3: choose with --set GPUS=K"):
+        presets.resolve("qwen7b", found=3)
+    assert presets.resolve("qwen7b", ["GPUS=2"], found=3).nproc == "2"
+    assert presets.resolve("tiny", found=int(gpus)) == PRESETS["tiny"]  # a CPU preset has no GPUs to place
 
 
-@pytest.mark.skipif(_git("cat-file", "-e", f"{BEFORE}^{{commit}}").returncode != 0,
-                    reason=f"commit {BEFORE} is not in this clone's history")
-def test_the_move_kept_every_value_and_every_plan(tmp_path):
-    """Against loop.sh of the commit BEFORE the presets moved into common/presets.py: every variable of
-    every preset as its shell set it, and each GPU preset's --plan, word for word (with a few --set)."""
-    archive = _git("archive", BEFORE, "loop.sh", "common/memplan.py", "common/grpo.py", "common/__init__.py",
-                   "configs").stdout
-    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive, check=True)
-    old = (tmp_path / "loop.sh").read_text()
-    block = old.split("# ---------------------------------------------------------------------------- presets\n")[1]
-    block = block.split("# The preset variables, one list")[0]
-    old_names = [{"rounds": "DEFAULT_ROUNDS", "eval_every": "DEFAULT_EVAL_EVERY"}.get(f.name, f.name.upper())
-                 for f in dataclasses.fields(Preset)]
-    for name, p in PRESETS.items():
-        script = f"PRESET={name}\n{block}\n" + "".join(f'printf "%s\\0" "${{{var}}}"\n' for var in old_names)
-        res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
-        assert res.stdout.split("\0")[:-1] == [getattr(p, f.name) for f in dataclasses.fields(Preset)], name
-    env = {**os.environ, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1"}
-    for name in GPU_PRESETS:
-        for sets in ([], ["EVAL_LEN=20480"], ["EXTRA_TRAIN="], ["LORA=--lora", "TP=2"],
-                     ["ACCEL_CONFIG=configs/accelerate/zero3_4gpu.yaml"], ["ACCEL_CONFIG=configs/accelerate/ddp_cpu2.yaml"]):
-            args = ["bash", "loop.sh", name, "--plan", *[a for s in sets for a in ("--set", s)]]
-            was = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=env)
-            now = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
-            assert "memory plan:" in was.stdout and (now.returncode, now.stdout, now.stderr) == (
-                was.returncode, was.stdout, was.stderr), (name, sets)
+# The paper's settings (docs/design.md §7), shared by its presets: GRPO groups of 8, 32 tasks a round in
+# mini-batches of 8, 18 rounds evaluated every 6, lr 1e-6, KL 0.001, temperature 1.0, bfcl-eval's step
+# limit of 20, 16k context and 1024 new tokens a call, evaluation as bfcl-eval's local inference.
+PAPER = dict(rounds="18", eval_every="6", engine="vllm", server="", gpus="", tp="1", lora="", tasks_per_round="32",
+             n="8", mini_batch="8", lr="1e-6", kl="0.001", temp="1.0", max_steps="20", max_len="16384",
+             max_new="1024", train_limit="", eval_limit="", keep="evaluated", tasks="data/train.jsonl", seed="0",
+             ood="", ood_limit="", prompts="bfcl", eval_len="", eval_new="", thinking="", report_to="none")
+FOUR_GPUS = dict(nproc="4", dp="4", accel_config="configs/accelerate/fsdp_4gpu.yaml", gpu_mem_gib="79",
+                 extra_train="--gradient-checkpointing")
+EXPECTED = {
+    "qwen3b": PAPER | FOUR_GPUS | dict(model="Qwen/Qwen2.5-3B-Instruct", revision="aa8e72537993ba99e69dfaafa59ed015b17504d1",
+                                       micro_tokens="16384", bfcl_handler="QwenFCHandler", call_format="json"),
+    "qwen7b": PAPER | FOUR_GPUS | dict(model="Qwen/Qwen2.5-7B-Instruct", revision="a09a35458c702b33eeacc393d103063234e8bc28",
+                                       micro_tokens="8192", bfcl_handler="QwenFCHandler", call_format="json"),
+    "toolace8b": PAPER | FOUR_GPUS | dict(model="Team-ACE/ToolACE-2-Llama-3.1-8B", revision="", micro_tokens="8192",
+                                          bfcl_handler="LlamaHandler", call_format="python"),
+    "tiny": PAPER | dict(model="offline-tiny", tasks="data/tiny.jsonl", eval_limit="1", tasks_per_round="8", n="4",
+                         mini_batch="2", lr="1e-4", max_steps="3", max_new="96", rounds="2", eval_every="2",
+                         ood_limit="1", eval_new="256", extra_train="--cpu", nproc="1", dp="1", accel_config="",
+                         gpu_mem_gib="", micro_tokens="32768", revision="", bfcl_handler="QwenFCHandler",
+                         call_format="json"),
+}
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_the_papers_presets_hold_the_papers_settings(name):
+    """Every variable of the paper's presets and of tiny, written out: adding a preset or a variable
+    changes none of them."""
+    p = dataclasses.asdict(PRESETS[name])
+    user = {k: p.pop(k) for k in ("user_model", "user_base_url", "user_model_name")}
+    assert p == EXPECTED[name] and set(user.values()) == {""}
+
+
+def test_the_qwen3_presets_are_bfcl_evals_models_as_its_handler_runs_them():
+    """bfcl-eval registers both models for local inference under QwenFCHandler; its handler's prompt
+    ends at the assistant's header (Qwen3-8B then thinks, as its template defaults); evaluation keeps
+    bfcl-eval's context and new tokens; a thinking model's rollouts get bfcl-eval's 4096 new tokens."""
+    from bfcl_eval.constants.model_config import MODEL_CONFIG_MAPPING
+    from bfcl_eval.model_handler.local_inference.qwen_fc import QwenFCHandler
+
+    for name, registry in (("qwen3-4b", "Qwen/Qwen3-4B-Instruct-2507-FC"), ("qwen3-8b", "Qwen/Qwen3-8B-FC")):
+        p, config = PRESETS[name], MODEL_CONFIG_MAPPING[registry]
+        assert config.model_name == p.model and config.model_handler is QwenFCHandler and config.is_fc_model
+        assert p.bfcl_handler == "QwenFCHandler" and p.prompts == "bfcl" and (p.eval_len, p.eval_new) == ("", "")
+        assert len(p.revision) == 40 and memplan.load_arch(p.model).params > 4e9
+    prompt = QwenFCHandler._format_prompt(None, [{"role": "user", "content": "hi"}], [])
+    assert prompt.endswith("<|im_start|>assistant\n")  # no empty <think></think>: thinking stays on
+    assert PRESETS["qwen3-4b"].thinking == "" and PRESETS["qwen3-8b"].thinking == "1"
+    assert PRESETS["qwen3-8b"].max_new == "4096" and int(PRESETS["qwen3-8b"].max_len) <= memplan.load_arch(
+        "Qwen/Qwen3-8B").max_pos
+
+
+def test_a_thinking_preset_plans_but_refuses_to_train_before_anything_downloads(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    res = subprocess.run(["bash", "loop.sh", "qwen3-8b", "--runs", str(tmp_path / "runs")], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 2 and "THINKING=1" in res.stderr and "not built yet" in res.stderr
+    assert "setup:" not in res.stdout + res.stderr and not os.listdir(tmp_path)
+    res = subprocess.run(["bash", "loop.sh", "qwen3-8b", "--plan", "--set", "GPUS=4"], cwd=ROOT, capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert res.returncode == 0 and res.stdout.startswith("memory plan: qwen3-8b Qwen/Qwen3-8B (8.19 B parameters")

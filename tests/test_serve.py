@@ -97,6 +97,31 @@ def test_every_flag_is_one_the_installed_vllm_parses():
     assert args.model == "/m/tiny" and args.distributed_executor_backend == "uni" and args.enforce_eager
 
 
+@pytest.mark.parametrize("gpus", ["1", "2", "8"])
+@pytest.mark.parametrize("lora", ["", "--lora"])
+def test_gpus_k_serves_on_k_engines_asleep_while_training(gpus, lora):
+    """GPUS=K as loop.sh starts the server (SERVE_ARGS from the preset: DP, TP, LoRA's rank, sleep mode
+    on GPUs): K data-parallel engines (one GPU: one engine, no data-parallel flag), sleep mode, and a
+    LoRA policy as a run-time adapter through one API server; every line one the installed vLLM parses."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from common.presets import LORA_RANK, resolve
+
+    p = resolve("qwen3-4b", [f"GPUS={gpus}", f"LORA={lora}"])
+    argv, env = serve.command("/m/qwen3-4b", port=8000, cpu=False, max_model_len=262144, tensor_parallel_size=int(p.tp),
+                              data_parallel_size=int(p.dp), lora_rank=LORA_RANK if p.lora else None, sleep_mode=True)
+    dp = [] if gpus == "1" else ["--data-parallel-size", gpus]
+    adapter = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"] if lora else []
+    one_api_server = ["--api-server-count", "1"] if lora and gpus != "1" else []
+    assert argv[argv.index("--max-model-len"):] == ["--max-model-len", "262144", *dp, "--enable-sleep-mode", *adapter,
+                                                    *one_api_server]
+    assert (env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") == "True") == bool(lora)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
+    assert args.enable_sleep_mode and args.data_parallel_size == int(gpus) and bool(args.enable_lora) == bool(lora)
+    assert (args.api_server_count or args.data_parallel_size) == (1 if lora else int(gpus))
+
+
 # ----------------------------------------------------------------------------- reload and check
 
 
