@@ -268,3 +268,15 @@ def test_gpus_zero_or_a_count_without_a_config_is_refused_before_any_plan():
         res = loop("qwen3-4b", "--plan", "--set", f"GPUS={gpus}")
         assert res.returncode == 2 and f"GPUS={gpus}: a GPU preset runs on 1, 2, 4 or 8 GPUs" in res.stderr
         assert "memory plan" not in res.stdout
+
+
+def test_the_plans_docs_hardware_md_shows_are_what_plan_prints():
+    """Every `$ bash loop.sh ... --plan` in docs/hardware.md is followed by exactly what it prints (the
+    paper's presets on 4 GPUs, qwen3-4b on one GPU with and without LoRA): a change to the plan changes
+    the docs."""
+    text = open(os.path.join(ROOT, "docs", "hardware.md")).read()
+    shown = re.findall(r"^\$ (bash loop\.sh .*)\n((?:(?!\$ |```).*\n)+)", text, re.M)
+    assert len(shown) == 5
+    for command, expected in shown:
+        res = loop(*command.split()[2:])
+        assert res.returncode in (0, 3) and res.stdout + res.stderr == expected.rstrip("\n") + "\n", command
