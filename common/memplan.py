@@ -37,7 +37,8 @@ max(MICRO_TOKENS, MAX_LEN), since train_grpo.py puts a longer sequence in a micr
 Activations per token and decoder layer: each RMSNorm keeps its float32 input, its normalised
 output and its output in the compute dtype ((4 + 2a)·hidden, twice); attention keeps q and k
 after RoPE, v and its output (a·(2·heads + 2·kv_heads)·head_dim) and a float32 log-sum-exp
-per head; the MLP keeps gate, silu(gate), up and their product (4a·intermediate). With
+per head (Qwen3 adds its per-head q and k norms' float32 input and normalised output,
+(4 + a)·(heads + kv_heads)·head_dim); the MLP keeps gate, silu(gate), up and their product (4a·intermediate). With
 gradient checkpointing a layer keeps its input only (a·hidden) and one layer is recomputed in
 backward (its activations and the gradients in flight: RECOMPUTE = 1.1 times its activations). Checked against
 peaks measured on CPU in tests/test_memplan.py and against a GPU by bench/gpu_check.sh.
