@@ -16,6 +16,8 @@
 #      master weights and AdamW's moments, common/checkpoint.py, 33 GB) and its load, timed
 #   3. prepare the task files and build the CPU preset's tiny model (common/tiny.py)
 #   4. rollout.py --engine hf on CUDA: the tiny preset's tasks, 4 samples each, through Ω_0
+#   4b. evaluate.py --split all --engine hf on CUDA: the first 2 tasks of each category (dry run: 1) of
+#      the 800 the BFCL leaderboard scores, with bfcl-eval's result files
 #   5. diagnose.py, then train_grpo.py on CUDA (bf16 autocast, --zero-variance keep): once plain,
 #      once through `accelerate launch` with a one-process FSDP config (dry run: two DDP CPU
 #      processes); the table shows the dtypes gradients were accumulated and reduced in (float32)
@@ -30,10 +32,16 @@ PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)
 # bfcl-eval and what its modules import that the GPU image lacks (found by running the dry run
 # on that image's torch 2.11, transformers 5.17 and accelerate 1.15 with its package list), at the
 # versions setup.sh installs here; five are compiled, so all are fetched for the GPU machine's
-# Python (GPU_PYTHON). The install step takes only those the machine does not have.
+# Python (GPU_PYTHON). The install step takes only those the machine does not have. The second
+# line is for evaluate.py: bfcl-eval's model registry, which names its result files, imports every
+# provider's SDK (found as the modules an --engine hf evaluation loads, less the image's packages).
 GPU_PYTHON=${GPU_PYTHON:-3.12}
 WHEELS=(bfcl-eval tree-sitter tree-sitter-java tree-sitter-javascript openai httpx2 httpcore2 truststore jiter
-        pydantic pydantic-core annotated-types typing-inspection sniffio tenacity overrides filelock mpmath tqdm)
+        pydantic pydantic-core annotated-types typing-inspection sniffio tenacity overrides filelock mpmath tqdm
+        anthropic black boto3 botocore cffi cohere cryptography dashscope datamodel-code-generator distro
+        docstring-parser fastavro google-auth google-genai httpx-sse inflect isort jmespath json5 mistralai
+        opentelemetry-api platformdirs python-dotenv pytokens qwen-agent s3transfer soundfile websocket-client
+        websockets writer-sdk)
 
 if [ "${1:-}" = --fetch-wheels ]; then
   pins=$($PY -c 'import importlib.metadata as m, sys; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
@@ -46,16 +54,16 @@ if [ "${1:-}" = --fetch-wheels ]; then
   ls -l .wheels
   exit
 fi
-[ $# -ge 1 ] || { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT=$(realpath -m "$1"); DRY=${2:-}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DRY" = --cpu ]; then
   export CUDA_VISIBLE_DEVICES=""
   N=2; TPUT=(--cpu --config small --seqs 2 --seq-len 512); FSDP=(--config_file configs/accelerate/ddp_cpu2.yaml)
-  CPU=(--cpu); TASK_ARGS=(--limit 1); MAX_NEW=32
+  CPU=(--cpu); TASK_ARGS=(--limit 1); MAX_NEW=32; PER_CATEGORY=1
 else
-  N=4; TPUT=(); FSDP=(--config_file configs/accelerate/fsdp_1gpu.yaml); CPU=(); TASK_ARGS=(); MAX_NEW=96
+  N=4; TPUT=(); FSDP=(--config_file configs/accelerate/fsdp_1gpu.yaml); CPU=(); TASK_ARGS=(); MAX_NEW=96; PER_CATEGORY=2
 fi
 TABLE=$OUT/gpu_check.md
 printf '| step | status | seconds | figures |\n|---|---|---|---|\n' > "$TABLE"
@@ -121,6 +129,12 @@ $PY evolve.py --out "$OUT/interface.json" > /dev/null 2>&1
 step rollout_hf "$PY -c \"import json,sys; s=json.load(open(sys.argv[1])); print(s['trajectories'], 'trajectories,', s['gen_tokens'], 'generated tokens')\" $OUT/rollout_summary.json" \
   -- $PY rollout.py --model "$M" --tasks "$TASKS" "${TASK_ARGS[@]}" --n "$N" --engine hf --interface "$OUT/interface.json" \
      --max-new-tokens "$MAX_NEW" --max-steps-per-turn 3 --summary "$OUT/rollout_summary.json" --out "$OUT/rollouts.jsonl"
+
+# A slice of the leaderboard's set (evaluate.py --split all), at the rollout step's lengths; capped so
+# that a slow play leaves the training steps their time.
+step eval_all "$PY -c \"import glob,json,sys; d=sys.argv[1]; s=json.load(open(d+'/scores.json')); n=sum(1 for f in glob.glob(d+'/result/*/multi_turn/*_result.json') for _ in open(f)); print(s['bfcl_eval']['tasks'], 'of the 800 tasks, average', s['average'], '%,', n, 'result entries')\" $OUT/eval_all" \
+  -- timeout 180 $PY evaluate.py --policy "$M" --engine hf --split all --limit "$PER_CATEGORY" \
+     --max-new-tokens "$MAX_NEW" --max-steps-per-turn 3 --out "$OUT/eval_all"
 step diagnose "$PY -c \"import json,sys; r=[json.loads(l)['reward'] for l in open(sys.argv[1])]; print('mean reward', round(sum(r)/len(r),3))\" $OUT/diagnoses.jsonl" \
   -- $PY diagnose.py --tasks "$TASKS" --rollouts "$OUT/rollouts.jsonl" --out "$OUT/diagnoses.jsonl"
 
