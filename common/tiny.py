@@ -53,6 +53,13 @@ Builds a normal Hugging Face model folder in three steps (under a minute of 2 id
    missing" on empty-ground-truth turns) are sampled 4x as often as the closing answers
    after tool results.
 
+The thinking build (`build_cached(**THINKING)`, tests/test_thinking.py) is the same builder with
+`thinking`: a Qwen3ForCausalLM (vLLM serves it on CPU too) whose tokenizer adds `<think>` and
+`</think>` as Qwen3's does, and whose every assistant message opens with a short reasoning,
+`<think>\n…\n</think>\n\n`, as QwenFCHandler re-wraps it; 60 steps, as its tests need the format,
+not the calls. Its warm start renders the conversations token-in/token-out with the reasoning kept
+(each example reads only the 256 tokens before its message).
+
 The chat template is kept for `--prompts template`. Measurements are opt-in (`--measure`,
 `measure`): the first-step parse rate (greedy first output of `eval_tasks` training tasks
 with their full turn-0 prompt, parsed as at least one tool call) and, per view of the tool
@@ -81,6 +88,7 @@ PRESET_TASKS = os.path.join(REPO, TINY.tasks)  # the tiny preset's tasks (data/p
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+THINK_TOKENS = ["<think>", "</think>"]  # added, not special, as in Qwen3's tokenizer: decoded text keeps them
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 # Qwen2's pre-tokenizer split (as imposed by transformers' Qwen2Tokenizer).
@@ -157,7 +165,11 @@ DEFAULTS = {
     "warmup": 6,
     "seed": 0,
     "miss_share": 0.4,
+    "thinking": False,
 }
+# The thinking build (`build_cached(**THINKING)`): a Qwen3ForCausalLM that writes <think>…</think>
+# before every message, as Qwen3-8B does; fewer steps, as its tests need the format, not the calls.
+THINKING = {"thinking": True, "steps": 60}
 # Measurement settings (`measure`, opt-in: not part of the build or its cache key).
 MEASURE = {
     "seed": 0,
@@ -190,7 +202,7 @@ def near_miss(calls):
     return None
 
 
-def conversation(task, miss=False):
+def conversation(task, miss=False, thinking=False):
     """The ground-truth conversation of `task` as chat messages, with real tool results.
 
     Per turn: the user message(s); if the turn's ground truth is not empty, one
@@ -198,7 +210,8 @@ def conversation(task, miss=False):
     messages with what the environment returned, and a short closing answer;
     otherwise a short answer saying what is missing. With `miss`, every turn's calls are
     their `near_miss` (executed, so the results are real too); None when the task has no calls
-    or a turn's calls have no near miss.
+    or a turn's calls have no near miss. With `thinking`, every assistant message opens with a
+    short reasoning in Qwen3's form (`think`).
     """
     from common import bfcl
     from common import calls as C
@@ -210,8 +223,8 @@ def conversation(task, miss=False):
             messages.extend({"role": m["role"], "content": m["content"]} for m in bfcl.turn_messages(task, turn))
             gt = bfcl.ground_truth_calls(task, turn)
             if not gt:
-                messages.append({"role": "assistant",
-                                 "content": MISSING_ANSWER.get(task["category"], DEFAULT_MISSING)})
+                messages.append({"role": "assistant", "content": think("Something I need is missing.", thinking)
+                                 + MISSING_ANSWER.get(task["category"], DEFAULT_MISSING)})
                 continue
             if miss:
                 gt = near_miss(gt)
@@ -219,10 +232,17 @@ def conversation(task, miss=False):
                     return None
                 missed = True
             results, _ = env.run_calls(gt)
-            messages.append({"role": "assistant", "content": C.format_calls(gt, "json")})
+            names = ", ".join(c["name"] for c in gt)
+            messages.append({"role": "assistant", "content": think(f"I will call {names}.", thinking)
+                             + C.format_calls(gt, "json")})
             messages.extend({"role": "tool", "content": r} for r in results)
-            messages.append({"role": "assistant", "content": DONE_ANSWER})
+            messages.append({"role": "assistant", "content": think("The calls ran.", thinking) + DONE_ANSWER})
     return messages if missed or not miss else None
+
+
+def think(reasoning, thinking):
+    """The reasoning a thinking model writes before its message, as QwenFCHandler re-wraps it."""
+    return f"<think>\n{reasoning}\n</think>\n\n" if thinking else ""
 
 
 def pick_eval_tasks(tasks, n):
@@ -287,7 +307,7 @@ def _pre_tokenizer():
     ])
 
 
-def train_bpe(texts, vocab_size):
+def train_bpe(texts, vocab_size, added=ADDED_TOKENS):
     """A byte-level BPE with Qwen2's normalizer and pre-tokenizer (a `tokenizers.Tokenizer`)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
@@ -296,15 +316,15 @@ def train_bpe(texts, vocab_size):
     tok.pre_tokenizer = _pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  special_tokens=SPECIAL_TOKENS + ADDED_TOKENS,
+                                  special_tokens=SPECIAL_TOKENS + added,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     return tok
 
 
-def hf_tokenizer(bpe):
+def hf_tokenizer(bpe, added=ADDED_TOKENS):
     """The transformers Qwen2Tokenizer holding the trained vocabulary, merges and chat template."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
@@ -314,7 +334,7 @@ def hf_tokenizer(bpe):
                          bos_token=None, model_max_length=DEFAULTS["max_positions"])
     tok.add_special_tokens({"additional_special_tokens": [AddedToken("<|im_start|>", special=True,
                                                                      normalized=False)]})
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tok.chat_template = CHAT_TEMPLATE.strip()
     return tok
 
@@ -443,7 +463,7 @@ def build(out, *, tasks_path=DEFAULT_TASKS, preset_path=PRESET_TASKS, on_step=No
 
 def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen3Config
 
     from common import bfcl
     from common import interface as omega_api
@@ -456,15 +476,17 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     timings = {}
 
     # --- data: ground-truth conversations with real tool results
+    thinking = args["thinking"]
     tasks = list(bfcl.load_tasks(tasks_path).values())
-    convs = [conversation(t) for t in tasks]
+    convs = [conversation(t, thinking=thinking) for t in tasks]
     timings["conversations_s"] = round(time.time() - t_start, 2)
 
     # --- tokenizer
     t0 = time.time()
-    bpe = train_bpe(tokenizer_texts(tasks, convs), args["vocab_size"])
+    added = ADDED_TOKENS + (THINK_TOKENS if thinking else [])
+    bpe = train_bpe(tokenizer_texts(tasks, convs), args["vocab_size"], added)
     bpe.save(os.path.join(folder, "bpe_tokenizer.json"))
-    tok = hf_tokenizer(bpe)
+    tok = hf_tokenizer(bpe, added)
     tok.save_pretrained(folder)
     timings["tokenizer_s"] = round(time.time() - t0, 2)
 
@@ -484,7 +506,8 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     preset = list(bfcl.load_tasks(preset_path).values()) if preset_path else []
     examples, weights = [], []
     if preset:
-        pairs = [(t, conversation(t), conversation(t, miss=True)) for t in preset]
+        pairs = [(t, conversation(t, thinking=thinking), conversation(t, miss=True, thinking=thinking))
+                 for t in preset]
         share = args["miss_share"]
         for omega in (None, omega_api.initial()):
             for task, right, miss in pairs:
@@ -503,7 +526,8 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
 
     # --- model
     eos_id, pad_id = tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(PAD)
-    config = Qwen2Config(
+    # the thinking build is Qwen3's architecture (its q/k norms, no qkv bias), the other Qwen2's
+    config = (Qwen3Config if thinking else Qwen2Config)(
         vocab_size=len(tok), hidden_size=args["hidden_size"], num_hidden_layers=args["num_layers"],
         num_attention_heads=args["num_heads"], num_key_value_heads=args["num_kv_heads"],
         intermediate_size=args["intermediate_size"], max_position_embeddings=args["max_positions"],

@@ -145,3 +145,108 @@ def test_calls_are_parsed_from_the_answer_as_bfcl_eval_decodes_it(text):
     answer = prompts.handler("QwenFCHandler")._parse_query_response_prompting(prompts.response(text))["model_responses"]
     assert C.parse(text, "json") == C.parse(answer, "json")
     assert "rm" not in [c["name"] for c in C.parse(text, "json")[0]]
+
+
+# ---------------------------------------------------------------- the tiny thinking model
+
+
+@pytest.fixture(scope="module")
+def thinking_model():
+    from common.tiny import THINKING, build_cached
+    return build_cached(**THINKING)
+
+
+@pytest.fixture(scope="module")
+def thought(thinking_model, heldin):
+    """Rollouts of the tiny thinking model on multi-turn tasks, token-in/token-out at T = 1."""
+    from common.engines import make_engine
+    engine = make_engine("hf", thinking_model, max_model_len=32768, seed=0)
+    # the two with the fewest tool docs: the suite's time goes into prefilling prompts on CPU
+    tasks = sorted(multi_turn(heldin, 99), key=lambda t: len(json.dumps(t["tools"])))[:2]
+    try:
+        spec = play.PlaySpec(temperature=1.0, max_new_tokens=40, max_model_len=32768, max_steps_per_turn=2)
+        records, _ = play.play(tasks, 2, engine, spec, progress=False)
+    finally:
+        engine.close()
+    return tasks, records
+
+
+def test_the_tiny_thinking_model_is_qwen3_and_opens_with_think(thinking_model, heldin):
+    """Qwen3's architecture, <think> and </think> as added tokens decoding keeps (as Qwen3's
+    tokenizer has them), and <think> the first token it writes on every first prompt, by far."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    model = AutoModelForCausalLM.from_pretrained(thinking_model).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    think = tok.convert_tokens_to_ids("<think>")
+    assert tok.decode([think, tok.convert_tokens_to_ids("</think>")], skip_special_tokens=True) == "<think></think>"
+    with torch.no_grad():
+        for task in multi_turn(heldin, 1):
+            ids = tok(prompts.first_prompt(task))["input_ids"]
+            assert torch.softmax(model(torch.tensor([ids])).logits[0, -1], -1)[think] > 0.9, task["id"]
+
+
+def test_thinking_rollouts_segment_at_bfcl_evals_prompts_and_score_as_played(thought, entries, thinking_model):
+    """The tiny thinking model's own rollouts: every segment starts at the prompt bfcl-eval's
+    multi-turn loop sends at that step (from the same outputs), byte for byte, and each
+    segment's engine log-probs equal the trainer's fresh recomputation of it in its own context."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.grpo import TrainingSequence, collate, sequence_logprobs
+
+    tasks, records = thought
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    model = AutoModelForCausalLM.from_pretrained(thinking_model).eval()
+    segmented = 0
+    for rec in records:
+        segs = [rec["tokens"], *rec["tokens"].get("segments", [])]
+        segmented += len(segs) > 1
+        seen, _ = theirs(entries[rec["task_id"]], [s["text"] for t in rec["turns"] for s in t["steps"]])
+        first_step = [sum(len(t["steps"]) for t in rec["turns"][:s.get("turn", 0)]) for s in segs]
+        assert [tok.decode(s["prompt_ids"], skip_special_tokens=False) for s in segs] == [seen[k] for k in first_step]
+        for s in segs[1:]:  # a new segment where the turn before it wrote reasoning
+            assert any("</think>" in st["text"] for st in rec["turns"][s["turn"] - 1]["steps"])
+        seqs = [TrainingSequence("t", 0, s["prompt_ids"], s["ids"], s["mask"], s["logprobs"], 0.0, 1.0)
+                for s in segs if sum(s["mask"])]
+        with torch.no_grad():
+            for seq in seqs:
+                b = collate([seq], "cpu")
+                lp = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["off"], 1.0, b["mask"])[0]
+                lp = lp[len(seq.prompt_ids) - b["off"]:][b["mask"][0, len(seq.prompt_ids) - b["off"]:]]
+                engine = torch.tensor([x for x, m in zip(seq.engine_logprobs, seq.mask, strict=True) if m])
+                assert torch.allclose(lp, engine, atol=2e-3), (rec["task_id"], (lp - engine).abs().max())
+    assert segmented  # the model thinks: some trajectory went on past a turn with reasoning
+
+
+def test_a_round_trains_on_segmented_rollouts(thought, thinking_model, heldin, tmp_path):
+    """diagnose.py's labels (from the answers) and train_grpo.py, one process, on the segmented
+    rollouts: the round writes a policy whose log-probs moved."""
+    import subprocess
+    import sys
+
+    from stages import in_process
+
+    tasks, records = thought
+    assert any("segments" in r["tokens"] for r in records)
+    rollouts, diagnoses, out = tmp_path / "rollouts.jsonl", tmp_path / "diagnoses.jsonl", tmp_path / "policy"
+    rollouts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    taskfile = tmp_path / "tasks.jsonl"
+    taskfile.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    proc = subprocess.run([sys.executable, "diagnose.py", "--tasks", str(taskfile), "--rollouts", str(rollouts),
+                           "--out", str(diagnoses)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    diags = [json.loads(line) for line in diagnoses.read_text().splitlines()]
+    if len({d["reward"] for d in diags}) == 1:  # every group equal: give one group a signal to learn
+        diags[0]["reward"] = 1 - diags[0]["reward"]
+        diagnoses.write_text("".join(json.dumps(d) + "\n" for d in diags))
+    proc = in_process(["--model", thinking_model, "--rollouts", str(rollouts), "--diagnoses", str(diagnoses),
+                       "--out", str(out), "--cpu", "--lr", "1e-3", "--mini-batch-tasks", "8",
+                       "--max-tokens-per-micro-batch", "20000"])
+    assert proc.returncode == 0, proc.stderr
+    metrics = [json.loads(line) for line in (tmp_path / "train_metrics.jsonl").read_text().splitlines()]
+    tokens = sum(sum(s["mask"]) for r in records for s in [r["tokens"], *r["tokens"].get("segments", [])])
+    assert metrics[0]["step"] == 1 and 0 < metrics[0]["model_tokens"] <= tokens  # each model token once
+    assert os.path.isfile(out / "config.json")
