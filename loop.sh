@@ -196,7 +196,7 @@ playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve PO
 
 evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
   run eval "$2" "$3/scores.json" playing "$1" $PY evaluate.py --policy "$1" --split heldin \
-    $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" --out "$3"
+    $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" ${BFCL_MODEL:+--bfcl-model "$BFCL_MODEL"} --out "$3"
 }
 
 ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR/<bench>/

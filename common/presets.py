@@ -88,6 +88,10 @@ class Preset:
     # bfcl-eval's local inference: the model's own context and up to 4096 new tokens per call,
     # unless EVAL_LEN / EVAL_NEW lower them (scores.json then says they are not bfcl-eval's).
     bfcl_handler: str = "QwenFCHandler"
+    # The bfcl-eval registry entry held-in scores are recorded under (evaluate.py --bfcl-model): the
+    # model's own where bfcl-eval lists it, so its result files and the leaderboard's figure match;
+    # empty: the handler's default entry.
+    bfcl_model: str = ""
     prompts: str = "bfcl"
     # 1: the model writes <think>...</think> before its answer (Qwen3-8B, as its template defaults and
     # as bfcl-eval runs it). QwenFCHandler re-renders earlier turns without that reasoning once a new
@@ -158,10 +162,11 @@ PRESETS = {
     # "<|im_start|>assistant\n" (qwen_fc.py:238), which leaves Qwen3-8B thinking, as its template
     # defaults. Revisions: the hub's commits as found in public snapshot paths.
     "qwen3-4b": Preset(model="Qwen/Qwen3-4B-Instruct-2507", revision="cdbee75f17c01a7cc42f958dc650907174af0554",
-                       micro_tokens="16384", **FOUR_GPUS),  # non-thinking only
+                       bfcl_model="Qwen/Qwen3-4B-Instruct-2507-FC", micro_tokens="16384", **FOUR_GPUS),  # non-thinking only
     # Rollouts get the 4096 new tokens a call that evaluation gives (reasoning, then the answer) and
     # 32,768 tokens of context, 8k short of its own; a micro-batch holds one such sequence.
     "qwen3-8b": Preset(model="Qwen/Qwen3-8B", revision="b968826d9c46dd6066d109eabc6255188de91218", thinking="1",
+                       bfcl_model="Qwen/Qwen3-8B-FC",
                        max_new="4096", max_len="32768", **FOUR_GPUS),
 }
 

@@ -153,7 +153,8 @@ def test_gpus_k_places_the_server_and_the_trainer_on_k_gpus(gpus):
 PAPER = dict(rounds="18", eval_every="6", engine="vllm", server="", gpus="", tp="1", lora="", tasks_per_round="32",
              n="8", mini_batch="8", lr="1e-6", kl="0.001", temp="1.0", max_steps="20", max_len="16384",
              max_new="1024", train_limit="", eval_limit="", keep="evaluated", tasks="data/train.jsonl", seed="0",
-             ood="", ood_limit="", prompts="bfcl", eval_len="", eval_new="", thinking="", report_to="none")
+             ood="", ood_limit="", prompts="bfcl", eval_len="", eval_new="", thinking="", report_to="none",
+             bfcl_model="")
 FOUR_GPUS = dict(nproc="4", dp="4", accel_config="configs/accelerate/fsdp_4gpu.yaml", gpu_mem_gib="79",
                  extra_train="--gradient-checkpointing")
 EXPECTED = {
@@ -190,6 +191,7 @@ def test_the_qwen3_presets_are_bfcl_evals_models_as_its_handler_runs_them():
     for name, registry in (("qwen3-4b", "Qwen/Qwen3-4B-Instruct-2507-FC"), ("qwen3-8b", "Qwen/Qwen3-8B-FC")):
         p, config = PRESETS[name], MODEL_CONFIG_MAPPING[registry]
         assert config.model_name == p.model and config.model_handler is QwenFCHandler and config.is_fc_model
+        assert p.bfcl_model == registry  # held-in scores recorded under it, beside the leaderboard's figure
         assert p.bfcl_handler == "QwenFCHandler" and p.prompts == "bfcl" and (p.eval_len, p.eval_new) == ("", "")
         assert len(p.revision) == 40 and memplan.load_arch(p.model).params > 4e9
     prompt = QwenFCHandler._format_prompt(None, [{"role": "user", "content": "hi"}], [])
