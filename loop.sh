@@ -60,11 +60,14 @@ if [ -n "$PLAN" ]; then
   if [ -z "$GPU_MEM_GIB" ]; then echo "loop: $PRESET runs on CPU: no GPU memory plan (set GPU_MEM_GIB for one)"; exit 0; fi
   exec $PY -m common.memplan "$PRESET" "${SETS[@]+"${SETS[@]}"}"
 fi
-if [ -n "$THINKING" ]; then
-  echo "loop: $PRESET's model thinks (THINKING=1: <think>...</think> before each answer), and $BFCL_HANDLER" \
-    "re-renders earlier turns without that reasoning once a new user turn begins, so a trajectory's later prompts" \
-    "do not extend the tokens the model generated. Training each re-rendered segment as its own sequence is not" \
-    "built yet: this preset plans (bash loop.sh $PRESET --plan) but does not train" >&2
+# A thinking model's rollouts follow QwenFCHandler, which drops earlier turns' reasoning at a new user
+# turn; the trajectory continues from that re-rendered prompt as a new segment, trained as its own
+# sequence (docs/prompts.md). Another handler, or the chat template, would train it on prompts
+# bfcl-eval never shows it.
+if [ -n "$THINKING" ] && { [ "$BFCL_HANDLER" != QwenFCHandler ] || [ "$PROMPTS" != bfcl ]; }; then
+  echo "loop: THINKING=1 ($PRESET's model writes <think>...</think> before each answer) needs" \
+    "BFCL_HANDLER=QwenFCHandler and PROMPTS=bfcl, which drop earlier turns' reasoning as bfcl-eval does" \
+    "(got BFCL_HANDLER=$BFCL_HANDLER, PROMPTS=$PROMPTS)" >&2
   exit 2
 fi
 if [ "$MODEL" != offline-tiny ] && [ ! -d "$MODEL" ] && ! [[ $REVISION =~ ^[0-9a-f]{40}$ ]]; then

@@ -95,9 +95,9 @@ class Preset:
     prompts: str = "bfcl"
     # 1: the model writes <think>...</think> before its answer (Qwen3-8B, as its template defaults and
     # as bfcl-eval runs it). QwenFCHandler re-renders earlier turns without that reasoning once a new
-    # user turn begins, so the next prompt no longer extends the tokens the model generated: training
-    # must score each re-rendered segment as its own sequence, which loop.sh does not do yet (it
-    # refuses to run such a preset; --plan works).
+    # user turn begins, so the next prompt no longer extends the tokens the model generated: the
+    # rollout continues from the re-rendered prompt as a new segment, which training scores as its own
+    # sequence (docs/prompts.md); loop.sh refuses a thinking preset any other handler or PROMPTS.
     thinking: str = ""
     eval_len: str = ""
     eval_new: str = ""

@@ -1,7 +1,7 @@
 """common/presets.py, the one source of every setting: presets resolve, --set overrides and refuses,
 a GPU preset is placed on GPUS GPUs, the shell loop.sh evaluates gets the Python values exactly, the
 memory plan reads the preset, the paper's presets hold the paper's settings, and a thinking preset
-plans but does not train."""
+takes only the view that drops its reasoning as bfcl-eval does."""
 
 import dataclasses
 import os
@@ -201,12 +201,16 @@ def test_the_qwen3_presets_are_bfcl_evals_models_as_its_handler_runs_them():
         "Qwen/Qwen3-8B").max_pos
 
 
-def test_a_thinking_preset_plans_but_refuses_to_train_before_anything_downloads(tmp_path):
+def test_a_thinking_preset_refuses_a_view_that_keeps_reasoning_before_anything_downloads(tmp_path):
+    """THINKING=1 trains on QwenFCHandler's prompts (reasoning dropped at a new user turn, each
+    re-rendered segment its own sequence); the chat template or another handler is refused, in
+    seconds, before setup or a download."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    res = subprocess.run(["bash", "loop.sh", "qwen3-8b", "--runs", str(tmp_path / "runs")], cwd=ROOT,
-                         capture_output=True, text=True, env=env, timeout=60)
-    assert res.returncode == 2 and "THINKING=1" in res.stderr and "not built yet" in res.stderr
-    assert "setup:" not in res.stdout + res.stderr and not os.listdir(tmp_path)
+    for bad in ("PROMPTS=template", "BFCL_HANDLER=LlamaHandler"):
+        res = subprocess.run(["bash", "loop.sh", "qwen3-8b", "--runs", str(tmp_path / "runs"), "--set", bad],
+                             cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
+        assert res.returncode == 2 and "THINKING=1" in res.stderr and bad in res.stderr, res.stderr
+        assert "setup:" not in res.stdout + res.stderr and not os.listdir(tmp_path)
     res = subprocess.run(["bash", "loop.sh", "qwen3-8b", "--plan", "--set", "GPUS=4"], cwd=ROOT, capture_output=True,
                          text=True, env=env, timeout=60)
     assert res.returncode == 0 and res.stdout.startswith("memory plan: qwen3-8b Qwen/Qwen3-8B (8.19 B parameters")
