@@ -38,6 +38,28 @@ def pytest_collection_modifyitems(config, items):
     config.stash[_WANTED] = set().union(*needs.values())
 
 
+@pytest.fixture(scope="module")
+def heldin():
+    """The held-in tasks (data/heldin.jsonl), as the stages load them (a module's own copy)."""
+    from common import bfcl
+    return bfcl.load_tasks(os.path.join(REPO, "data", "heldin.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def entries():
+    """bfcl-eval's own multi-turn entries by id, every category."""
+    from bfcl_eval.utils import load_dataset_entry
+
+    from common import bfcl
+    return {e["id"]: e for cat in bfcl.CATEGORIES for e in load_dataset_entry(f"multi_turn_{cat}")}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(request, tmp_path_factory):
     """Folder of the tiny offline model (built once into <repo>/.cache/tiny-<hash>/, then reused)."""

@@ -23,11 +23,6 @@ def train():
     return bfcl.load_tasks(os.path.join(ROOT, "data", "train.jsonl"))
 
 
-@pytest.fixture(scope="module")
-def heldin():
-    return bfcl.load_tasks(os.path.join(ROOT, "data", "heldin.jsonl"))
-
-
 def play(task, turns, fmt="python"):
     """Run per-turn lists of model texts; returns (decoded calls, all step records)."""
     steps = []

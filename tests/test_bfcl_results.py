@@ -145,11 +145,6 @@ def test_all_800_tasks_result_files_are_scored_as_the_leaderboard_scores_them(tm
 
 
 @pytest.fixture(scope="module")
-def heldin():
-    return bfcl.load_tasks(os.path.join(ROOT, "data", "heldin.jsonl"))
-
-
-@pytest.fixture(scope="module")
 def task(heldin):
     return heldin["multi_turn_base_1"]
 

@@ -17,29 +17,12 @@ import os
 
 import pytest
 from trajectories import Scripted
-from transformers import AutoTokenizer
 
 from common import bfcl, play, prompts
 from common import calls as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _names = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def heldin():
-    return bfcl.load_tasks(os.path.join(ROOT, "data", "heldin.jsonl"))
-
-
-@pytest.fixture(scope="module")
-def entries():
-    from bfcl_eval.utils import load_dataset_entry
-    return {e["id"]: e for cat in bfcl.CATEGORIES for e in load_dataset_entry(f"multi_turn_{cat}")}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 class Script(Scripted):

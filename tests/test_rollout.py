@@ -14,7 +14,6 @@ import sys
 
 import pytest
 from trajectories import Scripted
-from transformers import AutoTokenizer
 
 from common import bfcl, play, prompts, tiny
 from common import interface as omega_api
@@ -29,11 +28,6 @@ TASK_IDS = ["multi_turn_base_105", "multi_turn_miss_func_146"]
 @pytest.fixture(scope="module")
 def tasks():
     return bfcl.load_tasks(os.path.join(ROOT, "data", "train.jsonl"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 def rollout_cli(tmp_path, model, engine, *extra, n=2, name="r.jsonl"):

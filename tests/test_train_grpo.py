@@ -415,7 +415,8 @@ def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_p
 
 
 # every file in configs/accelerate/ and the kind of run it asks for (a new file must be added here)
-ACCEL_CONFIGS = {"fsdp_4gpu": "FSDP", "fsdp_1gpu": "FSDP", "fsdp_cpu": "FSDP", "zero3_4gpu": "DEEPSPEED",
+ACCEL_CONFIGS = {"fsdp_1gpu": "FSDP", "fsdp_2gpu": "FSDP", "fsdp_4gpu": "FSDP", "fsdp_8gpu": "FSDP", "fsdp_cpu": "FSDP",
+                 "zero3_4gpu": "DEEPSPEED",
                  "ddp_cpu2": "MULTI_GPU"}  # fmt: skip
 
 
