@@ -25,10 +25,9 @@ ARTIFACTS = ["config.json", "timing.jsonl", "report.md", "curves.png", "eval/rou
                      "train_metrics.jsonl")] + [
                  f"round_00{t}/policy/{f}" for t in (1,) for f in ("config.json", "model.safetensors", "tokenizer.json")]
 # The seal run keeps the default KEEP=evaluated and logs to TensorBoard; the vanilla run keeps
-# everything (KEEP=all), plays on a server it did not start (SERVER=URL, the session's) and
-# trains as the GPU presets do, under FSDP2 (on two CPU processes), its sharded state carried.
-KEEP = {"seal": ["--set", "REPORT_TO=tensorboard"], "other": [], "vanilla": [
-    "--set", "KEEP=all", "--set", "NPROC=2", "--set", "ACCEL_CONFIG=configs/accelerate/fsdp_cpu.yaml"]}
+# everything (KEEP=all) and plays on a server it did not start (SERVER=URL, the session's). (The
+# train stage as loop.sh runs it under FSDP2: tests/test_train_grpo.py, two rounds.)
+KEEP = {"seal": ["--set", "REPORT_TO=tensorboard"], "vanilla": ["--set", "KEEP=all"], "other": []}
 
 
 def loop(runs, name, mode, *extra, stdout=subprocess.PIPE, **kw):
@@ -126,12 +125,7 @@ def test_two_round_loop_leaves_every_artifact(runs, mode):
     if mode == "seal":
         assert not (run / "round_000" / "policy").exists() and (run / "round_000" / "policy.deleted").is_file()
     else:
-        for t in (0, 1):
-            state = run / f"round_00{t}" / "policy" / "optimizer"
-            info = json.loads((state / "trainer_state.json").read_text())
-            assert (info["world_size"], info["distributed_type"]) == (2, "FSDP")
-            shards = sorted(f.name for f in state.glob("*.distcp"))
-            assert shards == (["__0_0.distcp", "__1_0.distcp"] if info["global_step"] else [])
+        assert (run / "round_000" / "policy" / "optimizer" / "trainer_state.json").is_file()
 
 
 def test_modes_differ_where_they_should(runs):
