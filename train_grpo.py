@@ -322,7 +322,7 @@ def check_memory(args, policy, reference, mini_batches, accelerator):
     if not tokens:
         return
     gpu_mem = torch.cuda.get_device_properties(accelerator.device).total_memory
-    chunk = memplan.logprob_chunk()
+    chunk = presets.LOGPROB_CHUNK
     plans = [memplan.train_plan(arch, accelerator.num_processes, sharded(accelerator), tokens,
                                 args.gradient_checkpointing, gpu_mem, lora=policy.use_lora, chunk=chunk)]
     if reference.source == "ref_model":

@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from common import memplan  # noqa: E402
+from common import memplan, presets  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=2048, max_position_embeddings=4096, tie_word_embeddings=True,
@@ -274,7 +274,7 @@ def main():
     sharded = distributed.sharded(accelerator)
     on_gpu = accelerator.device.type == "cuda"
     table = rows(arch, marks, weights, grads, state, tokens, accelerator.num_processes, sharded, on_gpu, ckpt,
-                 memplan.logprob_chunk())
+                 presets.LOGPROB_CHUNK)
     if "bytes" in saved:
         # docs/hardware.md §6: 12 bytes a parameter (master + 2 moments), split over the processes;
         # a tied output layer's master copy is written a second time under its own name

@@ -163,10 +163,6 @@ def load_arch(model):
     return read_config(path)
 
 
-def logprob_chunk():  # what train_grpo.py and bench/plan_check.py call: common.presets.LOGPROB_CHUNK
-    return LOGPROB_CHUNK
-
-
 # ---------------------------------------------------------------- terms
 
 
@@ -352,7 +348,7 @@ def settings_plans(p):
     sharded = p.sharded  # FSDP on one GPU too: its bf16 copies and float32 reduce-scatter are there all the same
     ckpt = "--gradient-checkpointing" in p.extra_train.split()
     lora = "--lora" in p.lora.split()
-    tokens, chunk = max(micro, max_len), logprob_chunk()
+    tokens, chunk = max(micro, max_len), LOGPROB_CHUNK
     train = train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, lora=lora, chunk=chunk)
     return arch, {
         "rollout": rollout_plan(arch, tp, gpu_mem, serve, max_len),

@@ -58,7 +58,6 @@ def test_the_stages_defaults_are_the_presets_defaults():
                                                                        int(qwen7b.mini_batch))
     assert (presets.GROUP_SIZE, presets.TEMPERATURE, presets.MAX_STEPS_PER_TURN) == (int(qwen7b.n), float(qwen7b.temp),
                                                                                      int(qwen7b.max_steps))
-    assert memplan.logprob_chunk() == presets.LOGPROB_CHUNK
 
 
 def test_set_overrides_one_variable_and_refuses_what_is_not_one():
