@@ -43,6 +43,7 @@ from common import checkpoint, memplan, presets, serve
 from common.distributed import (
     GRAD_CLIP,
     TIMEOUT_MINUTES,
+    finish,
     gradient_dtypes,
     load_training_state,
     make_accelerator,
@@ -161,6 +162,8 @@ def train(args):
     if not metrics:
         metrics = [nothing_to_learn(trajectories, training.global_step, this_round, accelerator)]
     save(args, policy, training, metrics, accelerator)
+    del training  # the prepared model holds its process groups: freed with the interpreter whole
+    finish(accelerator)
 
 
 # ---------------------------------------------------------------- inputs
@@ -570,7 +573,6 @@ def save(args, policy, training, metrics, accelerator):
     accelerator.print(
         f"{steps} optimiser steps; policy written to {args.out} ({str(dtype)[6:]}); metrics to {metrics_path}"
     )
-    accelerator.end_training()
 
 
 def weights_probe(args, model, dtype, accelerator):

@@ -301,7 +301,8 @@ def main():
                       "save_load": saved or None,
                       "reserved_gib": round(torch.cuda.memory_reserved() / memplan.GIB, 2) if on_gpu else None}))
     ok = all(agrees(*row) for row in table)
-    accelerator.end_training()
+    del model
+    distributed.finish(accelerator)
     sys.exit(0 if ok else 1)
 
 

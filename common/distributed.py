@@ -10,6 +10,7 @@ processes alike, with gradients accumulated and reduced in float32 on every path
     save_training_state(folder, model, optimizer, global_step, master, accelerator)
     load_training_state(folder, info, model, optimizer, accelerator)
     with shared_atomic_dir(out, accelerator) as tmp: ...   # one temporary folder, renamed once
+    finish(accelerator)                           # every process leaves together
 
 `accelerate launch --config_file configs/accelerate/X.yaml` picks the kind of run through the
 environment it starts the processes in; train_grpo.py and bench/plan_check.py build their
@@ -64,6 +65,17 @@ def make_accelerator(cpu=False, grad_clip=GRAD_CLIP, timeout=TIMEOUT_MINUTES, mi
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugins["fsdp_plugin"]
     return accelerator
+
+
+def finish(accelerator):
+    """Ends the run on every process at once: a process that tears its process group down while
+    another still holds the connections (the main process writing its files) can abort at exit
+    over gloo (SIGABRT, "terminate called without an active exception"), failing a stage whose
+    outputs are complete. The prepared models and optimisers are freed first, while the process
+    groups they hold are alive and the interpreter whole (the caller drops its own references)."""
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    accelerator.end_training()
 
 
 def distributed_plugins(mixed_precision, grad_clip):

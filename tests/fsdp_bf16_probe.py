@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_grpo  # noqa: E402
-from common.distributed import make_accelerator  # noqa: E402
+from common.distributed import finish, make_accelerator  # noqa: E402
 from common.grpo import _dummy_forward, collate, join_trajectories, sequence_logprobs, token_logprobs  # noqa: E402
 from common.jsonl import read_jsonl  # noqa: E402
 from common.taxonomy import RHO  # noqa: E402
@@ -69,7 +69,8 @@ def main(model_dir, rollouts, diagnoses, out):
         print(f"log-probs {sorted({x['dtype'] for x in found})} computed in {sorted({x['compute_dtype'] for x in found})}: "
               f"max |diff| from float32 {max(x['max_diff'] for x in found):.2g} "
               f"(a bf16 cast: up to {max(x['bf16_rounding'] for x in found):.2g})")
-    accelerator.end_training()
+    del model  # freed before its process groups are torn down (common/distributed.py finish)
+    finish(accelerator)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_grpo  # noqa: E402
-from common.distributed import make_accelerator  # noqa: E402
+from common.distributed import finish, make_accelerator  # noqa: E402
 from common.grpo import accumulate_gradients, join_trajectories, score_trajectories  # noqa: E402
 from common.jsonl import read_jsonl  # noqa: E402
 
@@ -60,11 +60,11 @@ def main(model_dir, rollouts, diagnoses, out):
     def before_forward(module, args, kwargs):
         calls[0] += 1
         if calls[0] > 1:  # micro-batches 1.. : micro-batch 0 .. k-1's backward is done
-            grads = [p.grad for p in model.parameters()]
+            grads = [p.grad for p in module.parameters()]
             checks.append({
                 "sharded": all(isinstance(g, DTensor) and g.to_local().shape == p.to_local().shape
-                               for g, p in zip(grads, model.parameters(), strict=True)),
-                "held": unsharded_grads(model),
+                               for g, p in zip(grads, module.parameters(), strict=True)),
+                "held": unsharded_grads(module),
             })  # fmt: skip
 
     model.register_forward_pre_hook(before_forward, with_kwargs=True)
@@ -74,7 +74,8 @@ def main(model_dir, rollouts, diagnoses, out):
     torch.distributed.all_gather_object(everyone, {"micro_batches": len(mb.mine), "checks": checks})
     if accelerator.is_main_process:
         torch.save({"grads": grads, "processes": everyone}, out)
-    accelerator.end_training()
+    del model  # freed before its process groups are torn down (common/distributed.py finish)
+    finish(accelerator)
 
 
 if __name__ == "__main__":
