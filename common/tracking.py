@@ -100,7 +100,7 @@ def rollout_figures(rollouts, max_new_tokens):
     steps = [s for r in rollouts for turn in r["turns"] for s in turn["steps"]]
     calls = [len(s["calls"]) for s in steps]
     errors = [e for s in steps for e in s["call_errors"]]
-    outputs = [n for r in rollouts for n in _outputs(r["tokens"]["mask"])]
+    outputs = [n for r in rollouts for seg in [r["tokens"], *r["tokens"].get("segments", [])] for n in _outputs(seg["mask"])]
     gen = [r["stats"]["gen_tokens"] for r in rollouts]
     figs = {
         "response_length/mean": _mean(gen), "response_length/max": max(gen),

@@ -94,12 +94,25 @@ def mask_runs(mask):
 
 def trajectory(rec):
     """A rollout record as the page shows it: every field but the token lists, which become counts
-    and the mask's runs (16k ids a trajectory would make a round's page load in minutes)."""
+    and the mask's runs (16k ids a trajectory would make a round's page load in minutes). A
+    thinking model's further segments (tokens.segments, where the handler's re-render dropped
+    reasoning) add their ids and runs after a [2, n] run, n the re-rendered prompt's length, and
+    the turn each starts at."""
     out = {k: v for k, v in rec.items() if k not in ("tokens", "_line")}
     tokens = rec.get("tokens") if isinstance(rec.get("tokens"), dict) else {}
-    mask = tokens.get("mask") if isinstance(tokens.get("mask"), list) else []
-    out["tokens"] = {"prompt": len(tokens.get("prompt_ids") or []), "ids": len(tokens.get("ids") or []),
-                     "trained": sum(1 for m in mask if m == 1), "runs": mask_runs(mask)}
+    more = tokens.get("segments") if isinstance(tokens.get("segments"), list) else []
+    ids = trained = 0
+    runs, starts = [], []
+    for k, seg in enumerate([tokens, *(s for s in more if isinstance(s, dict))]):
+        mask = seg.get("mask") if isinstance(seg.get("mask"), list) else []
+        if k:
+            runs.append([2, len(seg.get("prompt_ids") or [])])
+            starts.append(seg.get("turn"))
+        ids += len(seg.get("ids") or [])
+        trained += sum(1 for m in mask if m == 1)
+        runs += mask_runs(mask)
+    out["tokens"] = {"prompt": len(tokens.get("prompt_ids") or []), "ids": ids, "trained": trained, "runs": runs,
+                     "rerendered_at": starts}
     return out
 
 

@@ -14,6 +14,8 @@ from html.parser import HTMLParser
 
 import pytest
 
+from common import tracking
+from common import view as view_mod
 from common.bfcl import ground_truth_calls, load_tasks
 from common.taxonomy import LABELS, RHO
 
@@ -25,9 +27,10 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # ---------------------------------------------------------------------------------- a synthetic run
 
 
-def _rollout(task, sample, t, wrong, hostile, step_chars):
-    """A rollout record: each turn's ground-truth calls (one argument changed when `wrong`), then an answer."""
-    turns, runs = [], []
+def _rollout(task, sample, t, wrong, hostile, step_chars, segment_at=None):
+    """A rollout record: each turn's ground-truth calls (one argument changed when `wrong`), then an
+    answer; from turn `segment_at` on, a further token segment (a thinking model's re-rendered prompt)."""
+    turns, runs, segments = [], [], []
     for k in range(len(task["questions"])):
         calls = [dict(c, arguments=dict(c["arguments"])) for c in ground_truth_calls(task, k)]
         if wrong and calls:
@@ -42,13 +45,20 @@ def _rollout(task, sample, t, wrong, hostile, step_chars):
                  {"text": "Done. " + " ".join(hostile), "calls": [], "parse_error": None, "results": [],
                   "call_errors": [], "schema_errors": [], "feedback": None}]
         turns.append({"steps": steps, "end": "answer"})
-        runs += [(1, max(1, len(text) // 4)), (0, 30 + len("".join(results)) // 4), (1, 12), (0, 20)]
-    mask = [m for m, n in runs for _ in range(n)]
+        if k == segment_at:
+            segments.append({"turn": k, "prompt_ids": [1] * 500})
+        (segments[-1].setdefault("runs", []) if segments else runs).extend(
+            [(1, max(1, len(text) // 4)), (0, 30 + len("".join(results)) // 4), (1, 12), (0, 20)])
+    tokens = [{"prompt_ids": [1] * 3000, "runs": runs}, *segments]
+    for seg in tokens:
+        mask = [m for m, n in seg.pop("runs") for _ in range(n)]
+        seg.update(ids=[7] * len(mask), mask=mask, logprobs=[-0.5 if m else None for m in mask])
+    first, *more = tokens
     return {"task_id": task["id"], "category": task["category"], "sample_index": sample, "round": t, "policy": "p",
             "interface_version": t, "turns": turns, "stop": "done", "decode_failure": "feedback",
-            "tokens": {"prompt_ids": [1] * 3000, "ids": [7] * len(mask), "mask": mask,
-                       "logprobs": [-0.5 if m else None for m in mask]},
-            "stats": {"gen_tokens": sum(mask), "cue_tokens": 100, "seconds": 1.0}, "sampling": {"temperature": 1.0}}
+            "tokens": first | ({"segments": more} if more else {}),
+            "stats": {"gen_tokens": sum(sum(seg["mask"]) for seg in tokens), "cue_tokens": 100, "seconds": 1.0},
+            "sampling": {"temperature": 1.0}}
 
 
 def _diagnosis(rec, reward, label, hostile):
@@ -69,10 +79,11 @@ def _write(path, records):
             f.write(json.dumps(r) + "\n")
 
 
-def synthetic_run(path, tasks, eval_tasks, rounds=2, n=4, step_chars=0, hostile=True, mode="seal"):
+def synthetic_run(path, tasks, eval_tasks, rounds=2, n=4, step_chars=0, hostile=True, mode="seal", thinking=False):
     """Write a finished run of `rounds` rounds (each task x n samples; sample 0 of every task
     right, the others wrong in odd-numbered tasks: mixed and zero-variance groups), a held-in
-    evaluation of `eval_tasks` after the last round, and the task file it names."""
+    evaluation of `eval_tasks` after the last round, and the task file it names. `thinking`: each
+    task's last sample re-rendered at turn 1, as a thinking model's is."""
     bad = HOSTILE if hostile else []
     os.makedirs(path, exist_ok=True)
     task_file = os.path.join(path, "tasks.jsonl")
@@ -88,7 +99,7 @@ def synthetic_run(path, tasks, eval_tasks, rounds=2, n=4, step_chars=0, hostile=
         for i, task in enumerate(tasks):
             for s in range(n):
                 right = s == 0 or i % 2 == 0
-                rec = _rollout(task, s, t, not right, bad, step_chars)
+                rec = _rollout(task, s, t, not right, bad, step_chars, segment_at=1 if thinking and s == n - 1 else None)
                 rollouts.append(rec)
                 diagnoses.append(_diagnosis(rec, int(right), "argument_mismatch" if s % 2 else "invalid_tool_call", bad))
         _write(os.path.join(folder, "rollouts.jsonl"), rollouts)
@@ -243,6 +254,34 @@ def test_a_trajectory_shows_its_turns_verdict_label_and_ground_truth(runs):
     assert list(dom.all("li", cls="differs")), "the changed argument is not marked"
     assert list(dom.all("pre", cls="text")) and "Copy values." in text  # the model's text and Ω's cue
     assert "w·A (trained advantage)" in text and "model tokens" in text
+
+
+def test_a_segmented_trajectory_shows_where_its_prompt_was_re_rendered(tmp_path):
+    """A thinking model's trajectory whose prompt the handler re-rendered at turn 1: its token
+    counts cover every segment, the strip marks the re-rendered prompt, and each step keeps its
+    own model-token count."""
+    tasks = [t for t in load_tasks(os.path.join(ROOT, "data", "heldin.jsonl")).values() if len(t["questions"]) > 1][:2]
+    run = synthetic_run(tmp_path / "thinking", tasks, tasks[:1], rounds=1, n=2, hostile=False, thinking=True)
+    assert view(run).returncode == 0
+    page = run / "viewer" / "index.html"
+    row = next(r for r in data(page, "round_000")["rows"] if r["sample_index"] == 1)
+    assert row["tokens"]["rerendered_at"] == [1]
+    rec = next(json.loads(x) for x in open(run / "round_000" / "rollouts.jsonl")
+               if json.loads(x)["task_id"] == row["task_id"] and json.loads(x)["sample_index"] == 1)
+    segments = [rec["tokens"], *rec["tokens"]["segments"]]
+    assert row["tokens"]["trained"] == rec["stats"]["gen_tokens"] == sum(sum(s["mask"]) for s in segments)
+    assert row["tokens"]["ids"] == sum(len(s["ids"]) for s in segments)
+    dom = browse(page, f"traj/0/{row['task_id']}/{row['sample_index']}")
+    assert "re-rendered (reasoning dropped, as bfcl-eval's handler does) at turn 1" in dom.text()
+    assert [s.attrs["title"] for s in dom.all("span", cls="m2")] == ["re-rendered prompt 500"]
+    steps = sum(len(t["steps"]) for t in rec["turns"])
+    assert len([d for d in dom.all("div", cls="muted") if "model tokens" in d.text()]) == steps
+    # the trackers' clip ratio counts every segment's outputs: here the last segment's longest is the limit
+    outputs = [n for m, n in row["tokens"]["runs"] if m == 1]
+    assert len(outputs) == steps
+    longest_late = max(n for m, n in view_mod.mask_runs(segments[-1]["mask"]) if m == 1)
+    clip = tracking.rollout_figures([rec], longest_late)["response_length/clip_ratio"]
+    assert clip == sum(n >= longest_late for n in outputs) / steps
 
 
 def test_hostile_text_is_shown_as_text(runs):

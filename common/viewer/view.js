@@ -216,16 +216,21 @@ function omegaBox(omega) {
     h("ul", {}, (omega.capability_cues || []).map((c) => h("li", {}, labelChip(c.label), " ", c.text))));
 }
 
+const RUN_KIND = ["context", "model", "re-rendered prompt"];
+
 function tokenStrip(tok, steps, rerendered) {
   if (!tok) return null;
-  const total = tok.ids || 1;
+  const total = tok.runs.reduce((a, r) => a + r[1], 0) || 1;
   const trainedRuns = tok.runs.filter((r) => r[0] === 1).length;
+  const starts = tok.rerendered_at || [];
   return h("div", { class: "box" }, h("b", {}, "Tokens "),
     `prompt ${tok.prompt}, then ${tok.ids} ids of which ${tok.trained} are the model's (mask 1, trained); `,
     rerendered ? "evaluation re-renders every prompt from the history, as bfcl-eval's harness does: the ids are the model's outputs only."
       : trainedRuns === steps ? `the k-th blue run is step k's output.` : `${trainedRuns} model runs for ${steps} steps.`,
-    h("div", { class: "strip", title: "blue: model tokens (trained); grey: prompt continuation, cues, tool results" },
-      tok.runs.map(([m, n]) => h("span", { class: `m${m}`, style: `flex: ${n / total} 0 0`, title: `${m ? "model" : "context"} ${n}` }))));
+    starts.length ? ` The prompt was re-rendered (reasoning dropped, as bfcl-eval's handler does) at turn${starts.length > 1 ? "s" : ""} `
+      + `${starts.join(", ")}: each segment from there (orange, its new prompt) is trained as a sequence of its own.` : "",
+    h("div", { class: "strip", title: "blue: model tokens (trained); grey: prompt continuation, cues, tool results; orange: a re-rendered prompt" },
+      tok.runs.map(([m, n]) => h("span", { class: `m${m}`, style: `flex: ${n / total} 0 0`, title: `${RUN_KIND[m]} ${n}` }))));
 }
 
 function stepBox(step, j, trainedTokens) {
