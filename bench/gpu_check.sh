@@ -25,6 +25,7 @@
 #      processes): the log-probs the loss uses are float32, equal to a float32 log-softmax of the bf16 logits
 #   6. bench/update_throughput.py: Qwen2.5-3B-sized random model, gradient checkpointing,
 #      8 sequences of 8k tokens: tokens/s, peak GPU memory, MFU (989 TFLOP/s dense bf16)
+#   7. bench/plan_check.py at Qwen3-4B's shape, 9 of its 36 layers (not in the dry run)
 # Writes OUTDIR/gpu_check.md (the table, then the plan check's rows), OUTDIR/*.log and the stage outputs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,7 +55,7 @@ if [ "${1:-}" = --fetch-wheels ]; then
   ls -l .wheels
   exit
 fi
-[ $# -ge 1 ] || { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT=$(realpath -m "$1"); DRY=${2:-}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}"
@@ -157,6 +158,10 @@ step logprob_dtype "grep -h -m1 '^log-probs' $OUT/logprob_dtype.log" \
      "$OUT/diagnoses.jsonl" "$OUT/logprob_dtype.json"
 
 step update_throughput "tail -1 $OUT/update_throughput.log" -- $PY bench/update_throughput.py "${TPUT[@]}"
+
+# Qwen3's shape (q and k norms, no attention bias; the qwen3-4b and qwen3-8b presets), last: what is left of the budget
+[ "$DRY" = --cpu ] || step plan_qwen3_4b_9layers "plan_rows" -- $PY -m accelerate.commands.launch "${FSDP[@]}" \
+  bench/plan_check.py --model Qwen/Qwen3-4B-Instruct-2507 --layers 9 --tokens 16384 --table "$PLAN"
 
 [ -f "$PLAN" ] && { printf '\nThe memory plan against one measured step (bench/plan_check.py):\n\n'; cat "$PLAN"; } >> "$TABLE"
 

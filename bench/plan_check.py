@@ -96,11 +96,15 @@ class Memory:
                 top = max(top, cur)
 
 
+# configs/models/'s architectures, as transformers names their model types
+MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+
+
 def build(model_cfg, layers, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {k: v for k, v in model_cfg.items() if k not in ("source", "parameters", "dtype", "architectures")}
-    model_type = "llama" if "LlamaForCausalLM" in model_cfg["architectures"] else "qwen2"
+    fields = {k: v for k, v in model_cfg.items() if k not in ("source", "parameters", "dtype", "architectures", "model_type")}
+    model_type = MODEL_TYPES[model_cfg["architectures"][0]]
     if model_type == "qwen2":
         fields.pop("attention_bias", None)  # Qwen2's q, k, v always have a bias
     config = AutoConfig.for_model(model_type, **(fields | ({"num_hidden_layers": layers} if layers else {})))

@@ -1,6 +1,7 @@
 """The memory plan (common/memplan.py): its terms against memory measured on CPU at small shapes,
 the presets' architecture files, and loop.sh's --plan and its refusals."""
 
+import dataclasses
 import json
 import os
 import re
@@ -10,7 +11,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from common import memplan, presets
 from common.models import model_context
@@ -30,6 +30,16 @@ def test_preset_architecture_files_hold_their_parameter_count(model):
     Qwen3's q and k norms included: 4,022,468,096 and 8,190,735,360, the hub's safetensors counts)."""
     arch = memplan.load_arch(model)
     assert arch.params == json.load(open(memplan.arch_path(model)))["parameters"]
+
+
+@pytest.mark.parametrize("model", PRESET_MODELS)
+def test_plan_check_builds_each_preset_as_its_architecture(model):
+    """bench/plan_check.py --model builds each preset's own architecture (Qwen3 with its q and k
+    norms, not a Qwen2), 2 layers of it on the meta device, with the parameters the plan counts."""
+    cfg = json.load(open(memplan.arch_path(model)))
+    built = plan_check.build(cfg, 2, "meta")
+    assert type(built).__name__ == cfg["architectures"][0]
+    assert sum(p.numel() for p in built.parameters()) == dataclasses.replace(memplan.read_config_dict(cfg), layers=2).params
 
 
 def test_plan_terms_match_memory_measured_on_cpu():
@@ -68,16 +78,14 @@ def test_qwen3s_q_and_k_norms_are_counted_as_measured_on_cpu():
     the model's and each term agrees with the memory measured on CPU within 15 % (the activations
     kept for backward, where the norms count, within 5 %)."""
     from accelerate import Accelerator
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     accelerator = Accelerator(cpu=True)
     small = plan_check.SMALL | {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False}
     arch = memplan.read_config_dict(small)
     assert arch.qk_norm and arch.params - memplan.read_config_dict(plan_check.SMALL | {"attention_bias": False,
         "architectures": ["LlamaForCausalLM"]}).params == 2 * arch.head_dim * arch.layers  # fmt: skip
-    fields = {k: v for k, v in small.items() if k != "architectures"}
-    rows = measured_rows(arch, lambda: AutoModelForCausalLM.from_config(
-        AutoConfig.for_model("qwen3", **fields), dtype=torch.float32), accelerator)
+    assert type(plan_check.build(small, 1, "meta")).__name__ == "Qwen3ForCausalLM"  # as --model Qwen/Qwen3-* builds it
+    rows = measured_rows(arch, lambda: plan_check.build(small, None, accelerator.device), accelerator)
     for term, planned, got in rows:
         assert not term.startswith("activations") or got == pytest.approx(planned, rel=0.05), (term, planned, got)
 
