@@ -79,7 +79,8 @@ parser.add_argument("--out", required=True, help="folder for the next policy")
 parser.add_argument("--metrics", help="default: train_metrics.jsonl in the folder that holds --out")
 parser.add_argument("--ref-model", help="the initial policy, KL reference (default: --model)")
 parser.add_argument("--no-reweight", action="store_true", help="w = 1 for every trajectory (ρ ≡ 1)")
-parser.add_argument("--lr", type=float, default=presets.LR, help="1e-6 for full fine-tuning; ~1e-5 with --lora")
+parser.add_argument("--lr", type=float, help=f"default {presets.LR:g}, or {presets.LORA_LR:g} training an adapter "
+                    "(common/presets.py)")
 parser.add_argument("--kl-coef", type=float, default=presets.KL_COEF, help="0 disables the KL term and the reference")
 parser.add_argument("--clip", type=float, default=0.2)
 parser.add_argument("--clip-ratio-c", type=float, default=3.0,
@@ -137,6 +138,8 @@ def train(args):
     trajectories = join(args, rollouts, diagnoses, rho)
     temperature, warning = read_temperature(rollouts, args.rollouts)
     policy = read_policy(args.model, args.lora)
+    if args.lr is None:  # an input adapter trains as one, --lora or not
+        args.lr = presets.LORA_LR if policy.use_lora else presets.LR
     check_vocabulary(trajectories, rollouts, policy.vocab_size, args.rollouts)
     reference = choose_reference(args.kl_coef, args.ref_model, policy)
     state_info = checkpoint.read_info(args.optimizer_state, state_format()) if args.optimizer_state else None

@@ -37,7 +37,8 @@ class PresetError(ValueError):
 class Preset:
     """loop.sh's variables. Defaults: GRPO groups of N=8, 32 tasks per round, mini-batches of 8
     tasks (4 optimiser steps a round at most: train_grpo.py leaves out groups of equal rewards and
-    spreads a leftover over the other mini-batches; 18 rounds ~ 72 update steps), lr 1e-6, KL 0.001,
+    spreads a leftover over the other mini-batches; 18 rounds ~ 72 update steps), lr 1e-6 (1e-5 with
+    LORA=--lora), KL 0.001,
     temperature 1.0, 16k context."""
 
     rounds: str = "18"  # --rounds
@@ -60,7 +61,7 @@ class Preset:
     tasks_per_round: str = "32"
     n: str = "8"  # samples per task: the GRPO group
     mini_batch: str = "8"  # tasks per optimiser step, at least
-    lr: str = "1e-6"
+    lr: str = ""  # empty: LR_FULL, or LR_LORA with LORA=--lora (what the run records is the value used)
     kl: str = "0.001"
     temp: str = "1.0"  # rollouts' sampling temperature
     max_steps: str = "20"  # bfcl-eval's step limit: a turn's 21st step with calls force-quits the task
@@ -142,7 +143,7 @@ PRESETS = {
     # the offline tiny model on CPU: 8 first-turn training tasks (data/tiny.jsonl), minutes per round
     "tiny": Preset(
         model="offline-tiny",  # built (once, cached) by loop.sh, unless --set MODEL=... names another
-        tasks="data/tiny.jsonl", eval_limit="1", tasks_per_round="8", n="4", mini_batch="2", lr="1e-4",
+        tasks="data/tiny.jsonl", eval_limit="1", tasks_per_round="8", n="4", mini_batch="2", lr="1e-4",  # LoRA too
         max_steps="3", max_new="96", rounds="2", eval_every="2", ood_limit="1",
         eval_new="256",  # CPU minutes: a tiny model that misses its stop would write 4096 tokens a call
         extra_train="--cpu"),
@@ -186,8 +187,17 @@ MODES = {
     "no-closed-loop": Mode("fixed", True),
 }
 
+# The learning rates an empty LR takes: the paper's for full fine-tuning, and 10x that for a LoRA
+# adapter, whose B starts at 0 and moves ~lr a step (at 1e-6 the adapter's ΔW after 72 steps is ~10x
+# smaller than full fine-tuning's; LoRA's best rate is ~10x full fine-tuning's across model sizes,
+# Schulman et al., "LoRA Without Regret", 2025). loop.sh passes the one used to train_grpo.py --lr,
+# config.json records it, --plan and --brief print it.
+LR_FULL = "1e-6"
+LR_LORA = "1e-5"
+
 # The defaults a stage run by hand takes: the presets' own.
-LR = float(Preset.lr)  # train_grpo.py --lr
+LR = float(LR_FULL)  # train_grpo.py --lr
+LORA_LR = float(LR_LORA)  # train_grpo.py --lr with --lora
 KL_COEF = float(Preset.kl)  # train_grpo.py --kl-coef
 MINI_BATCH_TASKS = int(Preset.mini_batch)  # train_grpo.py --mini-batch-tasks
 GROUP_SIZE = int(Preset.n)  # rollout.py --n
@@ -225,6 +235,8 @@ def resolve(name, sets=(), found=0):
             raise PresetError(f"{field.upper()}={value}: use {', '.join(words[:-1])} or {words[-1]}")
     if preset.gpu_mem_gib:
         preset = place(preset, changes, found)
+    if not preset.lr:
+        preset = dataclasses.replace(preset, lr=LR_LORA if preset.lora else LR_FULL)
     return preset
 
 

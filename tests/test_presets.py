@@ -41,7 +41,8 @@ def test_every_preset_resolves_and_names_what_it_runs_on(name):
     training shards the weights over its GPUs, and every preset's task file is one data/prepare.py writes."""
     p = presets.resolve(name)
     # with no GPUs listed, a GPU preset runs on its own NPROC
-    assert p == dataclasses.replace(PRESETS[name], gpus=PRESETS[name].nproc if p.gpu_mem_gib else "")
+    assert p == dataclasses.replace(PRESETS[name], gpus=PRESETS[name].nproc if p.gpu_mem_gib else "",
+                                    lr=PRESETS[name].lr or presets.LR_FULL)
     assert all(isinstance(getattr(p, f.name), str) for f in dataclasses.fields(p))
     assert p.tasks in ("data/train.jsonl", "data/tiny.jsonl") and int(p.rounds) >= 1 and int(p.eval_every) >= 1
     if p.gpu_mem_gib:
@@ -53,7 +54,7 @@ def test_every_preset_resolves_and_names_what_it_runs_on(name):
 
 def test_the_stages_defaults_are_the_presets_defaults():
     """What a stage run by hand takes (LR, KL_COEF, ...) is what a preset that keeps the default runs with."""
-    qwen7b = PRESETS["qwen7b"]
+    qwen7b = presets.resolve("qwen7b")
     assert (presets.LR, presets.KL_COEF, presets.MINI_BATCH_TASKS) == (float(qwen7b.lr), float(qwen7b.kl),
                                                                        int(qwen7b.mini_batch))
     assert (presets.GROUP_SIZE, presets.TEMPERATURE, presets.MAX_STEPS_PER_TURN) == (int(qwen7b.n), float(qwen7b.temp),
@@ -150,7 +151,7 @@ def test_gpus_k_places_the_server_and_the_trainer_on_k_gpus(gpus):
 # mini-batches of 8, 18 rounds evaluated every 6, lr 1e-6, KL 0.001, temperature 1.0, bfcl-eval's step
 # limit of 20, 16k context and 1024 new tokens a call, evaluation as bfcl-eval's local inference.
 PAPER = dict(rounds="18", eval_every="6", engine="vllm", server="", gpus="", tp="1", lora="", tasks_per_round="32",
-             n="8", mini_batch="8", lr="1e-6", kl="0.001", temp="1.0", max_steps="20", max_len="16384",
+             n="8", mini_batch="8", lr="", kl="0.001", temp="1.0", max_steps="20", max_len="16384",
              max_new="1024", train_limit="", eval_limit="", keep="evaluated", tasks="data/train.jsonl", seed="0",
              ood="", ood_limit="", prompts="bfcl", eval_len="", eval_new="", thinking="", report_to="none",
              bfcl_model="")
@@ -178,6 +179,25 @@ def test_the_papers_presets_hold_the_papers_settings(name):
     p = dataclasses.asdict(PRESETS[name])
     user = {k: p.pop(k) for k in ("user_model", "user_base_url", "user_model_name")}
     assert p == EXPECTED[name] and set(user.values()) == {""}
+    assert presets.resolve(name).lr == EXPECTED[name]["lr"] or "1e-6"  # the paper's, as recorded
+
+
+def test_lora_trains_at_a_lora_learning_rate_unless_lr_is_set(tmp_path):
+    """An adapter at the full fine-tuning rate would move ~10x less than the run intends, with no error:
+    LORA=--lora takes LR_LORA, a user's LR wins, and what config.json records, --plan and the one-line
+    plan before round 0 print is the rate the trainer gets."""
+    lora = presets.resolve("qwen3-4b", ["GPUS=1", "LORA=--lora"])
+    assert lora.lr == presets.LR_LORA == "1e-5" and float(lora.lr) == presets.LORA_LR == pytest.approx(10 * presets.LR)
+    assert presets.record(lora, "qwen3-4b", "seal")["lr"] == "1e-5"
+    assert presets.resolve("qwen3-4b", ["GPUS=1", "LORA=--lora", "LR=3e-6"]).lr == "3e-6"
+    assert presets.resolve("qwen3-4b", ["GPUS=1"]).lr == "1e-6"
+    assert presets.resolve("tiny", ["LORA=--lora"]).lr == "1e-4"  # a preset's own rate is kept
+    shell = presets.shell(lora, "qwen3-4b", "seal").splitlines()
+    assert "LR=1e-5" in shell and "lr=1e-5" in shell[-1]  # loop.sh's --lr "$LR", and config.json
+    for flag in ("--plan", "--brief"):
+        cmd = [sys.executable, "-m", "common.memplan", "qwen3-4b", "--set", "GPUS=1", "--set", "LORA=--lora"]
+        res = subprocess.run(cmd + ([flag] if flag == "--brief" else []), cwd=ROOT, capture_output=True, text=True)
+        assert "LoRA rank 16 at lr 1e-5" in res.stdout.splitlines()[0], res.stdout
 
 
 def test_the_qwen3_presets_are_bfcl_evals_models_as_its_handler_runs_them():
