@@ -86,6 +86,7 @@ if [ -n "$GPU_MEM_GIB" ]; then
       "on CPU is tiny (bash loop.sh tiny), or lower GPUS with --set" >&2
     exit 2
   fi
+  $PY -m common.memplan --host "$PRESET" "${SETS[@]+"${SETS[@]}"}" || exit 2
 fi
 bash setup.sh
 PY=.venv/bin/python

@@ -19,6 +19,17 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   flavour=cpu
 fi
+# The rollout server sleeps on the GPUs while the trainer's processes use them: two processes on one
+# GPU, which a GPU in Exclusive_Process (or Prohibited) compute mode refuses, only once training starts.
+if [ "$flavour" = gpu ]; then
+  modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>/dev/null | grep -v ', Default$' || true)
+  if [ -n "$modes" ]; then
+    echo "setup: GPUs not in the Default compute mode ($(paste -sd';' <<< "$modes")): the sleeping vLLM" \
+      "server and the trainer share each GPU; set it with sudo nvidia-smi -c DEFAULT (in a container, on" \
+      "the host); nothing was installed" >&2
+    exit 1
+  fi
+fi
 stamp=.venv/.setup-stamp
 want="$flavour $(cat requirements.txt requirements-$flavour.txt requirements-ood.txt requirements-nodeps.txt | sha256sum | cut -c1-16)"
 

@@ -1,7 +1,7 @@
 """Per-GPU memory of the rollout server and of the train stage, from a model's architecture numbers,
 before anything loads.
 
-    python3 -m common.memplan [--brief] PRESET [--set VAR=VALUE ...]
+    python3 -m common.memplan [--brief | --host] PRESET [--set VAR=VALUE ...]
 
 prints the plan of a preset (common/presets.py) with loop.sh's --set overrides (`bash loop.sh PRESET
 --plan` runs it; with --brief, loop.sh's check before round 0, one line) and exits 3 when a stage
@@ -32,6 +32,9 @@ max(MICRO_TOKENS, MAX_LEN), since train_grpo.py puts a longer sequence in a micr
   (a constant); on GPUs, what the sleeping vLLM server keeps on each GPU (VLLM_ASLEEP_GIB). The
   log-prob chunk and the layer recomputed in backward happen at different moments: the larger
   counts.
+- host memory at load (per node, not per GPU): every training process loads the policy whole from
+  disk before FSDP shards it (float32; a LoRA base in bf16), all at once, so N·4P (N·2P); --host,
+  loop.sh's check on the node before round 0, refuses when its available memory is smaller.
 - reference pass (before the policy loads): the bf16 reference model whole on every GPU, a
   no-grad forward, one log-prob chunk, and on GPUs the sleeping server's residue.
 Activations per token and decoder layer: each RMSNorm keeps its float32 input, its normalised
@@ -384,8 +387,43 @@ def advice(arch, k):
         if more:
             out.append(f"GPUS={more} (the weights sharded over {more} GPUs)")
     if not k["lora"] and fits(lora=True):
-        out.append(f"LORA=--lora (a rank-{LORA_RANK} adapter through PEFT, the base weights frozen in bf16)")
+        out.append(f"LORA=--lora (a rank-{LORA_RANK} adapter through PEFT, the base weights frozen in bf16, "
+                   f"trained at lr {presets.LR_LORA} unless LR is set)")
     return out or ["use GPUs with more memory (GPU_MEM_GIB)"]
+
+
+def host_load_bytes(arch, nproc, lora):
+    """Host memory while the training processes load the policy: each holds its own whole copy (the
+    reference model is built by each too, but in bf16 and freed before the policy loads)."""
+    return nproc * (2 if lora else 4) * arch.params
+
+
+def available_bytes(meminfo="/proc/meminfo"):
+    """This machine's available memory (MemAvailable), or None where /proc/meminfo does not say."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def host_check(arch, k, meminfo="/proc/meminfo"):
+    """None, or why the training processes' load does not fit this machine's memory."""
+    need, have = host_load_bytes(arch, k["nproc"], k["lora"]), available_bytes(meminfo)
+    if have is None or need <= have:
+        return None
+    fix = "run on a node with more memory" + ("" if k["lora"] else ", or LORA=--lora (a bf16 base: half the load)")
+    return (f"the {k['nproc']} training processes load the policy whole before sharding it: "
+            f"{need / GIB:.1f} GiB of host memory, and this machine has {have / GIB:.1f} GiB available "
+            f"(MemAvailable): {fix}")
+
+
+def training(p):
+    """What is trained and at which learning rate, as words."""
+    return f"{'LoRA rank ' + str(LORA_RANK) if p.lora else 'full fine-tuning'} at lr {p.lr}"
 
 
 def served_from(k, arch):
@@ -400,21 +438,29 @@ def main(argv):
     parser.add_argument("preset", help=", ".join(presets.PRESETS))
     parser.add_argument("--set", action="append", default=[], metavar="VAR=VALUE", help="override one preset variable")
     parser.add_argument("--brief", action="store_true", help="one line (loop.sh's check before round 0)")
+    parser.add_argument("--host", action="store_true",
+                        help="only whether the training processes' load fits this machine's memory (loop.sh, on the node)")
     a = parser.parse_args(argv)
     try:
         p = presets.resolve(a.preset, a.set, presets.visible_gpus())
         arch, plans, k = settings_plans(p)
     except (presets.PresetError, PlanError) as e:
         sys.exit(f"memplan: {e}")
+    if a.host:
+        host = host_check(arch, k)
+        sys.exit(f"memplan: {host}" if host else 0)
     rollout, reference, train = plans["rollout"], plans["reference"], plans["train"]
     ok = rollout.fits and rollout.contexts >= 1 and reference.fits and train.fits
     if not a.brief:
         print(f"memory plan: {a.preset} {p.model} ({arch.params / 1e9:.2f} B parameters, "
               f"{arch.layers} layers), {k['nproc']} GPU{'s' * (k['nproc'] > 1)} x {p.gpu_mem_gib} GiB, rollouts MAX_LEN={k['max_len']},"
               f" server max_model_len={k['serve']} ({served_from(k, arch)}), MICRO_TOKENS={k['micro']},"
-              f" log-prob chunk {k['chunk']}, margin {MARGIN:.0%}")
+              f" log-prob chunk {k['chunk']}, margin {MARGIN:.0%}, {training(p)}")
         for plan in (rollout, reference, train):
             print(render(plan, k["gpu_mem"]))
+        print(f"host memory at load: {k['nproc']} process{'es' * (k['nproc'] > 1)} x "
+              f"{host_load_bytes(arch, 1, k['lora']) / GIB:.2f} GiB ({'bf16 base' if k['lora'] else 'float32 policy'}"
+              f", loaded whole before sharding) = {host_load_bytes(arch, k['nproc'], k['lora']) / GIB:.2f} GiB")
         if k["lora"]:
             full = plans["full"]
             print(f"full fine-tuning instead of LoRA: {full.peak / GIB:.2f} GiB per GPU of {p.gpu_mem_gib}: "
@@ -422,7 +468,7 @@ def main(argv):
     else:
         print(f"memory plan: rollout server {rollout.contexts:.0f} contexts of max_model_len={k['serve']} per replica, train stage "
               f"{train.peak / GIB:.1f} GiB and reference pass {reference.peak / GIB:.1f} GiB per GPU of "
-              f"{p.gpu_mem_gib} (bash loop.sh PRESET --plan for the terms)")
+              f"{p.gpu_mem_gib}, {training(p)} (bash loop.sh PRESET --plan for the terms)")
     if rollout.contexts < 1:
         print(f"memplan: the rollout server's KV cache holds {rollout.contexts:.2f} contexts of its max_model_len="
               f"{k['serve']} ({served_from(k, arch)}), and vLLM does not start below one: lower "

@@ -292,3 +292,22 @@ def test_the_plans_docs_hardware_md_shows_are_what_plan_prints():
     for command, expected in shown:
         res = loop(*command.split()[2:])
         assert res.returncode in (0, 3) and res.stdout + res.stderr == expected.rstrip("\n") + "\n", command
+
+
+def test_the_training_processes_load_is_checked_against_the_nodes_memory(tmp_path):
+    """Every FSDP2 process loads the policy whole before it is sharded: qwen7b on 4 GPUs holds four
+    float32 copies at once (a LoRA base: four bf16 ones). A node with less available memory is refused
+    before round 0 with the figure and the fix; /proc/meminfo's MemAvailable is what is compared."""
+    p = presets.resolve("qwen7b", ["GPUS=4"])
+    arch, _, k = memplan.settings_plans(p)
+    need = memplan.host_load_bytes(arch, 4, lora=False)
+    assert need == 4 * 4 * arch.params == 2 * memplan.host_load_bytes(arch, 4, lora=True)
+    meminfo = tmp_path / "meminfo"
+    for have_gib, refused in ((100, True), (120, False)):
+        meminfo.write_text(f"MemTotal:       {200 * 2**20} kB\nMemAvailable:   {have_gib * 2**20} kB\n")
+        why = memplan.host_check(arch, k, str(meminfo))
+        assert (why is not None) == refused and (need / memplan.GIB > have_gib) == refused
+        if refused:
+            assert "113.5 GiB of host memory" in why and "100.0 GiB available" in why and "LORA=--lora" in why
+    meminfo.write_text("MemTotal: 1 kB\n")  # no MemAvailable (an old kernel): nothing to compare, no refusal
+    assert memplan.host_check(arch, k, str(meminfo)) is None

@@ -26,12 +26,15 @@ def run(cmd, env=None, cwd=ROOT):
 
 FIX = "install Python 3.11 or 3.12 (e.g. apt-get install python3.12-venv, or uv python install 3.12), then run " \
       "PYTHON=python3.12 bash setup.sh"
-# nvidia-smi as a 4 x H100 node answers setup.sh's two questions, with the driver of $DRIVER
+# nvidia-smi as a 4 x H100 node answers setup.sh's three questions, with the driver of $DRIVER and the
+# compute mode of $MODE
 NVIDIA_SMI = """#!/bin/sh
 case "$*" in
   -L) for i in 0 1 2 3; do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"; done ;;
   "--query-gpu=driver_version,name --format=csv,noheader")
     for i in 0 1 2 3; do echo "$DRIVER, NVIDIA H100 80GB HBM3"; done ;;
+  "--query-gpu=index,compute_mode --format=csv,noheader")
+    for i in 0 1 2 3; do echo "$i, ${MODE:-Default}"; done ;;
   *) echo "stub nvidia-smi: unexpected $*" >&2; exit 6 ;;
 esac
 """
@@ -100,6 +103,17 @@ def test_setup_refuses_an_old_nvidia_driver_before_installing_anything(tmp_path)
     assert "update the driver" in res.stderr and "GPUs: 4 x NVIDIA H100 80GB HBM3" in res.stderr
     assert "setup: nothing was installed" in res.stderr and "installing" not in res.stdout
     assert seconds < 10 and not (repo / ".venv").exists()
+
+
+def test_setup_refuses_gpus_in_exclusive_process_mode_before_installing_anything(tmp_path):
+    """A node whose GPUs admit one process each (a common cluster default) could not hold the sleeping
+    server beside the trainer: refused in seconds, naming the GPUs and the command that fixes it."""
+    repo = setup_copy(tmp_path)
+    res, seconds = timed_setup(repo, gpu_env(tmp_path, "580.65.06") | {"MODE": "Exclusive_Process"})
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "GPUs not in the Default compute mode (0, Exclusive_Process;1, Exclusive_Process;" in res.stderr
+    assert "sudo nvidia-smi -c DEFAULT" in res.stderr and "nothing was installed" in res.stderr
+    assert "installing" not in res.stdout and seconds < 10 and not (repo / ".venv").exists()
 
 
 def test_a_driver_the_build_runs_on_goes_on_to_the_gpu_install(tmp_path):
