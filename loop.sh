@@ -147,6 +147,7 @@ run() {
   if [ -e "$output" ] || [ -e "$output.deleted" ]; then echo "loop: round $round $stage: done ($output)"; return; fi
   local log="$RUN/logs/round_$(printf %03d "$round")_$stage.log"
   echo "loop: round $round $stage -> $output (log: $log)"
+  AT="round $round, $stage"
   local t0; t0=$(date +%s%N)
   if ! "$@" 2>&1 | tee "$log"; then
     echo "loop: stage '$stage' failed in round $round; see $log" >&2
@@ -155,6 +156,7 @@ run() {
   local ms=$((($(date +%s%N) - t0) / 1000000))
   echo "{\"round\": $round, \"stage\": \"$stage\", \"seconds\": $((ms / 1000)).$(printf %03d $((ms % 1000)))}" \
     >> "$RUN/timing.jsonl"
+  AT="round $round, after $stage"
 }
 
 track() {  # log what is new in the run's artifacts to the trackers; a failure is retried next round
@@ -182,7 +184,8 @@ SERVE_ARGS=(--max-model-len "$SERVE_LEN" --seed "$SEED" --tensor-parallel-size "
   ${LORA:+--lora-rank "$LORA_RANK"} ${GPU:+--sleep-mode})
 stop_server() { [ -z "$SERVER" ] && [ -f "$SERVER_STATE" ] && $PY -m common.serve stop --state "$SERVER_STATE"; true; }
 trap stop_server EXIT
-trap 'exit 130' INT
+AT="round 0, setup"  # where the loop is, for an interruption's message (run() updates it)
+trap 'echo "loop: interrupted in $AT; rerun the same command to resume" >&2; exit 130' INT
 trap 'exit 143' TERM
 
 playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve POLICY first

@@ -4,6 +4,7 @@ interruption, no server left behind, trackers."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,8 +82,8 @@ def loop_runs(tmp_path_factory, tiny_model, tiny_server_state):
     time.sleep(1.0)
     server = json.loads((run / "server.json").read_text())
     os.killpg(proc.pid, signal.SIGINT)
-    proc.communicate(timeout=120)
-    interrupted = {"returncode": proc.returncode, "server_pid": server["pid"],
+    said = proc.communicate(timeout=120)[0]
+    interrupted = {"returncode": proc.returncode, "said": said[-2000:], "server_pid": server["pid"],
                    "server_left": (run / "server.json").exists() or _alive(server["pid"]),
                    "policy": (run / "round_000" / "policy").exists(),
                    "rollouts_mtime": (run / "round_000" / "rollouts.jsonl").stat().st_mtime_ns}
@@ -157,7 +158,10 @@ def test_interrupted_loop_resumes_and_leaves_no_server_behind(loop_runs, tiny_mo
     finished stage, starts one server on the last complete policy, loads round 1's in place
     and checks each policy against the trainer's probe before it plays."""
     run, first, out = loop_runs["runs"] / "seal", loop_runs["interrupted"], loop_runs["rerun"]
-    assert first["returncode"] != 0 and not first["server_left"], "the server outlived its loop"
+    assert first["returncode"] == 130 and not first["server_left"], "the server outlived its loop"
+    # it says where it stopped, as the stage lines name it (round 0's evolve or train)
+    assert re.search(r"^loop: interrupted in round 0, (after diagnose|evolve|after evolve|train); "
+                     r"rerun the same command to resume$", first["said"], re.M), first["said"]
     assert not first["policy"]  # interrupted inside round 0's evolve or train
     assert "round 0 rollout: done" in out and "round 0 diagnose: done" in out
     assert (run / "round_000" / "rollouts.jsonl").stat().st_mtime_ns == first["rollouts_mtime"]
