@@ -50,7 +50,7 @@ parser.add_argument("--split", default="heldin", choices=["heldin", "train", "al
 parser.add_argument("--tasks", default=None, help="task file (default: the split's)")
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
 parser.add_argument("--out", help="output folder")
-playargs.add_play_args(parser, max_model_len=None, max_new_tokens=playargs.BFCL_MAX_NEW_TOKENS)
+playargs.add_play_args(parser, evaluation=True)
 parser.add_argument("--decoding", default="bfcl", choices=["bfcl", "greedy"],
                     help="bfcl: temperature 0.001 with the model's generation_config defaults (bfcl-eval's "
                          "vLLM server); greedy: argmax")

@@ -95,9 +95,13 @@ $PY -m common.tracking --check "$REPORT_TO" || exit 2
 if [ "$MODEL" = offline-tiny ]; then
   MODEL=$($PY -c "from common.tiny import build_cached; print(build_cached())")
 fi
-$PY -c "import sys; from common.prompts import check_handler; check_handler(sys.argv[1])" "$BFCL_HANDLER" 2>/dev/null \
-  || { $PY -c "import sys; from common.prompts import HANDLERS; print(f'loop: BFCL_HANDLER={sys.argv[1]}: not a handler'
-       f' this project drives; choices: {\", \".join(HANDLERS)}', file=sys.stderr)" "$BFCL_HANDLER"; exit 2; }
+# The call format follows the handler's prompts (common/prompts.py HANDLERS): a CALL_FORMAT that contradicts
+# them would mis-decode every output. The stages get, and config.json records, the one used.
+CALL_FORMAT=$($PY -c "import sys; from common.prompts import HandlerError, call_format
+try: print(call_format(sys.argv[1], sys.argv[2]))
+except HandlerError as e: sys.exit(f'loop: BFCL_HANDLER={sys.argv[1]} CALL_FORMAT={sys.argv[2]}: {e}')" \
+  "$BFCL_HANDLER" "$CALL_FORMAT") || exit 2
+RECORD=("${RECORD[@]/#call_format=*/call_format=$CALL_FORMAT}")
 USER_ARGS=()  # the τ²-bench user simulator, checked before any round runs
 for b in $OOD; do
   case $b in

@@ -88,7 +88,7 @@ parser.add_argument("--clip-ratio-c", type=float, default=3.0,
 parser.add_argument("--mini-batch-tasks", type=int, default=presets.MINI_BATCH_TASKS, help="tasks (whole groups) per optimiser step, at least")
 parser.add_argument("--zero-variance", choices=("drop", "keep"), default="drop",
                     help="groups with equal rewards: left out (default), or kept in the loss as verl does")
-parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="padded tokens per forward")
+parser.add_argument("--max-tokens-per-micro-batch", type=int, default=presets.MICRO_TOKENS, help="padded tokens per forward")
 parser.add_argument("--epochs", type=int, default=1)
 parser.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="max gradient norm; 0 disables")
 parser.add_argument("--lora", action="store_true")

@@ -83,7 +83,7 @@ parser.add_argument("--memory-backend", nargs="+", default=BACKENDS, choices=BAC
 parser.add_argument("--memory-scenario", default=None,
                     choices=["customer", "finance", "healthcare", "notetaker", "student"],
                     help="only this scenario's questions and prerequisite conversations")
-playargs.add_play_args(parser, max_model_len=None, max_new_tokens=playargs.BFCL_MAX_NEW_TOKENS)
+playargs.add_play_args(parser, evaluation=True)
 parser.add_argument("--decoding", default="bfcl", choices=["bfcl", "greedy"],
                     help="as evaluate.py's (bfcl: temperature 0.001 with the model's generation_config defaults)")
 

@@ -313,6 +313,7 @@ def test_config_records_every_preset_variable(runs):
     assert "micro_tokens" in keys and "max_model_len" in keys and set(settings) == set(keys) | {"name"}
     assert os.path.isfile(os.path.join(ROOT, settings["model"], "config.json")) and settings["rounds"] == "2"
     assert settings["max_new_tokens"] == "32" and settings["max_steps"] == "1"  # SMALL's --set, under their keys
+    assert settings["call_format"] == "json"  # the one the stages got: the handler's
 
 
 def test_a_setting_recorded_later_is_taken_up_and_then_held(tmp_path):
@@ -337,7 +338,8 @@ def test_ood_without_a_user_simulator_stops_before_round_0(tmp_path, tiny_model)
     assert not (tmp_path / "ood").exists()
 
 
-@pytest.mark.parametrize("setting, message", [("BFCL_HANDLER=NoSuchHandler", "choices: QwenFCHandler, LlamaHandler"),
+# (an unknown handler stops at the same line as a contradicting call format: tests/test_prompts.py)
+@pytest.mark.parametrize("setting, message", [("CALL_FORMAT=python", "call format python contradicts QwenFCHandler"),
                                               ("PROMPTS=chat", "use bfcl or template")])
 def test_a_bad_prompt_setting_stops_before_round_0(tmp_path, tiny_model, setting, message):
     res = subprocess.run(

@@ -52,13 +52,28 @@ def test_every_preset_resolves_and_names_what_it_runs_on(name):
         assert p.model == "offline-tiny" and not p.sharded and "--cpu" in p.extra_train.split()
 
 
-def test_the_stages_defaults_are_the_presets_defaults():
-    """What a stage run by hand takes (LR, KL_COEF, ...) is what a preset that keeps the default runs with."""
-    qwen7b = presets.resolve("qwen7b")
-    assert (presets.LR, presets.KL_COEF, presets.MINI_BATCH_TASKS) == (float(qwen7b.lr), float(qwen7b.kl),
-                                                                       int(qwen7b.mini_batch))
-    assert (presets.GROUP_SIZE, presets.TEMPERATURE, presets.MAX_STEPS_PER_TURN) == (int(qwen7b.n), float(qwen7b.temp),
-                                                                                     int(qwen7b.max_steps))
+def test_a_stage_run_by_hand_takes_the_presets_defaults():
+    """Each stage's own parser defaults to what a preset that keeps the shared defaults runs with;
+    evaluation's lengths are bfcl-eval's instead."""
+    import evaluate
+    import rollout
+    import train_grpo
+    from common import play, playargs
+
+    d = Preset()
+    roll = rollout.parser.parse_args(["--model", "m", "--tasks", "t", "--out", "o"])
+    assert (roll.n, roll.temperature, roll.max_model_len, roll.max_new_tokens, roll.prompts) == (
+        int(d.n), float(d.temp), int(d.max_len), int(d.max_new), d.prompts)
+    spec = playargs.play_spec(roll, rollout.parser, temperature=roll.temperature, prompts=roll.prompts)
+    assert spec == dataclasses.replace(play.PlaySpec(), schedule="async")  # PlaySpec's defaults are these too
+    ev = evaluate.parser.parse_args([])
+    for args in (roll, ev):
+        assert (args.engine, args.handler, args.max_steps_per_turn, args.call_format) == (
+            d.engine, d.bfcl_handler, int(d.max_steps), d.call_format)
+    assert (ev.max_model_len, ev.max_new_tokens) == (None, playargs.BFCL_MAX_NEW_TOKENS)
+    train = train_grpo.parser.parse_args(["--model", "m", "--rollouts", "r", "--diagnoses", "d", "--out", "o"])
+    assert (train.kl_coef, train.mini_batch_tasks, train.max_tokens_per_micro_batch, train.lora_r) == (
+        float(d.kl), int(d.mini_batch), int(d.micro_tokens), presets.LORA_RANK)
 
 
 def test_set_overrides_one_variable_and_refuses_what_is_not_one():
@@ -154,21 +169,20 @@ PAPER = dict(rounds="18", eval_every="6", engine="vllm", server="", gpus="", tp=
              n="8", mini_batch="8", lr="", kl="0.001", temp="1.0", max_steps="20", max_len="16384",
              max_new="1024", train_limit="", eval_limit="", keep="evaluated", tasks="data/train.jsonl", seed="0",
              ood="", ood_limit="", prompts="bfcl", eval_len="", eval_new="", thinking="", report_to="none",
-             bfcl_model="")
+             bfcl_model="", call_format="")
 FOUR_GPUS = dict(nproc="4", dp="4", accel_config="configs/accelerate/fsdp_4gpu.yaml", gpu_mem_gib="79",
                  extra_train="--gradient-checkpointing")
 EXPECTED = {
     "qwen3b": PAPER | FOUR_GPUS | dict(model="Qwen/Qwen2.5-3B-Instruct", revision="aa8e72537993ba99e69dfaafa59ed015b17504d1",
-                                       micro_tokens="16384", bfcl_handler="QwenFCHandler", call_format="json"),
+                                       micro_tokens="16384", bfcl_handler="QwenFCHandler"),
     "qwen7b": PAPER | FOUR_GPUS | dict(model="Qwen/Qwen2.5-7B-Instruct", revision="a09a35458c702b33eeacc393d103063234e8bc28",
-                                       micro_tokens="8192", bfcl_handler="QwenFCHandler", call_format="json"),
+                                       micro_tokens="8192", bfcl_handler="QwenFCHandler"),
     "toolace8b": PAPER | FOUR_GPUS | dict(model="Team-ACE/ToolACE-2-Llama-3.1-8B", revision="", micro_tokens="8192",
-                                          bfcl_handler="LlamaHandler", call_format="python"),
+                                          bfcl_handler="LlamaHandler"),
     "tiny": PAPER | dict(model="offline-tiny", tasks="data/tiny.jsonl", eval_limit="1", tasks_per_round="8", n="4",
                          mini_batch="2", lr="1e-4", max_steps="3", max_new="96", rounds="2", eval_every="2",
                          ood_limit="1", eval_new="256", extra_train="--cpu", nproc="1", dp="1", accel_config="",
-                         gpu_mem_gib="", micro_tokens="32768", revision="", bfcl_handler="QwenFCHandler",
-                         call_format="json"),
+                         gpu_mem_gib="", micro_tokens="32768", revision="", bfcl_handler="QwenFCHandler"),
 }
 
 
