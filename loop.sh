@@ -205,12 +205,12 @@ playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve PO
   fi
 }
 
-evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
+evaluate() {  # evaluate POLICY ROUND DIR: held-in, bfcl-eval's decoding, Ω removed
   run eval "$2" "$3/scores.json" playing "$1" $PY evaluate.py --policy "$1" --split heldin \
     $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" ${BFCL_MODEL:+--bfcl-model "$BFCL_MODEL"} --out "$3"
 }
 
-ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR/<bench>/
+ood() {  # ood POLICY TAG DIR: every bench of $OOD (its own decoding: docs/ood.md), Ω removed, into DIR/<bench>/
   local b bench
   for b in $OOD; do
     bench=(-m ood.memory --suite "$b")

@@ -5,7 +5,7 @@
     spec = play_spec(args, parser, omega=omega, temperature=1.0)  # rollout.py: common.play.PlaySpec
     spec = eval_spec(args, parser, decoding=args.decoding)        # evaluation's
     with open_engine(args, model, max_model_len=spec.max_model_len, seed=0, log=path) as engine: ...
-    with greedy_player(args, spec, log) as run: records = run(tasks)
+    with eval_player(args, spec, log) as run: records = run(tasks)
 
 Every default is PlaySpec's, which are the presets' (common/presets.py), except evaluation's lengths.
 
@@ -119,8 +119,9 @@ def open_engine(args, model, *, max_model_len, seed, log, gpu_memory_utilization
 
 
 @contextlib.contextmanager
-def greedy_player(args, spec, log):
+def eval_player(args, spec, log):
     """An evaluation's model policy (evaluate.py, ood/memory.py): yields run(tasks), which plays
-    each task once with `spec` (eval_spec's) on the stage's engine and returns the records."""
+    each task once with `spec` (eval_spec's: its decoding, bfcl-eval's or greedy) on the stage's
+    engine and returns the records."""
     with open_engine(args, args.policy, max_model_len=spec.max_model_len, seed=0, log=log) as engine:
         yield lambda tasks: play(tasks, 1, engine, spec, policy=os.path.abspath(args.policy))[0]
