@@ -112,15 +112,15 @@ class Preset:
 
     @property
     def sharded(self):
-        """Whether training shards the weights over its processes, as ACCEL_CONFIG asks: FSDP, or
-        DeepSpeed's ZeRO-3 (the file's distributed_type and zero_stage)."""
+        """Whether training shards the weights over its processes, as ACCEL_CONFIG asks: FSDP (the
+        file's distributed_type)."""
         path = os.path.join(ROOT, self.accel_config)
         if not self.accel_config or not os.path.isfile(path):
             return False
         with open(path) as f:
             lines = [line.split("#", 1)[0].split(":", 1) for line in f]
         keys = {kv[0].strip(): kv[1].strip().strip("'\"") for kv in lines if len(kv) == 2}
-        return keys.get("distributed_type") == "FSDP" or keys.get("zero_stage") == "3"
+        return keys.get("distributed_type") == "FSDP"
 
 
 # The values a setting takes, where it takes few.

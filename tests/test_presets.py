@@ -118,11 +118,11 @@ def test_the_shell_gets_the_python_values_exactly(name):
 
 
 def test_only_sharding_accelerate_configs_count_as_sharded():
-    """The plan counts FSDP / ZeRO-3 shards of the weights only where the Accelerate config asks for them."""
+    """The plan counts FSDP shards of the weights only where the Accelerate config asks for them."""
     sharded = {name: Preset(accel_config=f"configs/accelerate/{name}").sharded
                for name in sorted(os.listdir(os.path.join(ROOT, "configs", "accelerate")))}
     assert sharded == {"ddp_cpu2.yaml": False, "fsdp_1gpu.yaml": True, "fsdp_2gpu.yaml": True, "fsdp_4gpu.yaml": True,
-                       "fsdp_8gpu.yaml": True, "fsdp_cpu.yaml": True, "zero3_4gpu.yaml": True}
+                       "fsdp_8gpu.yaml": True, "fsdp_cpu.yaml": True}
     assert not Preset().sharded and not Preset(accel_config="configs/accelerate/none.yaml").sharded
 
 
@@ -152,8 +152,8 @@ def test_gpus_k_places_the_server_and_the_trainer_on_k_gpus(gpus):
     assert p.sharded and os.path.isfile(os.path.join(ROOT, p.accel_config))
     if gpus != "1":
         assert presets.resolve("qwen3-4b", [f"GPUS={gpus}", "TP=2"]).dp == str(int(gpus) // 2)
-    p = presets.resolve("qwen7b", [f"GPUS={gpus}", "ACCEL_CONFIG=configs/accelerate/zero3_4gpu.yaml", "DP=1"])
-    assert (p.nproc, p.dp, p.accel_config) == (gpus, "1", "configs/accelerate/zero3_4gpu.yaml")
+    p = presets.resolve("qwen7b", [f"GPUS={gpus}", "ACCEL_CONFIG=configs/accelerate/fsdp_cpu.yaml", "DP=1"])
+    assert (p.nproc, p.dp, p.accel_config) == (gpus, "1", "configs/accelerate/fsdp_cpu.yaml")
     assert presets.resolve("qwen7b", found=int(gpus)).nproc == gpus
     assert presets.resolve("qwen7b", found=0).nproc == PRESETS["qwen7b"].nproc == "4"
     with pytest.raises(presets.PresetError, match="nvidia-smi -L lists 3: choose with --set GPUS=K"):
