@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from trajectories import Scripted
+from helpers import Scripted
 
 from common import bfcl, play, prompts, tiny
 from common import interface as omega_api

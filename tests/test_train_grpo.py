@@ -24,8 +24,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import in_process
 from safetensors.torch import load_file
-from stages import in_process
 
 from common.distributed import distributed_plugins, gradient_dtypes
 from common.grpo import collate, join_trajectories, sequence_logprobs
