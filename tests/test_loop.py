@@ -149,8 +149,14 @@ def test_modes_differ_where_they_should(runs):
         v_w = [m for m in jsonl(vanilla / f"round_00{t}" / "train_metrics.jsonl")]
         assert all(m["w_mean"] == 1.0 and m["w_std"] == 0.0 for m in v_w)
         assert any(w != 1.0 for w in s_w)
-    # Evaluation never sees Ω: the same base policy gives the same held-in prompts in both runs.
-    assert (runs / "base-tiny" / "eval" / "rollouts.jsonl").is_file()
+    # Evaluation never sees Ω: every evaluation, of the base model and of either mode's policy, shows
+    # each held-in task the same first prompt, with no cue tokens and no interface.
+    first = {}
+    for path in (runs / "base-tiny" / "eval", seal / "eval" / "round_001", vanilla / "eval" / "round_001"):
+        recs = jsonl(path / "rollouts.jsonl")
+        assert recs and all(r["interface_version"] is None and r["stats"]["cue_tokens"] == 0 for r in recs)
+        for r in recs:
+            assert first.setdefault(r["task_id"], r["tokens"]["prompt_ids"]) == r["tokens"]["prompt_ids"], path
 
 
 def test_interrupted_loop_resumes_and_leaves_no_server_behind(loop_runs, tiny_model):

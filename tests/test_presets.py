@@ -84,7 +84,7 @@ def test_set_overrides_one_variable_and_refuses_what_is_not_one():
     for args, message in [(["qwen7b", "--set", "NOPE=1"], "--set NOPE: not a preset variable (ROUNDS EVAL_EVERY MODEL"),
                           (["qwen7b", "--set", "max_len=1"], "--set max_len: not a preset variable"),
                           (["qwen7b", "--set", "MAX_LEN"], "--set MAX_LEN: VAR=VALUE expected"),
-                          (["qwen9b"], "unknown preset qwen9b (tiny, qwen3b, qwen7b, toolace8b, qwen3-4b, qwen3-8b)"),
+                          (["qwen9b"], f"unknown preset qwen9b ({', '.join(PRESETS)})"),
                           (["tiny", "--mode", "seal-ish"], "unknown mode seal-ish (seal, vanilla, no-env"),
                           (["tiny", "--set", "KEEP=some"], "KEEP=some: use evaluated, latest or all"),
                           (["tiny", "--set", "PROMPTS=chat"], "PROMPTS=chat: use bfcl or template"),
@@ -127,16 +127,9 @@ def test_only_sharding_accelerate_configs_count_as_sharded():
 
 
 @pytest.mark.parametrize("name", GPU_PRESETS)
-def test_the_plan_is_the_plan_of_the_preset_and_its_sets(name):
-    """loop.sh --plan plans the preset's values, and a --set reaches the plan."""
-    p = PRESETS[name]
+def test_a_set_reaches_the_plan(name):
+    """loop.sh --plan plans a --set's value (the preset's own: tests/test_memplan.py)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run(["bash", "loop.sh", name, "--plan"], cwd=ROOT, capture_output=True, text=True, env=env)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith(f"memory plan: {name} {p.model} (")
-    assert (f"{p.nproc} GPUs x {p.gpu_mem_gib} GiB, rollouts MAX_LEN={p.max_len}" in res.stdout
-            and f"MICRO_TOKENS={p.micro_tokens}, log-prob chunk {presets.LOGPROB_CHUNK}" in res.stdout)
-    assert f"train stage (FSDP over {p.nproc} processes, gradient checkpointing" in res.stdout
     res = subprocess.run(["bash", "loop.sh", name, "--plan", "--rounds", "2", "--set", "NPROC=8", "--set", "LORA=--lora"],
                          cwd=ROOT, capture_output=True, text=True, env=env)
     assert "8 GPUs x" in res.stdout and "train stage (FSDP over 8 processes" in res.stdout
