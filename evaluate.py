@@ -6,8 +6,10 @@
     python evaluate.py --policy oracle --split heldin --out runs/oracle/eval
     python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...
 
-A policy folder (HF model or LoRA adapter) plays every task once, greedily, with
-plain prompts (no interface) and bfcl-eval's own turn protocol: an output that
+A policy folder (HF model or LoRA adapter) plays every task once with bfcl-eval's
+decoding (temperature 0.001 with the model's generation_config defaults, as its vLLM
+server samples; `--decoding greedy`: argmax), plain prompts (no interface) and
+bfcl-eval's own turn protocol: an output that
 does not decode into calls ends the turn, and a turn's 21st step with calls
 (of 20) force-quits the task. `--policy oracle` plays every task's ground-truth
 calls through the environment exactly as a model's output would go (parsed,
@@ -50,7 +52,7 @@ parser.add_argument("--split", default="heldin", choices=["heldin", "train", "al
 parser.add_argument("--tasks", default=None, help="task file (default: the split's)")
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
 parser.add_argument("--out", help="output folder")
-playargs.add_play_args(parser, max_model_len=None, max_new_tokens=playargs.BFCL_MAX_NEW_TOKENS)
+playargs.add_play_args(parser, evaluation=True)
 parser.add_argument("--decoding", default="bfcl", choices=["bfcl", "greedy"],
                     help="bfcl: temperature 0.001 with the model's generation_config defaults (bfcl-eval's "
                          "vLLM server); greedy: argmax")
@@ -145,7 +147,7 @@ def main(args):
         decoded = [dec for dec, _ in played]
         records = [{"task_id": t["id"], "turns": turns, "stop": "done"} for t, (_, turns) in zip(tasks, played, strict=True)]
     else:
-        with playargs.greedy_player(args, spec, os.path.join(args.out, "server.log")) as run:
+        with playargs.eval_player(args, spec, os.path.join(args.out, "server.log")) as run:
             records = run(tasks)
         # Each step's prompt text (~25k characters) goes only into bfcl-eval's result files.
         write_jsonl(os.path.join(args.out, "rollouts.jsonl"), [without_prompts(r) for r in records])

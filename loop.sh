@@ -95,9 +95,13 @@ $PY -m common.tracking --check "$REPORT_TO" || exit 2
 if [ "$MODEL" = offline-tiny ]; then
   MODEL=$($PY -c "from common.tiny import build_cached; print(build_cached())")
 fi
-$PY -c "import sys; from common.prompts import check_handler; check_handler(sys.argv[1])" "$BFCL_HANDLER" 2>/dev/null \
-  || { $PY -c "import sys; from common.prompts import HANDLERS; print(f'loop: BFCL_HANDLER={sys.argv[1]}: not a handler'
-       f' this project drives; choices: {\", \".join(HANDLERS)}', file=sys.stderr)" "$BFCL_HANDLER"; exit 2; }
+# The call format follows the handler's prompts (common/prompts.py HANDLERS): a CALL_FORMAT that contradicts
+# them would mis-decode every output. The stages get, and config.json records, the one used.
+CALL_FORMAT=$($PY -c "import sys; from common.prompts import HandlerError, call_format
+try: print(call_format(sys.argv[1], sys.argv[2]))
+except HandlerError as e: sys.exit(f'loop: BFCL_HANDLER={sys.argv[1]} CALL_FORMAT={sys.argv[2]}: {e}')" \
+  "$BFCL_HANDLER" "$CALL_FORMAT") || exit 2
+RECORD=("${RECORD[@]/#call_format=*/call_format=$CALL_FORMAT}")
 USER_ARGS=()  # the τ²-bench user simulator, checked before any round runs
 for b in $OOD; do
   case $b in
@@ -147,6 +151,7 @@ run() {
   if [ -e "$output" ] || [ -e "$output.deleted" ]; then echo "loop: round $round $stage: done ($output)"; return; fi
   local log="$RUN/logs/round_$(printf %03d "$round")_$stage.log"
   echo "loop: round $round $stage -> $output (log: $log)"
+  AT="round $round, $stage"
   local t0; t0=$(date +%s%N)
   if ! "$@" 2>&1 | tee "$log"; then
     echo "loop: stage '$stage' failed in round $round; see $log" >&2
@@ -155,6 +160,7 @@ run() {
   local ms=$((($(date +%s%N) - t0) / 1000000))
   echo "{\"round\": $round, \"stage\": \"$stage\", \"seconds\": $((ms / 1000)).$(printf %03d $((ms % 1000)))}" \
     >> "$RUN/timing.jsonl"
+  AT="round $round, after $stage"
 }
 
 track() {  # log what is new in the run's artifacts to the trackers; a failure is retried next round
@@ -182,7 +188,8 @@ SERVE_ARGS=(--max-model-len "$SERVE_LEN" --seed "$SEED" --tensor-parallel-size "
   ${LORA:+--lora-rank "$LORA_RANK"} ${GPU:+--sleep-mode})
 stop_server() { [ -z "$SERVER" ] && [ -f "$SERVER_STATE" ] && $PY -m common.serve stop --state "$SERVER_STATE"; true; }
 trap stop_server EXIT
-trap 'exit 130' INT
+AT="round 0, setup"  # where the loop is, for an interruption's message (run() updates it)
+trap 'echo "loop: interrupted in $AT; rerun the same command to resume" >&2; exit 130' INT
 trap 'exit 143' TERM
 
 playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve POLICY first
@@ -198,12 +205,12 @@ playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve PO
   fi
 }
 
-evaluate() {  # evaluate POLICY ROUND DIR: held-in, greedy, Ω removed
+evaluate() {  # evaluate POLICY ROUND DIR: held-in, bfcl-eval's decoding, Ω removed
   run eval "$2" "$3/scores.json" playing "$1" $PY evaluate.py --policy "$1" --split heldin \
     $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" ${BFCL_MODEL:+--bfcl-model "$BFCL_MODEL"} --out "$3"
 }
 
-ood() {  # ood POLICY TAG DIR: every bench of $OOD, greedy, Ω removed, into DIR/<bench>/
+ood() {  # ood POLICY TAG DIR: every bench of $OOD (its own decoding: docs/ood.md), Ω removed, into DIR/<bench>/
   local b bench
   for b in $OOD; do
     bench=(-m ood.memory --suite "$b")

@@ -1,9 +1,12 @@
 """Roll out a policy on BFCL multi-turn tasks through the training-time interface Ω.
 
-    python rollout.py --model DIR --tasks data/train.jsonl --n 8 --out rollouts.jsonl \
+    python rollout.py --model DIR --tasks data/train.jsonl --out rollouts.jsonl [--n 8] \
         [--interface interface.json] [--engine vllm|hf] [--limit K] [--temperature 1.0] \
-        [--seed S] [--max-steps-per-turn 20] [--max-model-len 16384] [--schedule async|lockstep] \
-        [--prompts bfcl|template] [--handler QwenFCHandler] [--server URL[,URL...]]
+        [--seed S] [--max-steps-per-turn 20] [--max-model-len 16384] [--max-new-tokens 1024] \
+        [--schedule async|lockstep] [--prompts bfcl|template] [--handler QwenFCHandler] [--server URL[,URL...]]
+
+The defaults of the settings a preset holds (--n, --temperature, lengths, handler, ...) are the
+presets' (common/presets.py): run by hand, the stage plays as the loop plays it.
 
 Each task is played `--n` times against the real bfcl-eval environment; every
 trajectory is one JSONL record (docs/design.md §3) holding the transcript, the parsed
@@ -32,27 +35,27 @@ import os
 import random
 import sys
 
-from common import bfcl, play, playargs
+from common import bfcl, play, playargs, presets
 from common import interface as omega_api
 from common.jsonl import RecordError, write_json, write_jsonl
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="policy folder (HF model or LoRA adapter)")
 parser.add_argument("--tasks", required=True, help="task file, e.g. data/train.jsonl")
-parser.add_argument("--n", type=int, default=8, help="samples per task (the GRPO group)")
+parser.add_argument("--n", type=int, default=presets.GROUP_SIZE, help="samples per task (the GRPO group)")
 parser.add_argument("--out", required=True, help="output JSONL")
 parser.add_argument("--interface", default=None, help="Ω (interface.json); absent: plain prompts")
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
 parser.add_argument("--task-ids", default=None, help="comma-separated task ids to play (after --limit)")
 parser.add_argument("--batch", type=int, default=None,
                     help="play only K tasks: round R takes the R-th slice of a fixed shuffle (cycling)")
-parser.add_argument("--temperature", type=float, default=1.0)
+parser.add_argument("--temperature", type=float, default=play.PlaySpec.temperature)
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--prompts", default="bfcl", choices=["bfcl", "template"],
+parser.add_argument("--prompts", default=play.PlaySpec.prompts, choices=["bfcl", "template"],
                     help="bfcl: the prompts bfcl-eval's --handler builds (evaluation's); template: the "
                          "model's chat template with tools= (verl's convention)")
 parser.add_argument("--round", type=int, default=0)
-playargs.add_play_args(parser, max_model_len=16384, max_new_tokens=512)
+playargs.add_play_args(parser)
 parser.add_argument("--summary", default=None, help="also write the summary as JSON here")
 
 

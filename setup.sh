@@ -104,16 +104,5 @@ sys.exit(not torch.cuda.is_available() or torch.cuda.device_count() == 0)"; then
   echo "$want" > "$stamp"
 fi
 
-# The viewer's browser tests (tests/test_view.py) open it in headless Chromium: Debian's package,
-# installed where apt-get runs as root on Debian (a fresh CI machine); elsewhere the tests say what
-# to install. A failed install is not retried by every later run (loop.sh runs this check each time).
-if ! command -v chromium >/dev/null 2>&1 && [ ! -e .venv/.no-chromium ] && [ "$(id -u)" = 0 ] \
-    && command -v apt-get >/dev/null 2>&1 && grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then
-  echo "setup: installing Debian's chromium (headless, for the viewer's browser tests)"
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
-    >/dev/null 2>&1 || { touch .venv/.no-chromium; echo "setup: apt-get install chromium failed; the viewer's" \
-    "browser tests need it" >&2; }
-fi
-
 # Task files are derived from the installed bfcl-eval; prepare.py skips them when current.
 .venv/bin/python data/prepare.py

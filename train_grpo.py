@@ -13,7 +13,6 @@ metrics line per step.
     accelerate launch --multi_gpu --num_processes 2 train_grpo.py ... --cpu      # 2-process DDP on CPU
     accelerate launch --config_file configs/accelerate/fsdp_cpu.yaml train_grpo.py ... --cpu  # FSDP2, 2 CPU processes
     accelerate launch --config_file configs/accelerate/fsdp_4gpu.yaml train_grpo.py ...   # 7B, 4 GPUs
-    accelerate launch --config_file configs/accelerate/zero3_4gpu.yaml train_grpo.py ...  # needs deepspeed
 
 Multi-node: the same command on every node with `--num_machines N --machine_rank R
 --main_process_ip HOST --main_process_port PORT --num_processes <total GPUs>` after
@@ -24,7 +23,6 @@ Bad input stops with `error: file:line: ...`, a non-zero exit and no output.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import os
@@ -51,7 +49,6 @@ from common.distributed import (
     save_training_state,
     sharded,
     shared_atomic_dir,
-    state_format,
     whole_state_dict,
 )
 from common.grpo import (
@@ -88,7 +85,7 @@ parser.add_argument("--clip-ratio-c", type=float, default=3.0,
 parser.add_argument("--mini-batch-tasks", type=int, default=presets.MINI_BATCH_TASKS, help="tasks (whole groups) per optimiser step, at least")
 parser.add_argument("--zero-variance", choices=("drop", "keep"), default="drop",
                     help="groups with equal rewards: left out (default), or kept in the loss as verl does")
-parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384, help="padded tokens per forward")
+parser.add_argument("--max-tokens-per-micro-batch", type=int, default=presets.MICRO_TOKENS, help="padded tokens per forward")
 parser.add_argument("--epochs", type=int, default=1)
 parser.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="max gradient norm; 0 disables")
 parser.add_argument("--lora", action="store_true")
@@ -142,7 +139,7 @@ def train(args):
         args.lr = presets.LORA_LR if policy.use_lora else presets.LR
     check_vocabulary(trajectories, rollouts, policy.vocab_size, args.rollouts)
     reference = choose_reference(args.kl_coef, args.ref_model, policy)
-    state_info = checkpoint.read_info(args.optimizer_state, state_format()) if args.optimizer_state else None
+    state_info = checkpoint.read_info(args.optimizer_state) if args.optimizer_state else None
 
     accelerator = make_accelerator(args.cpu, args.grad_clip, args.timeout)
     if warning and accelerator.is_main_process:
@@ -352,14 +349,10 @@ def reference_logprobs(reference, mini_batches, temperature, accelerator):
     scored with the policy (old_logprobs)."""
     if reference.source != "ref_model" or not mini_batches:
         return
-    ds = accelerator.state.deepspeed_plugin
-    # ZeRO-3 would partition the reference like the policy; it is used outside DeepSpeed, whole on every GPU
-    no_zero_init = ds.zero3_init_context_manager(enable=False) if ds else contextlib.nullcontext()
-    with no_zero_init:
-        on_gpu = accelerator.device.type != "cpu"
-        ref = AutoModelForCausalLM.from_pretrained(
-            reference.model, dtype=torch.bfloat16 if on_gpu else torch.float32
-        ).to(accelerator.device)
+    on_gpu = accelerator.device.type != "cpu"
+    ref = AutoModelForCausalLM.from_pretrained(
+        reference.model, dtype=torch.bfloat16 if on_gpu else torch.float32
+    ).to(accelerator.device)
     ref.eval()
     with accelerator.autocast():
         for mb in mini_batches:
@@ -581,8 +574,8 @@ def save(args, policy, training, metrics, accelerator):
 def weights_probe(args, model, dtype, accelerator):
     """The log-probabilities of common/serve.py's fixed probe sequence under the weights being
     saved: a vLLM server that says it serves this policy is checked against them (a stale or
-    half-loaded engine is refused before it plays). Every process runs the forward (FSDP and
-    ZeRO-3 gather the weights in it); an adapter is checked by its name instead."""
+    half-loaded engine is refused before it plays). Every process runs the forward (FSDP
+    gathers the weights in it); an adapter is checked by its name instead."""
     from common.models import load_tokenizer
 
     ids = serve.probe_ids(load_tokenizer(args.model))

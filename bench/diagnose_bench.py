@@ -3,7 +3,7 @@
     .venv/bin/python bench/diagnose_bench.py [--repeats 3] [--limit K] [--script]
 
 Builds the oracle trajectory of every task of data/train.jsonl and data/heldin.jsonl
-plus the systematic perturbed set (tests/trajectories.py: one argument changed,
+plus the systematic perturbed set (tests/helpers.py: one argument changed,
 one call dropped, one extra call, one turn emptied, garbage in one step, a call
 on an abstention turn, stopped before a turn; schema breaks that still run: a
 number written as a string, a value outside an enum, an unknown parameter, a
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common import bfcl, taxonomy  # noqa: E402
 from common.jsonl import write_jsonl  # noqa: E402
-from tests.trajectories import bfcl_eval_decoded, oracle, perturbations, rollout  # noqa: E402
+from tests.helpers import bfcl_eval_decoded, oracle, perturbations, rollout  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--repeats", type=int, default=3)

@@ -10,7 +10,7 @@ Counts with the tiny model's tokenizer (common.tiny.build_cached(), or --tokeniz
   JSON-schema form), plus the annotation of tools revealed later (miss_func);
 - capability cues: tokens of system_cue() with the 3 longest lines (an upper bound);
 - error feedback: mean tokens per hint over the leakage audit's error cases
-  (leakage.audit, without the synthetic env_template fills), times the number of
+  (tests/helpers.py audit, without the synthetic env_template fills), times the number of
   errors per trajectory: measured from --rollouts (the errors common.play.hint_errors
   gives hints for: calls that broke the schema, ran or not, or failed, plus parse
   errors), else assumed (--errors-per-trajectory).
@@ -30,12 +30,13 @@ from collections import Counter, defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere
 
-from common import bfcl, leakage  # noqa: E402
+from common import bfcl  # noqa: E402
 from common import calls as C  # noqa: E402
 from common import interface as I  # noqa: E402
 from common.chat import to_chat_tools  # noqa: E402
 from common.jsonl import read_jsonl  # noqa: E402
 from common.play import hint_errors  # noqa: E402
+from tests.helpers import audit  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--tasks", default=os.path.join(ROOT, "data", "train.jsonl"))
@@ -92,7 +93,7 @@ capability = ntok(I.system_cue({**omega, "capability_cues": [{"label": z, "text"
 # Error feedback: hints of the audit's error cases.
 per_class = defaultdict(list)
 for task in tasks:
-    for case in leakage.audit(task, omega):
+    for case in audit(task, omega):
         if case["cue"] and case["case"] not in ("schema_cue", "capability_cue", "env_template"):
             per_class[I.error_class(case["error"])[0]].append(ntok(case["cue"]))
 hint_tokens = [n for ns in per_class.values() for n in ns]

@@ -59,7 +59,7 @@ def save(folder, model, optimizer, global_step, master, world_size=1, distribute
 def read_info(folder, fmt=FORMAT):
     """trainer_state.json of a state folder written in format `fmt`; RecordError naming the
     folder if it is none, was written in another format, or lacks its DCP metadata (a partial
-    copy). (train_grpo.py writes DeepSpeed's own checkpoint under ZeRO-3, format "deepspeed".)"""
+    copy)."""
     path = os.path.join(folder, INFO)
     if not os.path.isfile(path):
         raise RecordError(f"{folder}: not an optimiser state folder (no {INFO})")

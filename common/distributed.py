@@ -1,12 +1,10 @@
-"""The training processes and what they share: Accelerate, FSDP2, DeepSpeed ZeRO-3, one or N
-processes alike, with gradients accumulated and reduced in float32 on every path.
+"""The training processes and what they share: Accelerate, FSDP2, one or N processes alike, with gradients accumulated and reduced in float32 on every path.
 
     accelerator = make_accelerator(cpu=False, grad_clip=1.0, timeout=60, mixed_precision=None)
     gradient_dtypes(accelerator, model, params)   # after prepare: {"grad", "reduce"}, both float32
-    sharded(accelerator)                          # FSDP2 or ZeRO-3: weights split over the processes
+    sharded(accelerator)                          # FSDP2: weights split over the processes
     reshard(model)                                # after a forward with no backward (FSDP2)
     whole_state_dict(model, accelerator)          # the weights, whole, on the main process
-    state_format()                                # the optimiser state this launch reads and writes
     save_training_state(folder, model, optimizer, global_step, master, accelerator)
     load_training_state(folder, info, model, optimizer, accelerator)
     with shared_atomic_dir(out, accelerator) as tmp: ...   # one temporary folder, renamed once
@@ -28,7 +26,6 @@ from datetime import timedelta
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import (
-    DeepSpeedPlugin,
     DistributedType,
     FullyShardedDataParallelPlugin,
     InitProcessGroupKwargs,
@@ -38,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from common import checkpoint
-from common.jsonl import RecordError, atomic_dir, write_json
+from common.jsonl import atomic_dir
 
 GRAD_CLIP = 1.0  # max gradient norm (train_grpo.py --grad-clip)
 # Minutes a process waits for the others at a collective (train_grpo.py --timeout): torch's
@@ -79,11 +76,11 @@ def finish(accelerator):
 
 
 def distributed_plugins(mixed_precision, grad_clip):
-    """The FSDP or DeepSpeed plugin `accelerate launch` asked for (through its environment), as
-    Accelerate would build it, except that gradients are accumulated and reduced in float32.
+    """The FSDP plugin `accelerate launch` asked for (through its environment), as Accelerate
+    would build it, except that gradients are accumulated and reduced in float32.
 
     Accelerate's bf16 policy reduces in bf16: FSDP2 would reduce-scatter each micro-batch's
-    gradients in bf16, ZeRO-3 likewise; at lr 1e-6 and 7B that rounding is the size
+    gradients in bf16; at lr 1e-6 and 7B that rounding is the size
     of the update (verl reduces in float32). Set here, not in the config files, so that no
     config can drop it. DDP needs nothing: its buckets take the float32 weights' dtype
     (checked in gradient_dtypes).
@@ -103,38 +100,14 @@ def distributed_plugins(mixed_precision, grad_clip):
                 fsdp.mixed_precision_policy, reduce_dtype=torch.float32, output_dtype=None
             )
         plugins["fsdp_plugin"] = fsdp
-    if deepspeed():
-        ds = DeepSpeedPlugin()
-        ds.set_mixed_precision(mixed_precision)
-        ds.gradient_clipping = grad_clip
-        ds.deepspeed_config.update({
-            # there is no DataLoader to infer it from; DeepSpeed only uses it for its logging
-            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": grad_clip,
-            "communication_data_type": "fp32",
-        })  # fmt: skip
-        # ZeRO's default accumulates in the model's dtype (bf16)
-        ds.deepspeed_config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
-        plugins["deepspeed_plugin"] = ds
     return plugins
-
-
-def deepspeed():
-    """`accelerate launch` asked for DeepSpeed (known before the Accelerator is built)."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 def gradient_dtypes(accelerator, model, params):
     """{"grad": dtype gradients are accumulated in, "reduce": dtype they are reduced in}; raises
     if either is not float32 (what bench/gpu_check.sh prints from the log)."""
     kind = accelerator.distributed_type
-    if kind == DistributedType.DEEPSPEED:
-        cfg = accelerator.state.deepspeed_plugin.deepspeed_config
-        found = {
-            "grad": cfg.get("data_types", {}).get("grad_accum_dtype"),
-            "reduce": cfg.get("communication_data_type"),
-        }
-        found = {k: {"fp32": torch.float32}.get(v, v) for k, v in found.items()}
-    elif kind == DistributedType.FSDP:
+    if kind == DistributedType.FSDP:
         policy = accelerator.state.fsdp_plugin.mixed_precision_policy
         reduce = policy.reduce_dtype or policy.param_dtype if policy else None
         found = {"grad": reduce or params[0].dtype, "reduce": reduce or params[0].dtype}
@@ -150,8 +123,8 @@ def gradient_dtypes(accelerator, model, params):
 
 
 def sharded(accelerator):
-    """The weights, gradients and optimiser state are split over the processes (FSDP2, ZeRO-3)."""
-    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    """The weights, gradients and optimiser state are split over the processes (FSDP2)."""
+    return accelerator.distributed_type == DistributedType.FSDP
 
 
 def reshard(model):
@@ -173,26 +146,11 @@ def whole_state_dict(model, accelerator):
     by Accelerate's distributed_type, which on CPU processes says MULTI_CPU, and would hand
     the main process sharded DTensors whose every use in save_pretrained is a collective the
     other processes never enter.)"""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return accelerator.get_state_dict(model)  # ZeRO-3's 16-bit gather
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def state_format():
-    """The format of the optimiser state this launch writes and reads: DCP's (common/checkpoint.py),
-    or under ZeRO-3 DeepSpeed's own."""
-    return "deepspeed" if deepspeed() else checkpoint.FORMAT
 
 
 def save_training_state(folder, model, optimizer, global_step, master, accelerator):
     """AdamW's state and (`master`) the float32 weights into `folder`, each process its shard."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        # DCP does not know ZeRO-3's partitions; DeepSpeed's own checkpoint holds the float32
-        # master weights and moments, each rank its partition
-        accelerator.save_state(folder)
-        if accelerator.is_main_process:
-            write_json(os.path.join(folder, checkpoint.INFO), {"format": "deepspeed", "global_step": global_step})
-        return
     checkpoint.save(
         folder, model, optimizer, global_step, master, world_size=accelerator.num_processes,
         distributed_type=accelerator.distributed_type.value, main=accelerator.is_main_process,
@@ -201,13 +159,7 @@ def save_training_state(folder, model, optimizer, global_step, master, accelerat
 
 def load_training_state(folder, info, model, optimizer, accelerator):
     """What save_training_state wrote (`info`: its checkpoint.read_info), into the prepared pair."""
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        checkpoint.load(folder, info, model, optimizer)
-        return
-    try:  # DeepSpeed's checkpoint: partitioned float32 master weights and moments
-        accelerator.load_state(folder)
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise RecordError(f"{folder}: does not match this model's trainable parameters ({e})") from None
+    checkpoint.load(folder, info, model, optimizer)
 
 
 @contextlib.contextmanager

@@ -380,7 +380,7 @@ def plan_micro_batches(lengths, num_processes, max_tokens, group_by_length=True)
     Returns, per process, a list of micro-batches (lists of indices into `lengths`). A
     micro-batch holds as many sequences as fit in `max_tokens` once padded to its longest
     (a longer sequence goes alone). Every process gets the same number of micro-batches,
-    padded with empty ones: FSDP and ZeRO-3 gather parameters in every forward, so all
+    padded with empty ones: FSDP gathers parameters in every forward, so all
     processes must run the same number of them. With `group_by_length`, sequences are
     sorted by length so that each micro-batch pads little.
     """
@@ -516,7 +516,7 @@ def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, ma
 
 def _dummy_forward(model, device):
     # a process with nothing to do in this micro-batch slot still runs the model, so that the
-    # collectives of FSDP/ZeRO-3 (in forward) and of DDP (in backward) line up on every process
+    # collectives of FSDP (in forward) and of DDP (in backward) line up on every process
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.sum() * 0.0
 
@@ -543,7 +543,7 @@ def accumulate_gradients(
     """Forward and backward over this process's micro-batches of one mini-batch; returns summed stats.
 
     `norm` is the model-token count of the whole mini-batch over all processes. The loss is
-    multiplied by the process count because DDP/FSDP/ZeRO average gradients over processes:
+    multiplied by the process count because DDP/FSDP average gradients over processes:
     the synced gradient is then Σ_all tokens ∇loss / norm, the same as on one process.
 
     DDP syncs once, in the last micro-batch's backward (no_sync before: each process adds up
@@ -556,7 +556,7 @@ def accumulate_gradients(
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     for k, mb in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
-        # DeepSpeed reads this flag in backward to mark the accumulation boundary
+        # the accumulation boundary: Accelerate's optimiser wrapper steps only when it is set
         accelerator.sync_gradients = last
         with contextlib.nullcontext() if last or fsdp else accelerator.no_sync(model):
             if not mb:

@@ -231,7 +231,7 @@ class Plan:
 
 def train_plan(arch, nproc, sharded, tokens, checkpointing, gpu_mem, on_gpu=True, lora=False,
                chunk=LOGPROB_CHUNK, server_asleep=True):
-    """Per-GPU memory of one train_grpo.py update step. sharded: FSDP2 / ZeRO-3 over `nproc`
+    """Per-GPU memory of one train_grpo.py update step. sharded: FSDP2 over `nproc`
     processes (else each holds everything, DDP); tokens: of the largest micro-batch;
     server_asleep: a vLLM server sleeps on the same GPUs (loop.sh's GPU presets), on GPUs only."""
     a = 2 if on_gpu else 4

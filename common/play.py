@@ -36,20 +36,21 @@ import time
 
 from tqdm import tqdm
 
-from common import bfcl
+from common import bfcl, presets
 from common import interface as omega_api
 from common.chat import Renderer, after_stop, kept_output, tool_messages
 from common.engines import sampling_params
-from common.presets import MAX_STEPS_PER_TURN
-from common.prompts import Conversation, PromptIds, announced, first_prompt
+from common.prompts import Conversation, PromptIds, announced, call_format, first_prompt
 
 
 @dataclasses.dataclass(frozen=True)
 class PlaySpec:
-    """How every trajectory of a play is played, built once per stage from its flags (common/playargs.py).
+    """How every trajectory of a play is played, built once per stage from its flags (common/playargs.py),
+    whose defaults are these: the presets' (common/presets.py).
 
     omega                Ω (interface.json), or None: plain prompts, bfcl-eval's decode-failure rule
-    fmt                  how calls are decoded: json (<tool_call> blocks) or python ([f(a=1)] lists)
+    fmt                  how calls are decoded: json (<tool_call> blocks) or python ([f(a=1)] lists);
+                         empty: as `handler`'s prompts ask, and refused where it contradicts them
     temperature          what the engine samples with: a temperature, or a dict of SAMPLING_KEYS
     max_steps_per_turn   a turn's step with calls past this many force-quits the task
     max_model_len        the context in tokens; max_new_tokens: the cap per model call
@@ -63,17 +64,18 @@ class PlaySpec:
     """
 
     omega: dict | None = None
-    fmt: str = "json"
-    temperature: float | dict = 1.0
-    max_steps_per_turn: int = MAX_STEPS_PER_TURN
-    max_model_len: int | None = 16384
-    max_new_tokens: int = 512
+    fmt: str = ""
+    temperature: float | dict = presets.TEMPERATURE
+    max_steps_per_turn: int = presets.MAX_STEPS_PER_TURN
+    max_model_len: int | None = presets.MAX_MODEL_LEN
+    max_new_tokens: int = presets.MAX_NEW_TOKENS
     schedule: str = "lockstep"
-    prompts: str = "bfcl"
-    handler: str = "QwenFCHandler"
+    prompts: str = presets.PROMPTS
+    handler: str = presets.HANDLER
     rerender: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "fmt", call_format(self.handler, self.fmt))  # frozen: set once, here
         if self.schedule not in ("lockstep", "async"):
             raise ValueError(f"unknown schedule {self.schedule!r} (lockstep or async)")
         if self.prompts not in ("bfcl", "template"):

@@ -1,10 +1,13 @@
 """The flags of every stage that plays (rollout.py, evaluate.py, ood/), and what they build.
 
-    add_play_args(parser, max_model_len=16384, max_new_tokens=512)  # engine, prompt, length flags
-    spec = play_spec(args, parser, omega=omega, temperature=1.0)    # rollout.py: common.play.PlaySpec
-    spec = eval_spec(args, parser, decoding=args.decoding)          # evaluation: bfcl-eval's local inference
+    add_play_args(parser)                                         # rollouts: the presets' defaults
+    add_play_args(parser, evaluation=True)                        # evaluation: bfcl-eval's local inference
+    spec = play_spec(args, parser, omega=omega, temperature=1.0)  # rollout.py: common.play.PlaySpec
+    spec = eval_spec(args, parser, decoding=args.decoding)        # evaluation's
     with open_engine(args, model, max_model_len=spec.max_model_len, seed=0, log=path) as engine: ...
-    with greedy_player(args, spec, log) as run: records = run(tasks)
+    with eval_player(args, spec, log) as run: records = run(tasks)
+
+Every default is PlaySpec's, which are the presets' (common/presets.py), except evaluation's lengths.
 
 A flag that does not hold exits through `parser.error`, before anything plays.
 """
@@ -15,32 +18,33 @@ import os
 from common import prompts, serve
 from common.jsonl import RecordError
 from common.play import PlaySpec, play
-from common.presets import MAX_STEPS_PER_TURN
+from common.presets import ENGINE
 
 BFCL_MAX_NEW_TOKENS = 4096  # bfcl-eval's OSSHandler._query_prompting cap
 
 
-def add_play_args(parser, *, max_model_len, max_new_tokens):
+def add_play_args(parser, *, evaluation=False):
     """The engine and play flags every stage that plays shares, declared once so that their
-    meaning cannot drift apart. The length defaults are the caller's: evaluation plays as
-    bfcl-eval's local inference (the model's context, None here; 4096 new tokens), training
-    within the preset's budget."""
-    parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"],
+    meaning cannot drift apart. Their defaults are PlaySpec's, except where `evaluation` plays as
+    bfcl-eval's local inference: the model's context (None here) and 4096 new tokens a call."""
+    max_model_len = None if evaluation else PlaySpec.max_model_len
+    parser.add_argument("--engine", default=ENGINE, choices=["vllm", "hf"],
                         help="vllm (vLLM servers, common/serve.py), or hf (transformers generate in this process, "
                              "lock-step only)")
-    parser.add_argument("--handler", default="QwenFCHandler",
+    parser.add_argument("--handler", default=PlaySpec.handler,
                         help="the bfcl-eval handler whose prompts the model is shown and whose call format is "
                              "the default (common/prompts.py HANDLERS)")
-    parser.add_argument("--call-format", default=None, choices=["json", "python"],
+    parser.add_argument("--call-format", default=PlaySpec.fmt, choices=["json", "python"],
                         help="how calls are decoded: json, Qwen <tool_call> blocks; python, [f(a=1)] lists "
-                             "(ToolACE); default: the handler's")
-    parser.add_argument("--max-steps-per-turn", type=int, default=MAX_STEPS_PER_TURN,
-                        help=f"a turn's step with calls past this many force-quits the task (bfcl-eval: "
-                             f"{MAX_STEPS_PER_TURN})")
+                             "(ToolACE); default: the handler's, and one that contradicts it is refused")
+    parser.add_argument("--max-steps-per-turn", type=int, default=PlaySpec.max_steps_per_turn,
+                        help="a turn's step with calls past this many force-quits the task (default, "
+                             "bfcl-eval's: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=max_model_len,
                         help="context in tokens (default: %(default)s)" if max_model_len is not None else
                         "context (default: the model's max_position_embeddings, as bfcl-eval's local inference)")
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+    parser.add_argument("--max-new-tokens", type=int,
+                        default=BFCL_MAX_NEW_TOKENS if evaluation else PlaySpec.max_new_tokens,
                         help="cap on new tokens per model call (default: %(default)s; bfcl-eval: "
                              "min(4096, context - prompt - 2))")
     serve.add_server_args(parser)
@@ -61,9 +65,9 @@ def play_spec(args, parser, **fixed):
 
 def call_format(args, parser):
     try:
-        return args.call_format or prompts.call_format(args.handler)
+        return prompts.call_format(args.handler, args.call_format)
     except prompts.HandlerError as e:
-        parser.error(f"--handler: {e}")
+        parser.error(f"--handler {args.handler} --call-format {args.call_format or '(unset)'}: {e}")
 
 
 def eval_spec(args, parser, decoding="greedy"):
@@ -115,8 +119,9 @@ def open_engine(args, model, *, max_model_len, seed, log, gpu_memory_utilization
 
 
 @contextlib.contextmanager
-def greedy_player(args, spec, log):
+def eval_player(args, spec, log):
     """An evaluation's model policy (evaluate.py, ood/memory.py): yields run(tasks), which plays
-    each task once with `spec` (eval_spec's) on the stage's engine and returns the records."""
+    each task once with `spec` (eval_spec's: its decoding, bfcl-eval's or greedy) on the stage's
+    engine and returns the records."""
     with open_engine(args, args.policy, max_model_len=spec.max_model_len, seed=0, log=log) as engine:
         yield lambda tasks: play(tasks, 1, engine, spec, policy=os.path.abspath(args.policy))[0]

@@ -57,7 +57,9 @@ class Preset:
     nproc: str = "1"  # training processes (accelerate launch)
     accel_config: str = ""  # their Accelerate config (configs/accelerate/)
     lora: str = ""  # --lora: train a LoRA adapter of rank LORA_RANK instead of every weight
-    call_format: str = "json"  # how the model writes calls (common/calls.py)
+    # how the model writes calls (common/calls.py); empty: as the handler's prompts ask (common/prompts.py
+    # HANDLERS), and a value that contradicts them is refused
+    call_format: str = ""
     tasks_per_round: str = "32"
     n: str = "8"  # samples per task: the GRPO group
     mini_batch: str = "8"  # tasks per optimiser step, at least
@@ -110,15 +112,15 @@ class Preset:
 
     @property
     def sharded(self):
-        """Whether training shards the weights over its processes, as ACCEL_CONFIG asks: FSDP, or
-        DeepSpeed's ZeRO-3 (the file's distributed_type and zero_stage)."""
+        """Whether training shards the weights over its processes, as ACCEL_CONFIG asks: FSDP (the
+        file's distributed_type)."""
         path = os.path.join(ROOT, self.accel_config)
         if not self.accel_config or not os.path.isfile(path):
             return False
         with open(path) as f:
             lines = [line.split("#", 1)[0].split(":", 1) for line in f]
         keys = {kv[0].strip(): kv[1].strip().strip("'\"") for kv in lines if len(kv) == 2}
-        return keys.get("distributed_type") == "FSDP" or keys.get("zero_stage") == "3"
+        return keys.get("distributed_type") == "FSDP"
 
 
 # The values a setting takes, where it takes few.
@@ -151,9 +153,9 @@ PRESETS = {
                      micro_tokens="16384", **FOUR_GPUS),
     "qwen7b": Preset(model="Qwen/Qwen2.5-7B-Instruct", revision="a09a35458c702b33eeacc393d103063234e8bc28",
                      micro_tokens="8192", **FOUR_GPUS),
-    # ToolACE writes calls as a Python list [f(a=1)]. No commit of this repository is pinned: a run
+    # ToolACE writes calls as a Python list [f(a=1)], as LlamaHandler's prompts ask. No commit of this repository is pinned: a run
     # names one with --set REVISION=<commit>.
-    "toolace8b": Preset(model="Team-ACE/ToolACE-2-Llama-3.1-8B", bfcl_handler="LlamaHandler", call_format="python",
+    "toolace8b": Preset(model="Team-ACE/ToolACE-2-Llama-3.1-8B", bfcl_handler="LlamaHandler",
                         micro_tokens="8192", **FOUR_GPUS),
     # Beside the paper's: the models bfcl-eval 2026.3.23 registers for local inference as
     # Qwen/Qwen3-4B-Instruct-2507-FC and Qwen/Qwen3-8B-FC, both with QwenFCHandler
@@ -195,14 +197,22 @@ MODES = {
 LR_FULL = "1e-6"
 LR_LORA = "1e-5"
 
-# The defaults a stage run by hand takes: the presets' own.
+# The defaults a stage run by hand takes: the presets' own (tests/test_presets.py reads them back from
+# each stage's parser).
 LR = float(LR_FULL)  # train_grpo.py --lr
 LORA_LR = float(LR_LORA)  # train_grpo.py --lr with --lora
 KL_COEF = float(Preset.kl)  # train_grpo.py --kl-coef
 MINI_BATCH_TASKS = int(Preset.mini_batch)  # train_grpo.py --mini-batch-tasks
+MICRO_TOKENS = int(Preset.micro_tokens)  # train_grpo.py --max-tokens-per-micro-batch
 GROUP_SIZE = int(Preset.n)  # rollout.py --n
 TEMPERATURE = float(Preset.temp)  # rollout.py --temperature
-MAX_STEPS_PER_TURN = int(Preset.max_steps)  # --max-steps-per-turn of rollouts and evaluation: bfcl-eval's limit
+PROMPTS = Preset.prompts  # rollout.py --prompts
+MAX_MODEL_LEN = int(Preset.max_len)  # rollout.py --max-model-len
+MAX_NEW_TOKENS = int(Preset.max_new)  # rollout.py --max-new-tokens
+# of rollouts and evaluation (common/playargs.py): bfcl-eval's step limit, handler and engine
+MAX_STEPS_PER_TURN = int(Preset.max_steps)  # --max-steps-per-turn
+HANDLER = Preset.bfcl_handler  # --handler
+ENGINE = Preset.engine  # --engine
 LORA_RANK = 16  # train_grpo.py --lora-r, and the rank the vLLM server is started for
 # Positions projected onto the vocabulary at once (common/grpo.py sequence_logprobs; the memory plan
 # counts one chunk). The log-prob pass peaks at about LOGPROB_CHUNK x vocabulary x 14 bytes in

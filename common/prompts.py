@@ -37,6 +37,7 @@ import importlib
 import types
 
 from common import bfcl  # sets BFCL_PROJECT_ROOT before anything of bfcl-eval is imported
+from common.presets import HANDLER
 
 # The bfcl-eval handlers this project drives: (module, registry entry, call format). The
 # registry entry is the bfcl-eval model whose result files (common/bfcl_results.py) these
@@ -64,8 +65,14 @@ def registry_name(name):
     return HANDLERS[check_handler(name)][1]
 
 
-def call_format(name):
-    return HANDLERS[check_handler(name)][2]
+def call_format(name, fmt=""):
+    """How handler `name`'s prompts ask the model to write calls. A format `fmt` given besides must be
+    that one: any other would mis-decode every output, with no error."""
+    own = HANDLERS[check_handler(name)][2]
+    if fmt and fmt != own:
+        raise HandlerError(f"call format {fmt} contradicts {name}, whose prompts ask for {own} calls "
+                           f"(leave the call format unset: it follows the handler)")
+    return own
 
 
 @functools.cache
@@ -102,7 +109,7 @@ def announced(task, turn):
     return task["missed_function"].get(str(turn))
 
 
-def first_prompt(task, tools=None, system=None, handler_name="QwenFCHandler"):
+def first_prompt(task, tools=None, system=None, handler_name=HANDLER):
     """The prompt text of a task's first model call (the task's own tools unless `tools`)."""
     conv = Conversation(handler_name, task, task["tools"] if tools is None else tools, system)
     conv.add_user(0, conv.turn_messages(0, announced(task, 0)))

@@ -143,7 +143,7 @@ def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_m
         # One torch thread in the engine, as vLLM means to set for serving: its CPU worker disables
         # torch.set_num_threads before that call, so the engine otherwise keeps one thread a core,
         # spinning after every op (measured on 2 cores: twice the engine's CPU time, a fifth slower,
-        # a core taken from the API server: docs/benchmarks.md §3a). A user's OMP_NUM_THREADS wins.
+        # a core taken from the API server: docs/hardware.md §3). A user's OMP_NUM_THREADS wins.
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     return argv + list(extra), env
 

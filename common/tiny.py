@@ -2,7 +2,7 @@
 
     python -m common.tiny                    # build once into .cache/ (or reuse), print the folder
     python -m common.tiny --out DIR [--steps N] [--seed K]
-    python -m common.tiny --measure          # then measure it (minutes; the tests do not need it)
+    python bench/tiny_measure.py             # measure the build (minutes; the tests do not need it)
 
 Builds a normal Hugging Face model folder in three steps (under a minute of 2 idle cores):
 
@@ -60,14 +60,9 @@ The thinking build (`build_cached(**THINKING)`, tests/test_thinking.py) is the s
 not the calls. Its warm start renders the conversations token-in/token-out with the reasoning kept
 (each example reads only the 256 tokens before its message).
 
-The chat template is kept for `--prompts template`. Measurements are opt-in (`--measure`,
-`measure`): the first-step parse rate (greedy first output of `eval_tasks` training tasks
-with their full turn-0 prompt, parsed as at least one tool call) and, per view of the tool
-list and temperature, the sampled reward on the preset's tasks as its round 0 plays them:
-per task the samples the official checker solved, and the share of mixed groups.
-
-`build_cached()` builds once into `<repo>/.cache/tiny-<hash>/` (hash of this file,
-the arguments and the task files) and reuses it.
+The chat template is kept for `--prompts template`. What a build samples is measured apart, by
+bench/tiny_measure.py, so that this file is the build alone: `build_cached()` builds once into
+`<repo>/.cache/tiny-<hash>/` (hash of this file, the arguments and the task files) and reuses it.
 """
 
 import argparse
@@ -170,15 +165,6 @@ DEFAULTS = {
 # The thinking build (`build_cached(**THINKING)`): a Qwen3ForCausalLM that writes <think>…</think>
 # before every message, as Qwen3-8B does; fewer steps, as its tests need the format, not the calls.
 THINKING = {"thinking": True, "steps": 60}
-# Measurement settings (`measure`, opt-in: not part of the build or its cache key).
-MEASURE = {
-    "seed": 0,
-    "eval_tasks": 32,
-    "eval_max_new_tokens": 128,
-    "check_samples": 8,
-    "check_max_new_tokens": int(TINY.max_new),  # as the preset's rollouts play
-    "check_max_steps": int(TINY.max_steps),
-}
 MAX_TARGET = 384  # tokens of one assistant message trained on (a few ground-truth turns are longer)
 
 
@@ -551,71 +537,8 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
             "loss_first": losses[0], "loss_last": losses[-1], "timings": timings}
     write_json(os.path.join(folder, "build_info.json"), info)
     _log(f"built in {timings['total_s']:.0f} s ({timings['train_s']:.0f} s training); "
-         f"measure it with: python -m common.tiny --measure")
+         f"measure it with: python bench/tiny_measure.py")
     return info
-
-
-# ----------------------------------------------------------------------------- measurements (opt-in)
-
-
-def measure(model_dir, *, temperatures=(1.0, 0.7), samples=None, eval_tasks=None, tasks_path=DEFAULT_TASKS,
-            preset_path=PRESET_TASKS, progress=True):
-    """What the tests do not measure, on demand: the first-step parse rate on `eval_tasks`
-    training tasks (greedy) and the sampled reward on the preset's tasks, per view of the tool
-    list and temperature: per task the samples the official checker solved, and the share of
-    mixed groups (some but not all solved), GRPO's signal."""
-    from common import bfcl
-    from common import interface as omega_api
-
-    m = {**MEASURE, **({"check_samples": samples} if samples else {}),
-         **({"eval_tasks": eval_tasks} if eval_tasks is not None else {})}
-    out = {"model": model_dir, "settings": m}
-    t0 = time.time()
-    if m["eval_tasks"]:
-        tasks = list(bfcl.load_tasks(tasks_path).values())
-        _log(f"measuring the first-step parse rate: greedy first output on {m['eval_tasks']} tasks")
-        rate, _ = first_step_parse_rate(model_dir, pick_eval_tasks(tasks, m["eval_tasks"]), m["eval_max_new_tokens"])
-        out["first_step_parse_rate"] = round(rate, 4)
-    preset = list(bfcl.load_tasks(preset_path).values())
-    out["sampled_reward"] = {}
-    for view, omega in (("plain", None), ("schema_cue", omega_api.initial())):
-        for temp in temperatures:
-            _log(f"measuring the sampled reward ({view} view, temperature {temp}): {m['check_samples']} "
-                 f"samples of each of {len(preset)} tasks")
-            out["sampled_reward"][f"{view} T={temp}"] = preset_reward(
-                model_dir, preset, {**m, "check_temperature": temp}, omega=omega, progress=progress)
-    out["seconds"] = round(time.time() - t0, 1)
-    return out
-
-
-def preset_reward(model_dir, tasks, args, engine=None, omega=None, progress=False):
-    """Sampled reward on `tasks` as the preset's rollouts play them (under the interface `omega`):
-    `check_samples` per task at `check_temperature`, scored by the official checker.
-    {"mean", "per_task": {id: mean}, "solved": {id: samples solved}, "mixed": share of tasks
-    whose samples are neither all solved nor all failed}."""
-    from common import play, taxonomy
-    from common.engines import make_engine
-
-    own = engine is None
-    if own:
-        engine = make_engine("hf", model_dir, max_model_len=DEFAULTS["max_positions"], seed=args["seed"])
-    try:
-        spec = play.PlaySpec(omega=omega, temperature=args["check_temperature"],
-                             max_steps_per_turn=args["check_max_steps"], max_model_len=DEFAULTS["max_positions"],
-                             max_new_tokens=args["check_max_new_tokens"])
-        records, _ = play.play(tasks, args["check_samples"], engine, spec, progress=progress)
-    finally:
-        if own:
-            engine.close()
-    by_id = {t["id"]: t for t in tasks}
-    per_task = {}
-    for r in records:
-        per_task.setdefault(r["task_id"], []).append(taxonomy.diagnose(by_id[r["task_id"]], r)["reward"])
-    rewards = [x for v in per_task.values() for x in v]
-    return {"mean": round(sum(rewards) / len(rewards), 4),
-            "per_task": {k: round(sum(v) / len(v), 3) for k, v in per_task.items()},
-            "solved": {k: sum(v) for k, v in per_task.items()},
-            "mixed": round(sum(0 < sum(v) < len(v) for v in per_task.values()) / len(per_task), 4)}
 
 
 def warm_start(model, examples, args, weights, on_step=None):
@@ -662,32 +585,6 @@ def warm_start(model, examples, args, weights, on_step=None):
     return losses
 
 
-def first_step_parse_rate(model_dir, tasks, max_new_tokens, engine=None):
-    """Fraction of tasks whose greedy first output (full turn-0 prompt) parses as >= 1 tool call."""
-    from common import calls as C
-    from common.engines import make_engine
-    from common.prompts import first_prompt
-
-    own = engine is None
-    if own:
-        engine = make_engine("hf", model_dir, max_model_len=DEFAULTS["max_positions"], seed=0)
-    try:
-        tok = engine.tokenizer
-        prompts = [tok(first_prompt(t))["input_ids"] for t in tasks]
-        gens = engine.generate(prompts, [max_new_tokens] * len(prompts), 0.0)
-    finally:
-        if own:
-            engine.close()
-    ok, samples = 0, []
-    for task, g in zip(tasks, gens, strict=True):
-        text = tok.decode(g.ids, skip_special_tokens=True)
-        calls, err = C.parse(text, "json")
-        good = bool(calls) and err is None
-        ok += good
-        samples.append({"task_id": task["id"], "text": text[:200], "parsed": good, "error": err})
-    return ok / max(1, len(tasks)), samples
-
-
 # ----------------------------------------------------------------------------- cache
 
 
@@ -725,29 +622,18 @@ def build_cached(cache_root=None, *, tasks_path=DEFAULT_TASKS, preset_path=PRESE
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Build the tiny offline tool-calling model (HF model folder); "
-                                "--measure: measure it.")
+    p = argparse.ArgumentParser(description="Build the tiny offline tool-calling model (HF model folder) "
+                                "and print its folder (bench/tiny_measure.py measures it).")
     p.add_argument("--out", help="build into this folder (replaced atomically); default: the cached build "
                    "(.cache/tiny-<hash>, built if missing)")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="warm-start optimiser steps")
     p.add_argument("--seed", type=int, default=int(os.environ.get("SEAL_TINY_SEED", DEFAULTS["seed"])))
-    p.add_argument("--measure", action="store_true",
-                   help="then measure it: first-step parse rate, sampled reward and mixed groups per view and temperature")
-    p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7], help="with --measure")
-    p.add_argument("--samples", type=int, default=MEASURE["check_samples"], help="with --measure: samples per task")
-    p.add_argument("--eval-tasks", type=int, default=MEASURE["eval_tasks"],
-                   help="with --measure: training tasks for the first-step parse rate (0: skip)")
     a = p.parse_args(argv)
     if a.out:
         build(a.out, steps=a.steps, seed=a.seed)
-        folder = a.out
+        print(a.out)
     else:
-        folder = build_cached(steps=a.steps, seed=a.seed)
-    if a.measure:
-        print(json.dumps(measure(folder, temperatures=a.temperatures, samples=a.samples, eval_tasks=a.eval_tasks),
-                         indent=1))
-    else:
-        print(folder)
+        print(build_cached(steps=a.steps, seed=a.seed))
 
 
 if __name__ == "__main__":

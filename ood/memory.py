@@ -4,7 +4,7 @@
         [--memory-backend kv vector rec_sum] [--memory-scenario customer|finance|healthcare|notetaker|student]
     SERPAPI_API_KEY=... python -m ood.memory --suite bfcl-web --policy DIR --out DIR [--limit K]
 
-The policy plays as held-in evaluation plays (evaluate.py: greedy, Ω removed, the engine and
+The policy plays as held-in evaluation plays (evaluate.py: bfcl-eval's decoding, Ω removed, the engine and
 length flags of common/playargs.py); `--limit K` takes the first K questions per backend and
 the prerequisite conversations they need. Writes DIR/results.jsonl, DIR/prereqs.jsonl,
 DIR/memory_snapshot/ and DIR/scores.json (written last).
@@ -83,7 +83,7 @@ parser.add_argument("--memory-backend", nargs="+", default=BACKENDS, choices=BAC
 parser.add_argument("--memory-scenario", default=None,
                     choices=["customer", "finance", "healthcare", "notetaker", "student"],
                     help="only this scenario's questions and prerequisite conversations")
-playargs.add_play_args(parser, max_model_len=None, max_new_tokens=playargs.BFCL_MAX_NEW_TOKENS)
+playargs.add_play_args(parser, evaluation=True)
 parser.add_argument("--decoding", default="bfcl", choices=["bfcl", "greedy"],
                     help="as evaluate.py's (bfcl: temperature 0.001 with the model's generation_config defaults)")
 
@@ -249,7 +249,7 @@ def main(argv=None):
     with contextlib.ExitStack() as stack:
         run = None
         if args.policy != "oracle":  # the engine (and a server started for it) until the scores are written
-            run = stack.enter_context(playargs.greedy_player(args, spec, os.path.join(args.out, "server.log")))
+            run = stack.enter_context(playargs.eval_player(args, spec, os.path.join(args.out, "server.log")))
         return evaluate(args.out, args.policy, categories, spec.fmt, run, scenario=args.memory_scenario,
                         limit=args.limit, engine=None if run is None else args.engine)
 

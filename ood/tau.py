@@ -83,7 +83,7 @@ parser.add_argument("--concurrency", type=int, default=1,
                     help="episodes played at once, their agent outputs batched (τ²'s own runner uses 3)")
 parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="the agent's vLLM share of the GPU, when the user model is served on the same GPU")
-playargs.add_play_args(parser, max_model_len=None, max_new_tokens=playargs.BFCL_MAX_NEW_TOKENS)
+playargs.add_play_args(parser, evaluation=True)
 
 
 class GiveUp(Exception):

@@ -3,11 +3,11 @@
 import json
 import os
 
+import helpers as T
 import pytest
 
 from common import bfcl
 from common import calls as C
-from tests import trajectories as T
 
 TOOLS = [
     {"name": "cd", "description": "Change directory.",
@@ -158,7 +158,7 @@ def test_unknown_format_is_a_programming_error():
 # ----------------------------------------------------------------------------- parity with bfcl-eval's decoders
 
 # Hand-written edge cases: each decodes to the same calls as bfcl-eval's own decoder code
-# (tests/trajectories.py compiles it from the installed package), or fails where it fails.
+# (tests/helpers.py compiles it from the installed package), or fails where it fails.
 QWEN_CASES = [
     block({"name": "cd", "arguments": {"folder": "x"}}),
     block({"name": "cd", "arguments": {"folder": "x"}}) + "\n" + block('{"name": cd}') + "\n"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from trajectories import REFUSED_KINDS, SCHEMA_KINDS, bfcl_eval_decoded, oracle, perturbations, rollout
+from helpers import REFUSED_KINDS, SCHEMA_KINDS, bfcl_eval_decoded, oracle, perturbations, rollout
 
 from common import bfcl, replay, taxonomy
 from common.jsonl import write_jsonl

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import evaluate
-from common import bfcl, bfcl_results
+from common import bfcl, bfcl_results, playargs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,9 +53,25 @@ def test_the_leaderboard_note_says_whether_a_score_compares():
     assert part.startswith(full) and "not comparable with a score over 4 tasks" in part
 
 
-def test_an_unknown_split_is_refused_naming_the_choices(tmp_path):
-    res = subprocess.run([sys.executable, "evaluate.py", "--policy", "oracle", "--split", "dev",
-                          "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and "--split: invalid choice: 'dev'" in res.stderr
-    assert "'heldin', 'train', 'all'" in res.stderr
-    assert not (tmp_path / "o").exists()
+def test_evaluation_plays_as_bfcl_eval_unless_a_flag_departs_and_names_each_departure(tiny_model):
+    """By default a policy plays as bfcl-eval's local inference (its decoding, the model's context,
+    4096 new tokens a call, 20 steps a turn, Ω absent, every prompt re-rendered), and scores.json says
+    the scores are bfcl-eval's; each flag that departs is named, so that no score is set beside the
+    leaderboard's unawares."""
+    from common.models import model_context
+
+    context = model_context(tiny_model)
+
+    def spec_and_differs(*flags):
+        args = evaluate.parser.parse_args(["--policy", tiny_model, *flags])
+        spec = playargs.eval_spec(args, evaluate.parser, decoding=args.decoding)
+        return spec, evaluate.bfcl_settings(spec, context)
+
+    spec, differs = spec_and_differs()
+    assert differs == [] and spec.temperature["temperature"] == 0.001 and spec.omega is None and spec.rerender
+    assert (spec.max_model_len, spec.max_new_tokens, spec.max_steps_per_turn) == (context, 4096, 20)
+    for flags, named in [(["--decoding", "greedy"], "greedy decoding"), (["--max-new-tokens", "256"], "at most 256 new"),
+                         (["--max-steps-per-turn", "3"], "3 steps per turn"),
+                         (["--max-model-len", str(context // 2)], f"context {context // 2}")]:
+        spec, differs = spec_and_differs(*flags)
+        assert len(differs) == 1 and named in differs[0], (flags, differs)

@@ -4,9 +4,10 @@ import copy
 import json
 import os
 
+import helpers
 import pytest
 
-from common import bfcl, leakage
+from common import bfcl
 from common import interface as I
 from common.jsonl import RecordError
 
@@ -155,17 +156,17 @@ def test_no_rule_no_hint():
 
 
 def test_literal_rule():
-    assert leakage.literals({"a": ["final_report.pdf", "ab", 7, 12, 3.5, 20.0, True, None]}) == \
+    assert helpers.literals({"a": ["final_report.pdf", "ab", 7, 12, 3.5, 20.0, True, None]}) == \
         ["final_report.pdf", "12", "20.0", "20"]
-    assert leakage.occurs("10", "costs 10 usd") and not leakage.occurs("10", "costs 100") and not leakage.occurs("10", "2.10")
-    assert leakage.occurs("Report.PDF", "the report.pdf file")
-    assert leakage.leaks("move to budget", ["budget", "temp"], "temp folder") == ["budget"]
+    assert helpers.occurs("10", "costs 10 usd") and not helpers.occurs("10", "costs 100") and not helpers.occurs("10", "2.10")
+    assert helpers.occurs("Report.PDF", "the report.pdf file")
+    assert helpers.leaks("move to budget", ["budget", "temp"], "temp folder") == ["budget"]
 
 
 def test_leakage_audit_all_training_tasks(tasks):
     """No cue of a fully switched-on Ω reveals a ground-truth literal the agent has not seen (400 tasks)."""
     omega = {**I.initial(), "capability_cues": [{"label": z, "text": t} for z, t in I.CAPABILITY_TEXT.items()][:3]}
-    cases = [c for task in tasks.values() for c in leakage.audit(task, omega)]
+    cases = [c for task in tasks.values() for c in helpers.audit(task, omega)]
     leaked = [c for c in cases if c["leaks"]]
     assert not leaked, leaked[:5]
     hinted = [c for c in cases if c["cue"] and c["case"] not in ("schema_cue", "capability_cue")]
@@ -184,7 +185,7 @@ def test_leakage_audit_all_training_tasks(tasks):
 
 def test_audit_catches_a_leaky_hint(tasks, monkeypatch):
     """The audit has teeth: a hint that echoed the error (and so the ground truth) is caught."""
-    monkeypatch.setattr(leakage, "error_hint", lambda error, tools, omega: error)
+    monkeypatch.setattr(helpers, "error_hint", lambda error, tools, omega: error)
     some = list(tasks.values())[::20]
-    leaked = [c for task in some for c in leakage.audit(task, I.initial()) if c["leaks"]]
+    leaked = [c for task in some for c in helpers.audit(task, I.initial()) if c["leaks"]]
     assert len(leaked) > 50 and any(c["case"] == "env_template" for c in leaked)

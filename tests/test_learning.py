@@ -12,7 +12,7 @@ import json
 import os
 
 import pytest
-from stages import in_process
+from helpers import in_process
 
 from common import bfcl, play, taxonomy, tiny
 from common import calls as C

@@ -4,6 +4,7 @@ interruption, no server left behind, trackers."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,8 +82,8 @@ def loop_runs(tmp_path_factory, tiny_model, tiny_server_state):
     time.sleep(1.0)
     server = json.loads((run / "server.json").read_text())
     os.killpg(proc.pid, signal.SIGINT)
-    proc.communicate(timeout=120)
-    interrupted = {"returncode": proc.returncode, "server_pid": server["pid"],
+    said = proc.communicate(timeout=120)[0]
+    interrupted = {"returncode": proc.returncode, "said": said[-2000:], "server_pid": server["pid"],
                    "server_left": (run / "server.json").exists() or _alive(server["pid"]),
                    "policy": (run / "round_000" / "policy").exists(),
                    "rollouts_mtime": (run / "round_000" / "rollouts.jsonl").stat().st_mtime_ns}
@@ -148,8 +149,14 @@ def test_modes_differ_where_they_should(runs):
         v_w = [m for m in jsonl(vanilla / f"round_00{t}" / "train_metrics.jsonl")]
         assert all(m["w_mean"] == 1.0 and m["w_std"] == 0.0 for m in v_w)
         assert any(w != 1.0 for w in s_w)
-    # Evaluation never sees Ω: the same base policy gives the same held-in prompts in both runs.
-    assert (runs / "base-tiny" / "eval" / "rollouts.jsonl").is_file()
+    # Evaluation never sees Ω: every evaluation, of the base model and of either mode's policy, shows
+    # each held-in task the same first prompt, with no cue tokens and no interface.
+    first = {}
+    for path in (runs / "base-tiny" / "eval", seal / "eval" / "round_001", vanilla / "eval" / "round_001"):
+        recs = jsonl(path / "rollouts.jsonl")
+        assert recs and all(r["interface_version"] is None and r["stats"]["cue_tokens"] == 0 for r in recs)
+        for r in recs:
+            assert first.setdefault(r["task_id"], r["tokens"]["prompt_ids"]) == r["tokens"]["prompt_ids"], path
 
 
 def test_interrupted_loop_resumes_and_leaves_no_server_behind(loop_runs, tiny_model):
@@ -157,7 +164,10 @@ def test_interrupted_loop_resumes_and_leaves_no_server_behind(loop_runs, tiny_mo
     finished stage, starts one server on the last complete policy, loads round 1's in place
     and checks each policy against the trainer's probe before it plays."""
     run, first, out = loop_runs["runs"] / "seal", loop_runs["interrupted"], loop_runs["rerun"]
-    assert first["returncode"] != 0 and not first["server_left"], "the server outlived its loop"
+    assert first["returncode"] == 130 and not first["server_left"], "the server outlived its loop"
+    # it says where it stopped, as the stage lines name it (round 0's evolve or train)
+    assert re.search(r"^loop: interrupted in round 0, (after diagnose|evolve|after evolve|train); "
+                     r"rerun the same command to resume$", first["said"], re.M), first["said"]
     assert not first["policy"]  # interrupted inside round 0's evolve or train
     assert "round 0 rollout: done" in out and "round 0 diagnose: done" in out
     assert (run / "round_000" / "rollouts.jsonl").stat().st_mtime_ns == first["rollouts_mtime"]
@@ -309,6 +319,7 @@ def test_config_records_every_preset_variable(runs):
     assert "micro_tokens" in keys and "max_model_len" in keys and set(settings) == set(keys) | {"name"}
     assert os.path.isfile(os.path.join(ROOT, settings["model"], "config.json")) and settings["rounds"] == "2"
     assert settings["max_new_tokens"] == "32" and settings["max_steps"] == "1"  # SMALL's --set, under their keys
+    assert settings["call_format"] == "json"  # the one the stages got: the handler's
 
 
 def test_a_setting_recorded_later_is_taken_up_and_then_held(tmp_path):
@@ -333,7 +344,8 @@ def test_ood_without_a_user_simulator_stops_before_round_0(tmp_path, tiny_model)
     assert not (tmp_path / "ood").exists()
 
 
-@pytest.mark.parametrize("setting, message", [("BFCL_HANDLER=NoSuchHandler", "choices: QwenFCHandler, LlamaHandler"),
+# (an unknown handler stops at the same line as a contradicting call format: tests/test_prompts.py)
+@pytest.mark.parametrize("setting, message", [("CALL_FORMAT=python", "call format python contradicts QwenFCHandler"),
                                               ("PROMPTS=chat", "use bfcl or template")])
 def test_a_bad_prompt_setting_stops_before_round_0(tmp_path, tiny_model, setting, message):
     res = subprocess.run(

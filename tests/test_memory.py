@@ -93,14 +93,14 @@ AGENTIC_RUNS = [  # the outputs of a question's one turn, in order; the last has
 @pytest.mark.parametrize("texts", AGENTIC_RUNS)
 def test_verdict_equals_bfcl_evals_agentic_runner(texts):
     """Our verdict against bfcl-eval's _evaluate_single_agentic_entry, compiled from its installed
-    source, with its Qwen handler's response parsing and decoder (tests/trajectories.py)."""
+    source, with its Qwen handler's response parsing and decoder (tests/helpers.py)."""
     import types
 
     from bfcl_eval.eval_checker.agentic_eval.agentic_checker import agentic_checker
     from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import is_empty_execute_response
+    from helpers import _QWEN, bfcl_eval_decode
 
     from common import calls as C
-    from tests.trajectories import _QWEN, bfcl_eval_decode
 
     # its module imports half of bfcl-eval (tree_sitter among it): compile the one function
     path = importlib.util.find_spec("bfcl_eval.eval_checker.eval_runner").origin

@@ -19,17 +19,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import plan_check  # noqa: E402
 
-PRESET_MODELS = ["Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "Team-ACE/ToolACE-2-Llama-3.1-8B",
-                 "Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-8B"]
+# every GPU preset and its model, read from common/presets.py: a preset added there is planned here too
+PRESETS = {name: p.model for name, p in presets.PRESETS.items() if p.gpu_mem_gib}
+PRESET_MODELS = sorted(set(PRESETS.values()))
 TOKENS = 512  # with plan_check.SMALL's shape: activations and the log-prob chunk well above the parameters
 
 
 @pytest.mark.parametrize("model", PRESET_MODELS)
-def test_preset_architecture_files_hold_their_parameter_count(model):
-    """The shipped numbers give the parameter count the model card states (read_config checks it;
-    Qwen3's q and k norms included: 4,022,468,096 and 8,190,735,360, the hub's safetensors counts)."""
-    arch = memplan.load_arch(model)
-    assert arch.params == json.load(open(memplan.arch_path(model)))["parameters"]
+def test_an_architecture_file_whose_numbers_miss_its_parameter_count_is_refused(model, tmp_path):
+    """Each shipped file states the parameter count the model card states (Qwen3's q and k norms
+    included: 4,022,468,096 and 8,190,735,360, the hub's safetensors counts), and loading holds its
+    numbers to it: one parameter off, or a field the count depends on changed, is refused."""
+    config = json.load(open(memplan.arch_path(model)))
+    assert memplan.load_arch(model).params == config["parameters"] > 1e9
+    for changed in ({"parameters": config["parameters"] + 1}, {"intermediate_size": config["intermediate_size"] + 1}):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(config | changed))
+        with pytest.raises(memplan.PlanError, match="parameters, the file states"):
+            memplan.read_config(str(path))
 
 
 @pytest.mark.parametrize("model", PRESET_MODELS)
@@ -113,16 +120,17 @@ def loop(*args, env=None, timeout=120):
 
 ASLEEP = "sleeping vLLM server: CUDA context, CUDA-graph pool, allocator residue (allowance)"
 REDUCE_SCATTER = "FSDP2 reduce-scatter input (fp32) of the largest group, the root: embeddings + output layer"
-PRESETS = {"qwen3b": "Qwen/Qwen2.5-3B-Instruct", "qwen7b": "Qwen/Qwen2.5-7B-Instruct",
-           "toolace8b": "Team-ACE/ToolACE-2-Llama-3.1-8B", "qwen3-4b": "Qwen/Qwen3-4B-Instruct-2507",
-           "qwen3-8b": "Qwen/Qwen3-8B"}
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_every_gpu_preset_fits_its_gpus_and_plans_without_a_download(preset, tmp_path):
-    res = loop(preset, "--plan", "--set", "GPUS=4", env={"HF_HOME": str(tmp_path)})
-    assert res.returncode == 0, res.stdout + res.stderr
+def check_fits_without_a_download(preset, res, hf_home):
+    """`loop.sh PRESET --plan --set GPUS=4`: the preset's own values planned, every term present,
+    largest first, every stage fits, and nothing fetched into HF_HOME."""
+    p = presets.resolve(preset, ["GPUS=4"])
     out = res.stdout
+    assert out.startswith(f"memory plan: {preset} {p.model} (")
+    assert (f"4 GPUs x {p.gpu_mem_gib} GiB, rollouts MAX_LEN={p.max_len}" in out
+            and f"MICRO_TOKENS={p.micro_tokens}, log-prob chunk {presets.LOGPROB_CHUNK}" in out)
+    assert "train stage (FSDP over 4 processes, gradient checkpointing" in out
     assert "rollout server" in out and "reference pass" in out
     reference, train = out.split("reference pass", 1)[1].split("train stage", 1)
     assert ASLEEP in reference
@@ -132,7 +140,7 @@ def test_every_gpu_preset_fits_its_gpus_and_plans_without_a_download(preset, tmp
                  "FSDP all-gathered", REDUCE_SCATTER, "CUDA context", ASLEEP):
         assert term in train
     assert out.count(": fits") == 3 and "DOES NOT FIT" not in out
-    assert not os.listdir(tmp_path)  # nothing fetched into HF_HOME
+    assert not os.listdir(hf_home)  # nothing fetched into HF_HOME
 
 
 def served_context(model, tmp_path, max_len, eval_len=""):
@@ -151,12 +159,18 @@ def test_the_plans_kv_cache_is_counted_at_the_context_the_server_runs(preset, ev
     """The server serves evaluation too, at the model's own context unless EVAL_LEN lowers it:
     32,768 (Qwen2.5), 131,072 (Llama 3.1), 262,144 (Qwen3-4B-Instruct-2507) and 40,960 (Qwen3-8B)
     while rollouts stop at MAX_LEN; the plan's KV cache is counted in contexts of that length, and
-    the rollouts it holds besides."""
+    the rollouts it holds besides. Without EVAL_LEN, the preset's own plan: check_fits_without_a_download."""
     max_len = int(presets.PRESETS[preset].max_len)
-    res = loop(preset, "--plan", "--set", "GPUS=4", *(["--set", f"EVAL_LEN={eval_len}"] if eval_len else []))
+    hf_home = tmp_path / "hf"
+    hf_home.mkdir()
+    res = loop(preset, "--plan", "--set", "GPUS=4", *(["--set", f"EVAL_LEN={eval_len}"] if eval_len else []),
+               env={"HF_HOME": str(hf_home)})
     assert res.returncode == 0, res.stdout + res.stderr
+    if not eval_len:
+        check_fits_without_a_download(preset, res, hf_home)
     serve = served_context(PRESETS[preset], tmp_path, max_len, eval_len)
-    own = {"toolace8b": 131072, "qwen3-4b": 262144, "qwen3-8b": 40960}.get(preset, 32768)
+    own = {"qwen3b": 32768, "qwen7b": 32768, "toolace8b": 131072, "qwen3-4b": 262144, "qwen3-8b": 40960}.get(
+        preset, memplan.load_arch(PRESETS[preset]).max_pos)  # the docstring's, for the presets it names
     assert serve == max(max_len, int(eval_len or own))
     header = res.stdout.splitlines()[0]
     assert f"rollouts MAX_LEN={max_len}, server max_model_len={serve}" in header

@@ -8,32 +8,17 @@ that step. Its task entries come from bfcl-eval's own `load_dataset_entry` (tool
 with its language hint, held-out docs in its order), not from our data files.
 """
 
-import contextlib
 import copy
-import io
-import itertools
 import json
 import os
 
 import pytest
-from trajectories import Scripted
+from helpers import Script, theirs
 
 from common import bfcl, play, prompts
 from common import calls as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_names = itertools.count()
-
-
-class Script(Scripted):
-    """Writes the texts `script(task_id, turn, step)` gives for the one trajectory it plays."""
-
-    def __init__(self, tokenizer, script):
-        super().__init__(tokenizer, lambda prompt: script(self.traj.task["id"], len(self.traj.turns) - 1,
-                                                          len(self.traj.turns[-1]["steps"])))
-        self.traj = None
-
-
 def ours(task, engine, handler="QwenFCHandler", fmt="json"):
     """Our evaluation's record of `task` under the scripted policy, with each step's prompt."""
     # Parity is about text: the tiny tokenizer (4k tokens) needs more than a real model's 32k context
@@ -44,35 +29,6 @@ def ours(task, engine, handler="QwenFCHandler", fmt="json"):
     engine.traj = traj
     play.run([traj], engine, spec, progress=False)
     return traj.record(0, "script"), traj
-
-
-def theirs(entry, texts, handler="QwenFCHandler"):
-    """The prompts bfcl-eval's multi-turn loop formats when the model answers `texts` in order,
-    and the exception it raises, if any (an inference error: the entry fails as a whole)."""
-    seen, answers = [], iter(texts)
-    name = f"parity_{next(_names)}"
-    # bfcl-eval's handler, a copy per replay (a new one would build an API client it never uses)
-    h = copy.copy(prompts.handler(handler))
-    h.registry_name = h.registry_dir_name = name
-    h.model_name_underline_replaced = name  # its executor's instance-cache key: one per replay
-
-    def query(inference_data):  # the model's side of _query_prompting: the recorded answer
-        seen.append(h._format_prompt(inference_data["message"], inference_data["function"]))
-        return prompts.response(next(answers)), 0.0
-    h._query_prompting = query
-    error = None
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            h.inference_multi_turn_prompting(json.loads(json.dumps(entry)), include_input_log=False,
-                                             exclude_state_log=True)
-    except Exception as e:  # bfcl-eval's runner records it as the entry's result
-        error = e
-    finally:
-        bfcl.restore_shared_data()  # its executor mutates long_context's module data
-        from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
-        for k in [k for k in vars(multi_turn_utils) if k.startswith(name)]:
-            delattr(multi_turn_utils, k)
-    return seen, error
 
 
 def oracle_script(task):

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from trajectories import Scripted
+from helpers import Scripted
 
 from common import bfcl, play, prompts, tiny
 from common import interface as omega_api
@@ -294,13 +294,16 @@ def test_play_spec_is_built_once_from_the_flags():
 
     from common import playargs
     parser = argparse.ArgumentParser()
-    playargs.add_play_args(parser, max_model_len=16384, max_new_tokens=512)
+    playargs.add_play_args(parser)
     spec = playargs.play_spec(parser.parse_args([]), parser, temperature=0.5)
     assert (spec.fmt, spec.schedule, spec.temperature, spec.max_steps_per_turn) == ("json", "async", 0.5, 20)
     spec = playargs.play_spec(parser.parse_args(["--engine", "hf", "--handler", "LlamaHandler"]), parser)
     assert (spec.fmt, spec.schedule, spec.handler, spec.max_model_len) == ("python", "lockstep", "LlamaHandler", 16384)
-    with pytest.raises(SystemExit):
-        playargs.play_spec(parser.parse_args(["--engine", "hf", "--schedule", "async"]), parser)
-    for bad in ({"schedule": "eager"}, {"prompts": "raw"}, {"prompts": "template", "rerender": True}):
+    for bad in (["--engine", "hf", "--schedule", "async"], ["--handler", "LlamaHandler", "--call-format", "json"]):
+        with pytest.raises(SystemExit):
+            playargs.play_spec(parser.parse_args(bad), parser)
+    assert play.PlaySpec(handler="LlamaHandler").fmt == "python"  # the call format follows the handler
+    for bad in ({"schedule": "eager"}, {"prompts": "raw"}, {"prompts": "template", "rerender": True},
+                {"handler": "QwenFCHandler", "fmt": "python"}):
         with pytest.raises(ValueError):
             play.PlaySpec(**bad)

@@ -16,7 +16,7 @@ import urllib.parse
 
 import pytest
 
-from common import bfcl, play, serve
+from common import bfcl, memplan, play, presets, serve
 from common.engines import make_engine
 from common.jsonl import RecordError, read_json, write_json
 
@@ -35,14 +35,18 @@ def tasks():
 # ----------------------------------------------------------------------------- command lines
 
 
-# The GPU presets' engine settings as loop.sh passes them (DP, TP, sleep mode; context from the
-# models' config.json: 32768 for all three).
-PRESETS = {
-    "qwen3b": dict(data_parallel_size=4, tensor_parallel_size=1, sleep_mode=True, max_model_len=32768),
-    "qwen7b": dict(data_parallel_size=4, tensor_parallel_size=1, sleep_mode=True, max_model_len=32768),
-    "toolace8b": dict(data_parallel_size=4, tensor_parallel_size=1, sleep_mode=True, max_model_len=32768,
-                      lora_rank=16),
-}
+def preset_settings(name, *sets):
+    """A GPU preset's engine settings as loop.sh passes them: DP, TP, sleep mode, the context it
+    serves (memplan.server_len of the model's config.json numbers) and, with LORA, the rank."""
+    p = presets.resolve(name, sets)
+    context = memplan.server_len(p.max_len, p.eval_len, memplan.load_arch(p.model).max_pos)
+    return dict(data_parallel_size=int(p.dp), tensor_parallel_size=int(p.tp), sleep_mode=True, max_model_len=context,
+                **({"lora_rank": presets.LORA_RANK} if p.lora else {}))
+
+
+# every GPU preset of common/presets.py, and one trained as a LoRA adapter
+PRESETS = {name: preset_settings(name) for name, p in presets.PRESETS.items() if p.gpu_mem_gib}
+PRESETS["qwen7b-lora"] = preset_settings("qwen7b", "LORA=--lora")
 
 
 def test_gpu_command_lines_are_vllm_serve_with_the_presets_settings():
@@ -56,7 +60,7 @@ def test_gpu_command_lines_are_vllm_serve_with_the_presets_settings():
     assert env["VLLM_NO_USAGE_STATS"] == "1"  # no report to vLLM's stats service from a user's cluster
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env  # vLLM refuses it beside its 4 default API servers
     # LoRA: one API server, the one that registers each adapter and so the one every request reaches
-    argv, env = serve.command("/m/toolace", port=8000, cpu=False, **PRESETS["toolace8b"])
+    argv, env = serve.command("/m/toolace", port=8000, cpu=False, **PRESETS["qwen7b-lora"])
     assert argv == [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", "/m/toolace",
                     "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "policy", "--seed", "0",
                     "--dtype", "auto", "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",

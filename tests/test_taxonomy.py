@@ -1,6 +1,6 @@
 """The label rules of common/taxonomy.py, one real BFCL task per rule (no mocks).
 
-Each test plays a trajectory through the real environment (tests/trajectories.py),
+Each test plays a trajectory through the real environment (tests/helpers.py),
 perturbs one turn of the ground truth and checks that exactly the expected label
 lands there. The rule under test is quoted from its docstring.
 """
@@ -8,7 +8,7 @@ lands there. The rule under test is quoted from its docstring.
 import os
 
 import pytest
-from trajectories import ANSWER, GARBAGE, gt_calls, oracle, play, rollout, text
+from helpers import ANSWER, GARBAGE, gt_calls, oracle, play, rollout, text
 
 from common import bfcl, replay, taxonomy
 

@@ -12,7 +12,7 @@ import json
 import os
 
 import pytest
-from test_prompts import Script, theirs
+from helpers import Script, theirs
 from transformers import AutoTokenizer
 
 from common import bfcl, play, prompts
@@ -223,7 +223,7 @@ def test_a_round_trains_on_segmented_rollouts(thought, thinking_model, heldin, t
     import subprocess
     import sys
 
-    from stages import in_process
+    from helpers import in_process
 
     tasks, records = thought
     if not any("segments" in r["tokens"] for r in records):  # sampling: see the test above

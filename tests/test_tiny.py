@@ -224,28 +224,3 @@ def test_near_misses_fail_where_the_ground_truth_passes():
         assert bfcl.official_verdict(task, [[[C.render(c) for c in gt]]])["valid"], task["id"]
         assert not bfcl.official_verdict(task, [[[C.render(c) for c in calls]]])["valid"], task["id"]
     assert tiny.near_miss([{"name": "f", "arguments": {"n": 1}}]) is None
-
-
-def test_first_step_parse_rate_counts_its_tasks(tiny_model):
-    # The measurement `--measure` prints: the share of the given tasks whose greedy first output
-    # parses as calls, one sample per task in their order (what the model writes is its own).
-    tasks = tiny.pick_eval_tasks(list(bfcl.load_tasks(tiny.PRESET_TASKS).values()), 8)
-    assert len(tasks) >= 6 and len({t["category"] for t in tasks}) == 4
-    rate, samples = tiny.first_step_parse_rate(tiny_model, tasks, 128)
-    assert [s["task_id"] for s in samples] == [t["id"] for t in tasks]
-    assert 0 <= rate <= 1 and rate == sum(s["parsed"] for s in samples) / len(tasks)
-    for s in samples:
-        assert not s["parsed"] or s["error"] is None
-        if len(s["text"]) < 200:  # whole (a sample keeps the first 200 characters)
-            calls, err = C.parse(s["text"], "json")
-            assert s["parsed"] == (bool(calls) and err is None), s
-
-
-def test_preset_reward_counts_solved_samples_and_mixed_groups(tiny_model):
-    # the opt-in measurement (python -m common.tiny --measure), on two tasks and two samples
-    tasks = list(bfcl.load_tasks(tiny.PRESET_TASKS).values())[:2]
-    r = tiny.preset_reward(tiny_model, tasks, {**tiny.MEASURE, "check_samples": 2, "check_temperature": 1.0})
-    assert set(r["solved"]) == set(r["per_task"]) == {t["id"] for t in tasks}
-    assert all(0 <= k <= 2 and r["per_task"][i] == k / 2 for i, k in r["solved"].items())
-    assert r["mixed"] == sum(k == 1 for k in r["solved"].values()) / 2
-    assert r["mean"] == sum(r["solved"].values()) / 4

@@ -24,8 +24,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import in_process
 from safetensors.torch import load_file
-from stages import in_process
 
 from common.distributed import distributed_plugins, gradient_dtypes
 from common.grpo import collate, join_trajectories, sequence_logprobs
@@ -416,7 +416,6 @@ def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_p
 
 # every file in configs/accelerate/ and the kind of run it asks for (a new file must be added here)
 ACCEL_CONFIGS = {"fsdp_1gpu": "FSDP", "fsdp_2gpu": "FSDP", "fsdp_4gpu": "FSDP", "fsdp_8gpu": "FSDP", "fsdp_cpu": "FSDP",
-                 "zero3_4gpu": "DEEPSPEED",
                  "ddp_cpu2": "MULTI_GPU"}  # fmt: skip
 
 
@@ -434,7 +433,7 @@ def test_accelerate_configs_parse(monkeypatch):
             for k, v in launch_env(name).items():
                 m.setenv(k, v)
             plugins = distributed_plugins(cfg.mixed_precision, 0.5)
-        assert list(plugins) == {"FSDP": ["fsdp_plugin"], "DEEPSPEED": ["deepspeed_plugin"]}.get(kind, []), name
+        assert list(plugins) == (["fsdp_plugin"] if kind == "FSDP" else []), name
         if kind == "FSDP":
             fsdp, asked = plugins["fsdp_plugin"], cfg.fsdp_config
             assert fsdp.fsdp_version == asked["fsdp_version"] == 2, name
@@ -444,29 +443,22 @@ def test_accelerate_configs_parse(monkeypatch):
             # --ref-model is loaded outside FSDP on every rank: rank-0-only loading would leave it empty
             assert fsdp.cpu_ram_efficient_loading is False and asked["fsdp_cpu_ram_efficient_loading"] is False
             assert (fsdp.mixed_precision_policy is None) == (cfg.mixed_precision == "no"), name
-        elif kind == "DEEPSPEED":
-            ds = plugins["deepspeed_plugin"]
-            assert ds.zero_stage == cfg.deepspeed_config["zero_stage"] == 3
-            assert ds.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
 
 
 def launch_env(name):
     """The environment `accelerate launch --config_file configs/accelerate/<name>.yaml` starts the script in."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+    from accelerate.utils import prepare_multi_gpu_env
 
     path = os.path.join(ROOT, "configs", "accelerate", f"{name}.yaml")
-    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", path, SCRIPT]))
-    if args.use_deepspeed:  # as accelerate's launch_command sets it before the DeepSpeed launcher
-        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
-        return prepare_deepspeed_cmd_env(args)[1]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", path, SCRIPT]))
     return prepare_multi_gpu_env(args)
 
 
 def test_gradients_are_reduced_in_float32(monkeypatch):
     """The plugins train_grpo.py hands Accelerate under each 7B config: bf16 compute, float32
     gradient accumulation and reduction (Accelerate's own bf16 policy reduces in bf16)."""
-    for name in ("fsdp_4gpu", "zero3_4gpu", "ddp_cpu2"):
+    for name in ("fsdp_4gpu", "ddp_cpu2"):
         with monkeypatch.context() as m:
             for k, v in launch_env(name).items():
                 m.setenv(k, v)
@@ -476,11 +468,6 @@ def test_gradients_are_reduced_in_float32(monkeypatch):
             assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
             assert policy.output_dtype is None  # the log-probs leave the model in float32
             assert plugins["fsdp_plugin"].fsdp_version == 2
-        elif name == "zero3_4gpu":
-            cfg = plugins["deepspeed_plugin"].deepspeed_config
-            assert cfg["bf16"]["enabled"] and cfg["zero_optimization"]["stage"] == 3
-            assert cfg["communication_data_type"] == "fp32" and cfg["data_types"]["grad_accum_dtype"] == "fp32"
-            assert cfg["gradient_clipping"] == 0.5
         else:
             assert plugins == {}
 

@@ -170,7 +170,7 @@ class Tree(HTMLParser):
 
 def browse(page, fragment=""):
     """The DOM headless Chromium rendered for file://page#fragment, once its scripts ran."""
-    assert CHROMIUM, "no chromium on PATH: bash setup.sh installs Debian's chromium package"
+    assert CHROMIUM, "no chromium on PATH: bash tests/system.sh installs Debian's chromium package"
     with tempfile.TemporaryDirectory() as profile:
         out = subprocess.run(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -80,7 +80,7 @@ function viewRun() {
   const s = RUN.settings || {};
   const labels = RUN.labels;
   const rounds = table(
-    [...["round", "trajectories", "reward", "w mean", "opt. steps (global)", "Ω cues", "model tokens"].map((x) => h("th", {}, x)),
+    [...["round", "trajectories", "reward", "w, all", "opt. steps (global)", "Ω cues", "model tokens"].map((x) => h("th", {}, x)),
       ...labels.map((z) => h("th", { class: "share", title: `share of turns labelled ${z}` }, z.replace(/_/g, " ")))],
     RUN.rounds.map((r) => h("tr", {},
       h("td", {}, link(`#round/${r.round}`, `round ${r.round}`)), num(r.trajectories), num(r.reward, 3),

@@ -1,0 +1,133 @@
+"""What a build of the tiny model samples (common/tiny.py), measured on demand (minutes on CPU).
+
+    .venv/bin/python bench/tiny_measure.py [--temperatures 1.0 0.7] [--samples 8] [--eval-tasks 32] [--model DIR]
+
+Prints, as JSON: the first-step parse rate (greedy first output of `--eval-tasks` training tasks
+with their full turn-0 prompt, parsed as at least one tool call) and, per view of the tool list
+(plain, Ω's schema cue) and temperature, the sampled reward on the preset's tasks as its round 0
+plays them: per task the samples the official checker solved, and the share of mixed groups
+(some but not all solved), GRPO's signal. The model is the cached build (`build_cached()`) unless
+--model names another. docs/learning-on-cpu.md quotes it.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
+
+from common import tiny  # noqa: E402
+
+MEASURE = {
+    "seed": 0,
+    "eval_tasks": 32,
+    "eval_max_new_tokens": 128,
+    "check_samples": 8,
+    "check_max_new_tokens": int(tiny.TINY.max_new),  # as the preset's rollouts play
+    "check_max_steps": int(tiny.TINY.max_steps),
+}
+
+
+def measure(model_dir, *, temperatures=(1.0, 0.7), samples=None, eval_tasks=None, tasks_path=tiny.DEFAULT_TASKS,
+            preset_path=tiny.PRESET_TASKS, progress=True):
+    """What the tests do not measure, on demand: the first-step parse rate on `eval_tasks`
+    training tasks (greedy) and the sampled reward on the preset's tasks, per view of the tool
+    list and temperature: per task the samples the official checker solved, and the share of
+    mixed groups (some but not all solved), GRPO's signal."""
+    from common import bfcl
+    from common import interface as omega_api
+
+    m = {**MEASURE, **({"check_samples": samples} if samples else {}),
+         **({"eval_tasks": eval_tasks} if eval_tasks is not None else {})}
+    out = {"model": model_dir, "settings": m}
+    t0 = time.time()
+    if m["eval_tasks"]:
+        tasks = list(bfcl.load_tasks(tasks_path).values())
+        tiny._log(f"measuring the first-step parse rate: greedy first output on {m['eval_tasks']} tasks")
+        rate, _ = first_step_parse_rate(model_dir, tiny.pick_eval_tasks(tasks, m["eval_tasks"]), m["eval_max_new_tokens"])
+        out["first_step_parse_rate"] = round(rate, 4)
+    preset = list(bfcl.load_tasks(preset_path).values())
+    out["sampled_reward"] = {}
+    for view, omega in (("plain", None), ("schema_cue", omega_api.initial())):
+        for temp in temperatures:
+            tiny._log(f"measuring the sampled reward ({view} view, temperature {temp}): {m['check_samples']} "
+                 f"samples of each of {len(preset)} tasks")
+            out["sampled_reward"][f"{view} T={temp}"] = preset_reward(
+                model_dir, preset, {**m, "check_temperature": temp}, omega=omega, progress=progress)
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
+
+
+def preset_reward(model_dir, tasks, args, engine=None, omega=None, progress=False):
+    """Sampled reward on `tasks` as the preset's rollouts play them (under the interface `omega`):
+    `check_samples` per task at `check_temperature`, scored by the official checker.
+    {"mean", "per_task": {id: mean}, "solved": {id: samples solved}, "mixed": share of tasks
+    whose samples are neither all solved nor all failed}."""
+    from common import play, taxonomy
+    from common.engines import make_engine
+
+    own = engine is None
+    if own:
+        engine = make_engine("hf", model_dir, max_model_len=tiny.DEFAULTS["max_positions"], seed=args["seed"])
+    try:
+        spec = play.PlaySpec(omega=omega, temperature=args["check_temperature"],
+                             max_steps_per_turn=args["check_max_steps"], max_model_len=tiny.DEFAULTS["max_positions"],
+                             max_new_tokens=args["check_max_new_tokens"])
+        records, _ = play.play(tasks, args["check_samples"], engine, spec, progress=progress)
+    finally:
+        if own:
+            engine.close()
+    by_id = {t["id"]: t for t in tasks}
+    per_task = {}
+    for r in records:
+        per_task.setdefault(r["task_id"], []).append(taxonomy.diagnose(by_id[r["task_id"]], r)["reward"])
+    rewards = [x for v in per_task.values() for x in v]
+    return {"mean": round(sum(rewards) / len(rewards), 4),
+            "per_task": {k: round(sum(v) / len(v), 3) for k, v in per_task.items()},
+            "solved": {k: sum(v) for k, v in per_task.items()},
+            "mixed": round(sum(0 < sum(v) < len(v) for v in per_task.values()) / len(per_task), 4)}
+
+
+
+def first_step_parse_rate(model_dir, tasks, max_new_tokens, engine=None):
+    """Fraction of tasks whose greedy first output (full turn-0 prompt) parses as >= 1 tool call."""
+    from common import calls as C
+    from common.engines import make_engine
+    from common.prompts import first_prompt
+
+    own = engine is None
+    if own:
+        engine = make_engine("hf", model_dir, max_model_len=tiny.DEFAULTS["max_positions"], seed=0)
+    try:
+        tok = engine.tokenizer
+        prompts = [tok(first_prompt(t))["input_ids"] for t in tasks]
+        gens = engine.generate(prompts, [max_new_tokens] * len(prompts), 0.0)
+    finally:
+        if own:
+            engine.close()
+    ok, samples = 0, []
+    for task, g in zip(tasks, gens, strict=True):
+        text = tok.decode(g.ids, skip_special_tokens=True)
+        calls, err = C.parse(text, "json")
+        good = bool(calls) and err is None
+        ok += good
+        samples.append({"task_id": task["id"], "text": text[:200], "parsed": good, "error": err})
+    return ok / max(1, len(tasks)), samples
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a tiny model folder (default: the cached build, built if missing)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
+    p.add_argument("--samples", type=int, default=MEASURE["check_samples"], help="samples per task")
+    p.add_argument("--eval-tasks", type=int, default=MEASURE["eval_tasks"],
+                   help="training tasks for the first-step parse rate (0: skip)")
+    a = p.parse_args(argv)
+    folder = a.model or tiny.build_cached()
+    print(json.dumps(measure(folder, temperatures=a.temperatures, samples=a.samples, eval_tasks=a.eval_tasks), indent=1))
+
+
+if __name__ == "__main__":
+    main()
