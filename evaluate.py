@@ -22,7 +22,7 @@ BFCL V3 multi-turn task bfcl-eval ships (4 categories x 200, read from its files
 as data/prepare.py reads them), the set the BFCL leaderboard scores; heldin and
 train are the paper's 400/400 split (data/<split>.jsonl). `--compare` prints the
 scores of finished runs or evaluation folders side by side (base model once, then
-every evaluated round), like the paper's Tables 1 and 3, the BFCL leaderboard's
+every evaluated round, each row with the mode its run trained in), like the paper's Tables 1 and 3, the BFCL leaderboard's
 figure for the bfcl-eval entry they were scored under (common/bfcl_results.py
 LEADERBOARD), and their OOD scores (common/report.py).
 

@@ -21,11 +21,12 @@ on, and taking a family away would shift what the policy has learnt to read);
 capability cues are re-chosen every round, so they come and go.
 
 --mode takes loop.sh's modes (common/presets.py MODES, their `omega`): seal evolves Ω as
-above (no-reweight too: it differs only in training's weight); no-closed-loop keeps Ω_t's
+above (no-reweight and seal-adaptive too: they differ only in training's weight); no-closed-loop keeps Ω_t's
 cues as they are (Ω fixed after round 0); vanilla and no-env switch every family off (they
 differ only in training's weight). All still record C_t. Without --previous,
 Ω_t = interface.initial(). Without --diagnoses, writes the mode's Ω_0 (round 0):
-initial(), or all off. ρ is copied from Ω_t.
+initial(), or all off. ρ is copied from Ω_t (seal-adaptive's trainer scales it each round
+without writing it back: docs/design.md §6).
 """
 
 import argparse

@@ -8,7 +8,7 @@ Writes the next policy to --out (with --save-optimizer its optimiser state too) 
 metrics line per step.
 
     python train_grpo.py --model DIR --rollouts R.jsonl --diagnoses D.jsonl \\
-        [--interface interface.json | --rho rho.json] --out round_001/policy \\
+        [--interface interface.json [--adaptive-rho] | --rho rho.json] --out round_001/policy \\
         [--ref-model ROUND0_MODEL] [--save-optimizer] [--optimizer-state round_000/policy/optimizer] [--lora]
     accelerate launch --multi_gpu --num_processes 2 train_grpo.py ... --cpu      # 2-process DDP on CPU
     accelerate launch --config_file configs/accelerate/fsdp_cpu.yaml train_grpo.py ... --cpu  # FSDP2, 2 CPU processes
@@ -53,7 +53,7 @@ from common.distributed import (
 )
 from common.grpo import (
     accumulate_gradients,
-    join_trajectories,
+    join_round,
     load_rho,
     mini_batch_slices,
     plan_micro_batches,
@@ -76,6 +76,9 @@ parser.add_argument("--out", required=True, help="folder for the next policy")
 parser.add_argument("--metrics", help="default: train_metrics.jsonl in the folder that holds --out")
 parser.add_argument("--ref-model", help="the initial policy, KL reference (default: --model)")
 parser.add_argument("--no-reweight", action="store_true", help="w = 1 for every trajectory (ρ ≡ 1)")
+parser.add_argument("--adaptive-rho", action="store_true",
+                    help="ρ of this round from its own diagnoses and rewards (common/grpo.py adaptive_rho), "
+                         "scaling the table of --interface (else the default)")
 parser.add_argument("--lr", type=float, help=f"default {presets.LR:g}, or {presets.LORA_LR:g} training an adapter "
                     "(common/presets.py)")
 parser.add_argument("--kl-coef", type=float, default=presets.KL_COEF, help="0 disables the KL term and the reference")
@@ -121,6 +124,11 @@ def main(argv=None):
         parser.error("--policy-dtype: an adapter is saved in float32 (it is its own master copy)")
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
+    if args.adaptive_rho and args.rho:
+        parser.error("--adaptive-rho and --rho: --rho fixes the utility table, the adaptive rule computes it "
+                     "(it scales the table of --interface, else the default)")
+    if args.adaptive_rho and args.no_reweight:
+        parser.error("--adaptive-rho and --no-reweight: without the diagnosis weight (w = 1) there is no ρ to adapt")
     try:
         train(args)
     except RecordError as e:
@@ -132,7 +140,7 @@ def train(args):
     rho = load_rho(args.interface, args.rho)
     rollouts = read_jsonl(args.rollouts, required=ROLLOUT_FIELDS)
     diagnoses = read_jsonl(args.diagnoses, required=DIAGNOSIS_FIELDS)
-    trajectories = join(args, rollouts, diagnoses, rho)
+    trajectories, adapted = join(args, rollouts, diagnoses, rho)
     temperature, warning = read_temperature(rollouts, args.rollouts)
     policy = read_policy(args.model, args.lora)
     if args.lr is None:  # an input adapter trains as one, --lora or not
@@ -144,6 +152,8 @@ def train(args):
     accelerator = make_accelerator(args.cpu, args.grad_clip, args.timeout)
     if warning and accelerator.is_main_process:
         print(warning, file=sys.stderr)
+    if adapted:
+        accelerator.print(rho_line(adapted))
     set_seed(args.seed)
     # Plan: the same mini-batches on every process, and the memory they need.
     mini_batches, zero_var_share = plan_mini_batches(args, trajectories, accelerator)
@@ -156,7 +166,7 @@ def train(args):
     t0 = time.perf_counter()
     old_logprobs(training.model, reference, mini_batches, temperature, accelerator)
     # verl's timing_s/ref and timing_s/old_log_prob
-    this_round = Round(zero_var_share, temperature, reference.model, scoring + time.perf_counter() - t0)
+    this_round = Round(zero_var_share, temperature, reference.model, scoring + time.perf_counter() - t0, adapted)
     # Optimise, then save.
     metrics = optimise(args, training, mini_batches, this_round, accelerator)
     if not metrics:
@@ -203,10 +213,16 @@ class Round:
     temperature: float  # the rollouts' sampling temperature, at which every log-prob is taken
     ref_model: str | None  # the KL reference's absolute folder; None without KL
     logprob_seconds: float  # the round's reference and old-log-prob passes
+    adapted: object = None  # --adaptive-rho: the round's AdaptedRho (common/grpo.py)
 
     def recorded(self):
-        """The fields every metrics line ends with (a step's before its lr)."""
-        return {"temperature": self.temperature, "ref_model": self.ref_model, "logprob_seconds": self.logprob_seconds}
+        """The fields every metrics line ends with (a step's before its lr); with --adaptive-rho, the
+        round's ρ_t, whether the rule moved it, and each failure label's learnable share s_z."""
+        out = {"temperature": self.temperature, "ref_model": self.ref_model, "logprob_seconds": self.logprob_seconds}
+        if self.adapted:
+            a = self.adapted
+            out |= {"rho": a.rho, "rho_adapted": a.kept is None, "rho_learnable": a.learnable, "rho_scale": a.scale}
+        return out
 
 
 class Training(NamedTuple):
@@ -219,14 +235,23 @@ class Training(NamedTuple):
 
 
 def join(args, rollouts, diagnoses, rho):
-    """The rollouts joined with their diagnoses: trajectories with weights and advantages."""
-    trajectories = join_trajectories(
-        rollouts, diagnoses, rho, reweight=not args.no_reweight,
+    """The rollouts joined with their diagnoses: trajectories with weights and advantages, and with
+    --adaptive-rho the round's AdaptedRho (else None), whose ρ_t the weights then use."""
+    trajectories, adapted = join_round(
+        rollouts, diagnoses, rho, reweight=not args.no_reweight, adaptive=args.adaptive_rho,
         rollouts_path=args.rollouts, diagnoses_path=args.diagnoses,
     )  # fmt: skip
     if not trajectories:
         raise RecordError(f"{args.rollouts}: no rollout records")
-    return trajectories
+    return trajectories, adapted
+
+
+def rho_line(adapted):
+    """What the adaptive rule did this round, one line."""
+    if adapted.kept:
+        return f"adaptive ρ: kept as the table ({adapted.kept})"
+    moved = ", ".join(f"{z} {adapted.rho[z]:.3f} (s={s:.2f})" for z, s in adapted.learnable.items())
+    return f"adaptive ρ (scale {adapted.scale:.3f}): {moved}"
 
 
 def read_temperature(rollouts, path):

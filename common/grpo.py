@@ -6,7 +6,8 @@ The SEAL weight of trajectory j (docs/design.md §6):
     w_j = clip( Σ_z p_j(z) · ρ(z), 0.5, 2.0 )        -> diagnosis_weight()
 
 where p_j(z) is the fraction of j's user turns labelled z and ρ(z) the utility of label z
-(default table: common.taxonomy.RHO). The advantage every model token of j receives is
+(default table: common.taxonomy.RHO; with --adaptive-rho, the round's own ρ_t from
+adaptive_rho() below). The advantage every model token of j receives is
 
     Ã_j = w_j · A_j,   A_j = (r_j − mean(r_group)) / (std(r_group) + 1e-6)   -> group_advantages()
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch.utils.checkpoint import checkpoint
 
+from common.interface import FAILURE_LABELS
 from common.jsonl import RecordError, read_json
 from common.presets import LOGPROB_CHUNK  # positions projected onto the vocabulary at once
 from common.taxonomy import RHO
@@ -77,6 +79,64 @@ def diagnosis_weight(profile, rho, lo=WEIGHT_MIN, hi=WEIGHT_MAX):
         raise KeyError(f"unknown label(s) {', '.join(unknown)} (ρ knows {', '.join(sorted(rho))})")
     s = sum(float(p) * float(rho[z]) for z, p in profile.items())
     return min(max(s, lo), hi)
+
+
+@dataclass(frozen=True)
+class AdaptedRho:
+    """The ρ a round trains with under --adaptive-rho, and what the rule saw (train_metrics records it)."""
+
+    rho: dict  # ρ_t
+    learnable: dict  # s_z of every failure label the round's profiles hold
+    scale: float  # c
+    kept: str | None  # why ρ_t is the table unchanged, or None when the rule moved it
+
+
+def adaptive_rho(rho, diagnoses):
+    """ρ_t of the round whose (already checked) diagnosis records, {task_id, reward, profile},
+    are `diagnoses`: the mixed-group rule of docs/design.md §6.
+
+    s_z, the learnable share of failure label z: of z's profile mass Σ_j p_j(z), the part in
+    groups whose rewards differ (the GRPO groups where the task also succeeds or fails
+    otherwise: those with A ≠ 0). Then, for every failure label the round holds,
+
+        ρ_t(z) = c · ρ(z) · (1 + s_z) / 2,    pass, correct_abstention and unseen labels: ρ(z),
+
+    c in [1, 2] chosen (bisection) so that the mean weight w over the trajectories with A ≠ 0
+    equals the one ρ gives: the rule moves the weight between labels, never its total. At c=1
+    that mean is at most the table's, at c=2 at least (f = (1 + s)/2 lies in [1/2, 1], the weight's
+    clip is monotone), so c exists in [1, 2] and ρ_t(z) stays within [ρ(z)/2, 2ρ(z)]. A label whose
+    failures all sit in mixed groups (s=1) gets twice the ρ, relative to its table value, of one
+    whose failures never do (s=0). With no failure in the round, or fewer than two failure labels
+    in mixed groups (nothing to move weight between), ρ_t is ρ and `kept` says why.
+    """
+    adv, flat = group_advantages([d["task_id"] for d in diagnoses], [d["reward"] for d in diagnoses])
+    flat = set(flat)
+    mass, mixed = {}, {}
+    for d in diagnoses:
+        for z, p in d["profile"].items():
+            if z in FAILURE_LABELS and p > 0:
+                mass[z] = mass.get(z, 0.0) + p
+                mixed[z] = mixed.get(z, 0.0) + (p if d["task_id"] not in flat else 0.0)
+    learnable = {z: mixed[z] / mass[z] for z in FAILURE_LABELS if z in mass}
+    if not learnable:
+        return AdaptedRho(dict(rho), {}, 1.0, "no failure in the round's diagnoses")
+    if sum(s > 0 for s in learnable.values()) < 2:
+        return AdaptedRho(dict(rho), learnable, 1.0, "fewer than two failure labels in groups with differing rewards")
+    if any(rho[z] < 0 for z in learnable):
+        raise RecordError("ρ: the adaptive rule scales non-negative utilities only")
+    live = [d["profile"] for d, a in zip(diagnoses, adv, strict=True) if a != 0]
+
+    def table(c):
+        return rho | {z: c * rho[z] * (1 + s) / 2 for z, s in learnable.items()}
+
+    def mean_weight(r):
+        return sum(diagnosis_weight(p, r) for p in live) / len(live)
+
+    target, lo, hi = mean_weight(rho), 1.0, 2.0
+    for _ in range(60):  # g(c) = mean_weight(table(c)) is non-decreasing, g(1) <= target <= g(2)
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_weight(table(mid)) < target else (lo, mid)
+    return AdaptedRho(table(hi), learnable, hi, None)
 
 
 def load_rho(interface_path=None, rho_path=None):
@@ -312,6 +372,17 @@ def join_trajectories(
         for seq in t.sequences():
             seq.advantage = a
     return trajectories
+
+
+def join_round(rollouts, diagnoses, rho, reweight=True, adaptive=False, **paths):
+    """join_trajectories with the ρ the round trains with: `rho`, or with `adaptive` the round's
+    own ρ_t (adaptive_rho, on the records the first join has checked). Returns (trajectories,
+    AdaptedRho or None). train_grpo.py, the viewer and the trackers all weigh a round here."""
+    trajectories = join_trajectories(rollouts, diagnoses, rho, reweight, **paths)
+    if not adaptive:
+        return trajectories, None
+    adapted = adaptive_rho(rho, diagnoses)
+    return join_trajectories(rollouts, diagnoses, adapted.rho, reweight, **paths), adapted
 
 
 def rollout_temperature(rollouts, path="rollouts"):

@@ -3,8 +3,8 @@
     python -m common.presets PRESET [--mode MODE] [--set VAR=VALUE ...]
 
 prints the shell assignments `bash loop.sh` evaluates: each preset variable (MODEL=..., MAX_LEN=...),
-the mode's OMEGA and REWEIGHT, LORA_RANK, and RECORD, the key=value settings the run's config.json
-records (common/runinfo.py). An unknown preset, mode or variable, or a value its setting does not
+the mode's OMEGA, REWEIGHT and ADAPTIVE_RHO, LORA_RANK, and RECORD, the key=value settings the run's
+config.json records (common/runinfo.py). An unknown preset, mode or variable, or a value its setting does not
 take, stops with a message and exit status 2.
 
 A preset is a Preset: its field defaults are the paper's shared settings (docs/design.md §7), and
@@ -178,6 +178,7 @@ PRESETS = {
 class Mode:
     omega: str  # what evolve.py does to Ω: evolve it, keep it fixed after round 0, or switch every cue off
     reweight: bool  # train_grpo.py's diagnosis weight (else --no-reweight)
+    adaptive_rho: bool = False  # ρ from the round's own diagnoses (train_grpo.py --adaptive-rho), not the table
 
 
 # SEAL, its baseline and its ablations: modes of the same code (docs/design.md §1).
@@ -187,6 +188,7 @@ MODES = {
     "no-env": Mode("off", True),
     "no-reweight": Mode("evolve", False),
     "no-closed-loop": Mode("fixed", True),
+    "seal-adaptive": Mode("evolve", True, adaptive_rho=True),  # beyond the paper: docs/design.md §6
 }
 
 # The learning rates an empty LR takes: the paper's for full fine-tuning, and 10x that for a LoRA
@@ -284,7 +286,8 @@ def mode(name):
 def record(preset, preset_name, mode_name):
     """The settings config.json records, as {key: text}: the preset, the mode and every variable."""
     m = mode(mode_name)
-    out = {"preset": preset_name, "mode": mode_name, "omega": m.omega, "reweight": "" if m.reweight else "--no-reweight"}
+    out = {"preset": preset_name, "mode": mode_name, "omega": m.omega, "reweight": "" if m.reweight else "--no-reweight",
+           "adaptive_rho": "--adaptive-rho" if m.adaptive_rho else ""}
     for f in dataclasses.fields(Preset):
         out[RECORDED_AS.get(f.name, f.name)] = getattr(preset, f.name)
     return out
@@ -295,6 +298,7 @@ def shell(preset, preset_name, mode_name):
     settings = record(preset, preset_name, mode_name)
     lines = [f"{f.name.upper()}={shlex.quote(getattr(preset, f.name))}" for f in dataclasses.fields(Preset)]
     lines += [f"OMEGA={shlex.quote(settings['omega'])}", f"REWEIGHT={shlex.quote(settings['reweight'])}",
+              f"ADAPTIVE_RHO={shlex.quote(settings['adaptive_rho'])}",
               f"LORA_RANK={LORA_RANK}", "RECORD=(" + " ".join(shlex.quote(f"{k}={v}") for k, v in settings.items()) + ")"]
     return "\n".join(lines)
 

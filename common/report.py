@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from common.bfcl import CATEGORIES  # noqa: E402
 from common.bfcl_results import LEADERBOARD, LEADERBOARD_TASKS  # noqa: E402
 from common.jsonl import RecordError, atomic_open, read_json  # noqa: E402
-from common.runs import STAGES, Run, optional_json, optional_jsonl  # noqa: E402
+from common.runs import STAGES, Run, optional_json, optional_jsonl, round_rho  # noqa: E402
 from common.taxonomy import LABELS  # noqa: E402
 
 
@@ -35,6 +35,7 @@ def collect(path):
         labels = [z for d in diag for z in d["turn_labels"]]
         metrics = optional_jsonl(os.path.join(folder, "train_metrics.jsonl"))
         summary = optional_json(os.path.join(folder, "rollout_summary.json")) or {}
+        rho, adapted = round_rho(metrics, omega)
         row = {
             "round": t,
             "reward": sum(d["reward"] for d in diag) / len(diag) if diag else None,
@@ -43,6 +44,7 @@ def collect(path):
                                    for c in CATEGORIES if any(d.get("category") == c for d in diag)},
             "label_share": {z: labels.count(z) / len(labels) for z in LABELS} if labels else {},
             "omega": omega,
+            "rho": rho, "rho_adapted": adapted,
             "w_mean": (sum(m["w_mean"] for m in metrics) / len(metrics)) if metrics else None,
             "steps": sum(m["step"] > 0 for m in metrics),
             "global_step": max((m.get("global_step", 0) for m in metrics), default=0),
@@ -95,8 +97,12 @@ def plots(run, rounds, evals, base):
     ax.legend(fontsize=6, ncol=2)
     ax = axes[1][1]
     ws = [(r["round"], r["w_mean"]) for r in rounds if r["w_mean"] is not None]
-    ax.plot([x for x, _ in ws], [y for _, y in ws], "o-")
-    ax.set(title="mean diagnosis weight w", xlabel="round")
+    ax.plot([x for x, _ in ws], [y for _, y in ws], "ko-", lw=2, label="w mean")
+    for z in LABELS:  # the ρ each round's weights used (seal-adaptive: the round's own)
+        ys = [(r["round"], r["rho"][z]) for r in rounds if r["rho"] and z in r["rho"]]
+        ax.plot([x for x, _ in ys], [y for _, y in ys], ".--", alpha=0.7, label=f"ρ {z}")
+    ax.set(title="diagnosis weight: mean w, and ρ per label", xlabel="round")
+    ax.legend(fontsize=6, ncol=2)
     ticks = [r["round"] for r in rounds]
     for ax in axes.flat:
         ax.set_xticks(ticks)
@@ -126,6 +132,19 @@ def markdown(run, rounds, evals, base, config):
               "|" + "---|" * (len(LABELS) + 1)]
     for r in rounds:
         lines.append(f"| {r['round']} | " + " | ".join(f"{r['label_share'].get(z, 0):.2f}" for z in LABELS) + " |")
+    lines += ["", "## ρ per label (the utilities of the weight w)", ""]
+    if s.get("reweight") == "--no-reweight":
+        lines.append(f"Mode {s.get('mode')} trains with w = 1: ρ is not used.")
+    else:
+        if s.get("adaptive_rho"):
+            lines += ["Each round's own ρ_t, from its diagnoses by the mixed-group rule (docs/design.md §6); "
+                      "'kept': the rule left the table as it was.", ""]
+        lines += ["| round | " + " | ".join(LABELS) + " |", "|" + "---|" * (len(LABELS) + 1)]
+        for r in rounds:
+            notes = {False: " (kept)", None: " (table: not trained yet)" if s.get("adaptive_rho") else ""}
+            rho, note = r["rho"] or {}, notes.get(r["rho_adapted"], "")
+            lines.append(f"| {r['round']}{note} | " + " | ".join(fmt(float(rho[z])) if z in rho else "-" for z in LABELS)
+                         + " |")
     lines += ["", "## Held-in (BFCL multi-turn @ bfcl-eval 2026.3.23, %)", "",
               "| policy | " + " | ".join(CATEGORIES) + " | average |", "|" + "---|" * (len(CATEGORIES) + 2)]
     for name, sc in ([("base", base)] if base else []) + sorted(evals.items()):
@@ -139,8 +158,9 @@ def compare(paths):
     model once, then every evaluated round; a folder holding a scores.json (an evaluate.py --out,
     e.g. of --split all) is one row. Below, the BFCL leaderboard's figure for each bfcl-eval entry
     the rows were scored under (common/bfcl_results.py LEADERBOARD). Returns Table 1's rows of
-    (name, scores)."""
-    rows, ood, bases = [], [], set()
+    (name, scores). Every row says the mode its run was trained in (— for a base model or an
+    evaluation folder)."""
+    rows, ood, bases, modes = [], [], set(), {}
     for path in paths:
         if not os.path.isdir(path):
             raise RecordError(f"{path}: no such run folder")
@@ -156,21 +176,24 @@ def compare(paths):
             ood.append((f"{run.preset} base", run.base_ood()))
         rows += [(f"{name} r{t:03d}", scores) for t, scores in run.evals()]
         ood += [(f"{name} r{t:03d}", benches) for t, benches in run.ood()]
+        modes |= {f"{name} r{t:03d}": run.settings.get("mode") or "?" for t, _ in run.evals() + run.ood()}
     board = {e["registry"]: LEADERBOARD[e["registry"]] for _, sc in rows
              if (e := sc.get("bfcl_eval", {})).get("registry") in LEADERBOARD}
     width = max([len(name) for name, _ in rows] + [len("BFCL leaderboard") if board else 10])
-    print(f"{'':{width}}" + "".join(f"{c:>14}" for c in CATEGORIES + ["average"]))
+    mw = max([len(m) for m in modes.values()] + [len("mode")])
+    print(f"{'':{width}}  {'mode':<{mw}}" + "".join(f"{c:>14}" for c in CATEGORIES + ["average"]))
     for name, sc in rows:
         e = sc.get("bfcl_eval", {})
         notes = [] if e.get("same_settings", True) else ["* not bfcl-eval's settings: " + "; ".join(e["differs"])]
         if e.get("registry") in board and e.get("tasks") != LEADERBOARD_TASKS:
             notes.append(f"† {e.get('tasks', 'not all')} tasks; the leaderboard's figure is over all {LEADERBOARD_TASKS}")
-        print(f"{name:{width}}" + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in CATEGORIES + ["average"])
+        print(f"{name:{width}}  {modes.get(name, '—'):<{mw}}"
+              + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in CATEGORIES + ["average"])
               + "".join(f"  {n}" for n in notes))
     for registry, (figure, source) in board.items():
-        print(f"{'BFCL leaderboard':{width}}" + f"{'—':>14}" * len(CATEGORIES) + f"{figure:>14.2f}"
+        print(f"{'BFCL leaderboard':{width}}  {'':<{mw}}" + f"{'—':>14}" * len(CATEGORIES) + f"{figure:>14.2f}"
               + f"  {registry}, all {LEADERBOARD_TASKS} tasks ({source})")
-    print_ood([(name, benches) for name, benches in ood if benches])
+    print_ood([(name, benches) for name, benches in ood if benches], modes)
     return rows
 
 
@@ -182,20 +205,23 @@ OOD_COLUMNS = [("bfcl-memory", "memory_kv", "mem kv"), ("bfcl-memory", "memory_v
                ("tau2", "airline", "τ² airline"), ("tau2", "telecom", "τ² telecom"), ("tau2", "average", "τ² avg")]
 
 
-def print_ood(rows):
-    """The Table-2 block for the (name, {bench: scores}) rows that hold OOD scores (loop.sh --ood)."""
+def print_ood(rows, modes):
+    """The Table-2 block for the (name, {bench: scores}) rows that hold OOD scores (loop.sh --ood),
+    each with its run's mode (`modes`: {name: mode}; — for a base model)."""
     if not rows:
         return
     width = max(len(name) for name, _ in rows)
+    mw = max([len(modes.get(name, "—")) for name, _ in rows] + [len("mode")])
     print("\nOut of distribution (Table 2): BFCL V4 memory (web search where it ran) and τ²-bench")
-    print(f"{'':{width}}" + "".join(f"{label:>13}" for _, _, label in OOD_COLUMNS) + "  τ² user simulator")
+    print(f"{'':{width}}  {'mode':<{mw}}" + "".join(f"{label:>13}" for _, _, label in OOD_COLUMNS)
+          + "  τ² user simulator")
     for name, benches in rows:
         cells = []
         for bench, key, _ in OOD_COLUMNS:
             v = benches.get(bench, {}).get(key)
             cells.append(f"{v:>13.2f}" if isinstance(v, (int, float)) else f"{'—' if v is None else v:>13}")
         sim = benches.get("tau2", {}).get("user_simulator") or {}
-        print(f"{name:{width}}" + "".join(cells) + f"  {sim.get('model') or sim.get('name') or sim.get('kind', '—')}")
+        print(f"{name:{width}}  {modes.get(name, '—'):<{mw}}" + "".join(cells) + f"  {sim.get('model') or sim.get('name') or sim.get('kind', '—')}")
 
 
 def main(run):

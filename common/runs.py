@@ -6,6 +6,7 @@
     run.evals()                   # [(t, scores)] of runs/NAME/eval/round_XXX/scores.json
     run.ood()                     # [(t, {bench: scores})] of runs/NAME/ood/round_XXX/<bench>/scores.json
     run.base_eval(), run.base_ood()   # the base model's, shared by every run of the preset
+    round_rho(metrics, omega)     # the ρ a round's weights used, and whether the adaptive rule moved it
 
 A live run lacks the artifacts of stages that have not run yet: absent is empty (None, [] or
 {}), not an error.
@@ -30,6 +31,15 @@ def optional_json(path):
 
 def optional_jsonl(path):
     return read_jsonl(path) if os.path.isfile(path) else []
+
+
+def round_rho(metrics, omega):
+    """(ρ, adapted) of a round: the ρ_t its train metrics record (--adaptive-rho; adapted: whether
+    the rule moved it), else its interface's table (adapted None); (None, None) when neither has one."""
+    recorded = next((m for m in metrics if isinstance(m.get("rho"), dict)), None)
+    if recorded:
+        return recorded["rho"], bool(recorded.get("rho_adapted"))
+    return ((omega or {}).get("rho") or None), None
 
 
 def _numbered(run, *pattern):

@@ -31,7 +31,7 @@ import uuid
 from common.bfcl import CATEGORIES
 from common.interface import FAILURE_LABELS
 from common.jsonl import read_json, read_jsonl, write_json
-from common.runs import Run
+from common.runs import Run, round_rho
 from common.taxonomy import LABELS
 
 PROJECT = "seal"  # W&B / Comet / Trackio project, MLflow experiment, TensorBoard folder name
@@ -176,8 +176,13 @@ def round_figures(folder, t, seconds, max_new_tokens):
     figs = {"training/round": t}
     figs |= rollout_figures(rollouts, max_new_tokens)
     figs |= reward_figures(read_jsonl(os.path.join(folder, "diagnoses.jsonl")))
-    figs |= omega_figures(read_json(os.path.join(folder, "interface.json")))
-    figs |= train_figures(read_jsonl(metrics_path))
+    omega, metrics = read_json(os.path.join(folder, "interface.json")), read_jsonl(metrics_path)
+    figs |= omega_figures(omega)
+    figs |= train_figures(metrics)
+    rho, adapted = round_rho(metrics, omega)  # the ρ the round's weights used (seal-adaptive: its own)
+    figs |= {f"seal/rho/{z}": float(v) for z, v in (rho or {}).items()}
+    if adapted is not None:
+        figs["seal/rho/adapted"] = float(adapted)
     summary_path = os.path.join(folder, "rollout_summary.json")
     if os.path.isfile(summary_path):
         summary = read_json(summary_path)
@@ -195,12 +200,13 @@ def trajectory_table(run, folder):
     """Round rows of TABLE_COLUMNS, largest |w·A| first: the prompt is the task's user turns, the
     completion the model's texts; A and w as train_grpo.py computes them (common/grpo.py)."""
     from common.bfcl import load_tasks
-    from common.grpo import join_trajectories, load_rho
+    from common.grpo import join_round, load_rho
 
     rollouts = read_jsonl(os.path.join(folder, "rollouts.jsonl"))
     diagnoses = {(d["task_id"], d["sample_index"]): d for d in read_jsonl(os.path.join(folder, "diagnoses.jsonl"))}
-    joined = join_trajectories(rollouts, list(diagnoses.values()), load_rho(os.path.join(folder, "interface.json")),
-                               reweight=run.settings.get("reweight") != "--no-reweight")
+    joined, _ = join_round(rollouts, list(diagnoses.values()), load_rho(os.path.join(folder, "interface.json")),
+                           reweight=run.settings.get("reweight") != "--no-reweight",
+                           adaptive=bool(run.settings.get("adaptive_rho")))
     path = run.settings.get("tasks") or "data/train.jsonl"
     tasks = load_tasks(path if os.path.isabs(path) else os.path.join(ROOT, path))
     texts = {(r["task_id"], r["sample_index"]): "\n\n".join(s["text"] for t in r["turns"] for s in t["steps"])

@@ -20,12 +20,12 @@ import sys
 
 from common import bfcl
 from common.jsonl import RecordError, atomic_open
-from common.runs import Run, optional_json
+from common.runs import Run, optional_json, round_rho
 from common.taxonomy import LABELS
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "viewer")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORMAT = 1  # data files of another format are rebuilt
+FORMAT = 2  # data files of another format are rebuilt
 
 
 def read_records(path, rel, missing):
@@ -116,27 +116,28 @@ def trajectory(rec):
     return out
 
 
-def advantages(rollouts, diagnoses, interface_path, reweight, missing, rel):
-    """{(task_id, sample): (A, w)} as train_grpo.py computes them, or {} with the reason in `missing`."""
-    from common.grpo import join_trajectories, load_rho  # torch: imported only where a round is built
+def advantages(rollouts, diagnoses, interface_path, reweight, adaptive, missing, rel):
+    """{(task_id, sample): (A, w)} as train_grpo.py computes them (with `adaptive`, under the round's
+    own ρ_t), or {} with the reason in `missing`."""
+    from common.grpo import join_round, load_rho  # torch: imported only where a round is built
 
     try:
         rho = load_rho(interface_path if os.path.isfile(interface_path) else None)
-        joined = join_trajectories(rollouts, diagnoses, rho, reweight=reweight,
-                                   rollouts_path=f"{rel}/rollouts.jsonl", diagnoses_path=f"{rel}/diagnoses.jsonl")
+        joined, _ = join_round(rollouts, diagnoses, rho, reweight=reweight, adaptive=adaptive,
+                               rollouts_path=f"{rel}/rollouts.jsonl", diagnoses_path=f"{rel}/diagnoses.jsonl")
     except (RecordError, KeyError, TypeError, ValueError) as e:
         missing.append(f"{rel}: advantages and weights not computed ({e})")
         return {}
     return {(t.task_id, t.sample_index): (t.advantage, t.weight) for t in joined}
 
 
-def build_round(folder, rel, tasks, reweight):
+def build_round(folder, rel, tasks, reweight, adaptive=False):
     """Round data: Ω, and one row per trajectory (rollout, diagnosis, A, w), with the tasks they play."""
     missing = []
     rollouts = read_records(os.path.join(folder, "rollouts.jsonl"), f"{rel}/rollouts.jsonl", missing)
     diagnoses = read_records(os.path.join(folder, "diagnoses.jsonl"), f"{rel}/diagnoses.jsonl", missing)
     omega = read_object(os.path.join(folder, "interface.json"), f"{rel}/interface.json", missing, required=True)
-    adv = advantages(rollouts, diagnoses, os.path.join(folder, "interface.json"), reweight, missing, rel) \
+    adv = advantages(rollouts, diagnoses, os.path.join(folder, "interface.json"), reweight, adaptive, missing, rel) \
         if rollouts and diagnoses else {}
     rows, by_key = [], {}
     for r in rollouts:
@@ -180,6 +181,7 @@ def round_summary(t, data, metrics, summary, omega, seconds):
     labels = [z for d in diag for z in d.get("turn_labels") or []]
     rewards = [d["reward"] for d in diag if isinstance(d.get("reward"), (int, float))]
     ws = [row["w"] for row in data["rows"] if "w" in row]
+    rho, adapted = round_rho(metrics, omega)
     return {
         "round": t, "trajectories": len(data["rows"]), "diagnosed": len(diag),
         "reward": sum(rewards) / len(rewards) if rewards else None,
@@ -188,6 +190,7 @@ def round_summary(t, data, metrics, summary, omega, seconds):
         "global_step": max((m.get("global_step", 0) for m in metrics), default=None),
         "label_share": {z: labels.count(z) / len(labels) for z in LABELS} if labels else {},
         "omega": omega and {k: omega.get(k) for k in ("version", "schema_cue", "error_feedback", "capability_cues")},
+        "rho": rho, "rho_adapted": adapted,
         "gen_tokens": summary.get("gen_tokens"), "cue_tokens": summary.get("cue_tokens"),
         "seconds": seconds, "missing": data["missing"],
         "samples": [[row["task_id"], row.get("sample_index"), row["diagnosis"].get("reward"),
@@ -252,6 +255,7 @@ def build(path, out=None):
         return loaded[kind]
 
     reweight = settings.get("reweight") != "--no-reweight"
+    adaptive = bool(settings.get("adaptive_rho"))
     rounds = []
     for t, folder in run.rounds():
         rel = os.path.basename(folder)
@@ -266,7 +270,7 @@ def build(path, out=None):
 
         def make(folder=folder, rel=rel, t=t, metrics=metrics, summary=summary):
             tasks, notes = tasks_for("train")
-            data = build_round(folder, rel, tasks, reweight)
+            data = build_round(folder, rel, tasks, reweight, adaptive)
             data["missing"] += notes
             cache[rel] = round_summary(t, data, metrics, summary, data["omega"], run.seconds(t))
             return data

@@ -2,21 +2,25 @@
 zero-variance groups), the SEAL weight and its clip, the clipped surrogate, the k3 KL, the
 logits-to-token shift, loss masking (checked through gradients), the chunked log-probs
 against the full-logits computation (values and gradients), token-mean normalisation,
-micro-batch planning, and the join of rollouts with diagnoses.
+micro-batch planning, the join of rollouts with diagnoses, and the adaptive ρ's invariants
+(seal-adaptive) on synthetic diagnoses.
 """
 
 import json
 import math
+import random
 
 import pytest
 import torch
 
 from common.grpo import (
     ADV_EPS,
+    adaptive_rho,
     clipped_surrogate,
     collate,
     diagnosis_weight,
     group_advantages,
+    join_round,
     join_trajectories,
     kl_k3,
     load_rho,
@@ -29,7 +33,7 @@ from common.grpo import (
     token_loss,
 )
 from common.jsonl import RecordError, read_jsonl
-from common.taxonomy import RHO
+from common.taxonomy import LABELS, RHO
 
 # ---------------------------------------------------------------- advantages
 
@@ -96,6 +100,95 @@ def test_load_rho(tmp_path):
         load_rho(rho_path=str(tmp_path / "bad.json"))
     with pytest.raises(RecordError, match="no such file"):
         load_rho(str(tmp_path / "missing.json"))
+
+
+# ---------------------------------------------------------------- adaptive ρ (seal-adaptive)
+
+FAILURES = LABELS[2:]  # after pass and correct_abstention
+
+
+def cohort(groups):
+    """Diagnosis records from {task: [(reward, {label: fraction}), ...]}."""
+    return [{"task_id": tid, "sample_index": k, "reward": r, "profile": p}
+            for tid, samples in groups.items() for k, (r, p) in enumerate(samples)]
+
+
+def live_mean_weight(diagnoses, rho):
+    adv, _ = group_advantages([d["task_id"] for d in diagnoses], [d["reward"] for d in diagnoses])
+    ws = [diagnosis_weight(d["profile"], rho) for d, a in zip(diagnoses, adv, strict=True) if a != 0]
+    return sum(ws) / len(ws)
+
+
+def random_cohort(rng):
+    """8 tasks x 4 samples: random rewards, each failure a random mix of up to 3 labels beside
+    passes; heavy on invalid_tool_call now and then, so the weight's clip at 2 bites."""
+    groups = {}
+    for t in range(8):
+        samples = []
+        for _ in range(4):
+            if rng.random() < 0.35:
+                samples.append((1, {"pass": 1.0}))
+                continue
+            zs = rng.sample(FAILURES, rng.randint(1, 3)) + (["invalid_tool_call"] * 3 if rng.random() < 0.2 else [])
+            turns = zs + ["pass"] * rng.randint(0, 2)
+            samples.append((0, {z: turns.count(z) / len(turns) for z in set(turns)}))
+        groups[f"t{t}"] = samples
+    return cohort(groups)
+
+
+def test_adaptive_rho_stays_in_its_band_and_keeps_the_mean_weight():
+    """ρ_t is finite and within [ρ/2, 2ρ] for every label (the good outcomes' and unseen labels'
+    exactly ρ), and the mean weight over the trajectories with A ≠ 0 is the table's: the mode
+    moves where the learning rate goes, not how much of it there is."""
+    rng, moved = random.Random(0), 0
+    for _ in range(100):
+        diagnoses = random_cohort(rng)
+        a = adaptive_rho(RHO, diagnoses)
+        assert set(a.rho) == set(RHO) and 1.0 <= a.scale <= 2.0
+        for z, v in a.rho.items():
+            assert math.isfinite(v) and RHO[z] / 2 - 1e-12 <= v <= 2 * RHO[z] + 1e-12, (z, v)
+            if z not in a.learnable:
+                assert v == RHO[z]
+        assert live_mean_weight(diagnoses, a.rho) == pytest.approx(live_mean_weight(diagnoses, RHO), rel=1e-9)
+        moved += a.kept is None
+    assert moved > 75  # the rule moved ρ in most cohorts, not only kept it
+
+
+def test_adaptive_rho_favours_failures_that_sit_beside_successes():
+    """argument_mismatch fails only in groups that also succeed (s = 1), state_mismatch half in
+    such groups and half in an all-fail one (s = 1/2), response_mismatch only where every sample
+    fails (s = 0): relative to the table, ρ_t gives them c, 3c/4 and c/2."""
+    fail = lambda z: (0, {z: 0.5, "pass": 0.5})  # noqa: E731
+    diagnoses = cohort({
+        "mixed1": [(1, {"pass": 1.0}), fail("argument_mismatch"), fail("state_mismatch"), fail("argument_mismatch")],
+        "mixed2": [(1, {"pass": 1.0}), (1, {"pass": 1.0}), fail("argument_mismatch"), (1, {"pass": 1.0})],
+        "flat": [fail("state_mismatch"), fail("response_mismatch"), fail("response_mismatch"), fail("response_mismatch")],
+    })
+    a = adaptive_rho(RHO, diagnoses)
+    assert a.kept is None and a.learnable == {"argument_mismatch": 1.0, "state_mismatch": 0.5, "response_mismatch": 0.0}
+    ratio = {z: a.rho[z] / RHO[z] for z in a.learnable}
+    assert ratio["argument_mismatch"] == pytest.approx(a.scale)
+    assert ratio["state_mismatch"] == pytest.approx(0.75 * a.scale)
+    assert ratio["response_mismatch"] == pytest.approx(0.5 * a.scale)
+    assert a.rho["pass"] == RHO["pass"] and a.rho["invalid_tool_call"] == RHO["invalid_tool_call"]  # unseen
+    assert live_mean_weight(diagnoses, a.rho) == pytest.approx(live_mean_weight(diagnoses, RHO), rel=1e-9)
+
+
+def test_adaptive_rho_with_one_failure_label_or_none_is_the_table(tmp_path):
+    """A single failure label has nothing to move weight between: the weights are seal's. A round
+    without any failure keeps ρ too; each says why."""
+    one = cohort({"a": [(1, {"pass": 1.0}), (0, {"missing_tool_call": 1.0}), (0, {"missing_tool_call": 0.5, "pass": 0.5})],
+                  "b": [(0, {"missing_tool_call": 1.0})] * 3})
+    a = adaptive_rho(RHO, one)
+    assert a.rho == RHO and a.kept == "fewer than two failure labels in groups with differing rewards"
+    none = adaptive_rho(RHO, cohort({"a": [(1, {"pass": 1.0}), (0, {"correct_abstention": 1.0})]}))
+    assert none.rho == RHO and none.learnable == {} and none.kept == "no failure in the round's diagnoses"
+    rollouts = [rollout(d["task_id"], d["sample_index"]) for d in one]
+    rp, dp = write(tmp_path / "r.jsonl", rollouts), write(tmp_path / "d.jsonl", one)
+    seal = join_trajectories(read_jsonl(rp), read_jsonl(dp), RHO)
+    adaptive, adapted = join_round(read_jsonl(rp), read_jsonl(dp), RHO, adaptive=True)
+    assert adapted.kept and [t.weight for t in adaptive] == [t.weight for t in seal]
+    assert join_round(read_jsonl(rp), read_jsonl(dp), RHO)[1] is None  # seal: no adaptive record
 
 
 # ---------------------------------------------------------------- per-token loss

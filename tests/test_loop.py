@@ -199,7 +199,7 @@ def scalars(run):
 # One tag of each family (docs/tracking.md), logged at every round's step.
 ROUND_TAGS = ["critic/score/mean", "reward_std", "frac_reward_zero_std", "response_length/mean", "response_length/max", "response_length/clip_ratio", "prompt_length/mean",
               "num_turns/mean", "rollout/steps/mean", "tools/calls_per_step", "tools/failure_frequency",
-              "rollout/parse_error_rate", "seal/cue_tokens/mean", "seal/label/pass", "seal/w/mean", "seal/w/std",
+              "rollout/parse_error_rate", "seal/cue_tokens/mean", "seal/label/pass", "seal/w/mean", "seal/w/std", "seal/rho/pass",
               "seal/cue/schema", "seal/cue/error_feedback", "seal/cue/capability/invalid_tool_call",
               "timing_s/rollout", "timing_s/train", "timing_s/round", "perf/gen_throughput", "training/global_step"]
 POLICY_TAGS = ["actor/pg_loss", "actor/kl_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/grad_norm",

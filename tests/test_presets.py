@@ -26,7 +26,7 @@ def cli(*args):
 
 def shell_values(*args):
     """What bash holds after evaluating the presets' output: each variable, and RECORD's words."""
-    names = [f.name.upper() for f in dataclasses.fields(Preset)] + ["OMEGA", "REWEIGHT", "LORA_RANK"]
+    names = [f.name.upper() for f in dataclasses.fields(Preset)] + ["OMEGA", "REWEIGHT", "ADAPTIVE_RHO", "LORA_RANK"]
     script = ('settings=$("$0" -m common.presets "$@") || exit 9\neval "$settings"\n'
               + "".join(f'printf "%s\\0" "${{{n}}}"\n' for n in names) + 'printf "%s\\0" "${RECORD[@]}"')
     res = subprocess.run(["bash", "-c", script, sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
@@ -108,6 +108,7 @@ def test_the_shell_gets_the_python_values_exactly(name):
         p = presets.resolve(name, [f"{k}={v}" for k, v in AWKWARD.items()], presets.visible_gpus())
         assert values == {**{f.name.upper(): getattr(p, f.name) for f in dataclasses.fields(p)},
                           "OMEGA": m.omega, "REWEIGHT": "" if m.reweight else "--no-reweight",
+                          "ADAPTIVE_RHO": "--adaptive-rho" if m.adaptive_rho else "",
                           "LORA_RANK": str(presets.LORA_RANK)}
         assert values["USER_MODEL_NAME"] == AWKWARD["USER_MODEL_NAME"] and values["EXTRA_TRAIN"] == "--cpu\n--x"
         assert record == [f"{k}={v}" for k, v in presets.record(p, name, mode).items()]
@@ -240,3 +241,13 @@ def test_a_thinking_preset_refuses_a_view_that_keeps_reasoning_before_anything_d
     res = subprocess.run(["bash", "loop.sh", "qwen3-8b", "--plan", "--set", "GPUS=4"], cwd=ROOT, capture_output=True,
                          text=True, env=env, timeout=60)
     assert res.returncode == 0 and res.stdout.startswith("memory plan: qwen3-8b Qwen/Qwen3-8B (8.19 B parameters")
+
+
+def test_seal_adaptive_is_seal_with_the_rounds_own_rho():
+    """The one mode beyond the paper differs from seal only in train_grpo.py's --adaptive-rho;
+    seal and every ablation keep the fixed table."""
+    assert presets.MODES["seal-adaptive"] == dataclasses.replace(presets.MODES["seal"], adaptive_rho=True)
+    assert [name for name, m in presets.MODES.items() if m.adaptive_rho] == ["seal-adaptive"]
+    record = presets.record(presets.resolve("tiny"), "tiny", "seal-adaptive")
+    assert record["adaptive_rho"] == "--adaptive-rho" and presets.record(presets.resolve("tiny"), "tiny", "seal")[
+        "adaptive_rho"] == ""

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from common import report
+from common.taxonomy import LABELS, RHO
 
 
 def _write(path, obj, lines=False):
@@ -24,7 +25,7 @@ def test_report_of_a_live_run(tmp_path, capsys):
                                        {"round": 0, "stage": "train", "seconds": 1.0}], lines=True)
     r0 = run / "round_000"
     _write(str(r0 / "interface.json"), {"schema_cue": {"enabled": True}, "error_feedback": False,
-                                        "capability_cues": [{"label": "missing_tool_call"}]})
+                                        "capability_cues": [{"label": "missing_tool_call"}], "rho": RHO})
     _write(str(r0 / "diagnoses.jsonl"), [
         {"reward": 1, "category": "base", "turn_labels": ["pass", "pass"]},
         {"reward": 0, "category": "base", "turn_labels": ["missing_tool_call"]},
@@ -51,6 +52,7 @@ def test_report_of_a_live_run(tmp_path, capsys):
     assert capsys.readouterr().out == text + "\n"
     assert "| 0 | 0.500 | 1.250 | 2 (2) | schema, cap:missing_tool_call | 123 | 7 |" in text
     assert "| base | 50.00 | 25.00 | 0.00 | 100.00 | 40.00 |" in text
+    assert "| 0 | " + " | ".join(f"{RHO[z]:.3f}" for z in LABELS) + " |" in text  # ρ per label, the table
     assert "| round_000 | 50.00 | 25.00 | 0.00 | 100.00 | 43.75 |" in text
     assert sorted(os.listdir(run)) == ["config.json", "curves.png", "eval", "report.md", "round_000", "round_001",
                                        "timing.jsonl"]
@@ -72,7 +74,7 @@ def test_compare_and_trackers_read_runs_one_way(tmp_path, capsys):
     held = {"base": 50.0, "miss_func": 25.0, "miss_param": 0.0, "long_context": 100.0, "average": 43.75}
     for name in ("seal", "vanilla"):
         run = tmp_path / name
-        _write(str(run / "config.json"), {"settings": {"preset": "tiny", "max_new_tokens": "96"}})
+        _write(str(run / "config.json"), {"settings": {"preset": "tiny", "max_new_tokens": "96", "mode": name}})
         _write(str(run / "timing.jsonl"), [{"round": 1, "stage": "eval", "seconds": 3.0}], lines=True)
         _write(str(run / "eval" / "round_001" / "scores.json"), held | {"average": 60.0 if name == "seal" else 45.0})
     _write(str(tmp_path / "seal" / "eval" / "memory" / "scores.json"), {"memory": 10.0})
@@ -91,8 +93,11 @@ def test_compare_and_trackers_read_runs_one_way(tmp_path, capsys):
     assert [(name, sc["average"]) for name, sc in rows] == [("tiny base", 43.75), ("seal r001", 60.0),
                                                             ("vanilla r001", 45.0)]
     out = capsys.readouterr().out.splitlines()
+    # every row says the mode its run trained in (— for the base model)
+    assert [line.split()[:3] for line in out[1:4]] == [["tiny", "base", "—"], ["seal", "r001", "seal"],
+                                                       ["vanilla", "r001", "vanilla"]]
     ood = out[out.index("Out of distribution (Table 2): BFCL V4 memory (web search where it ran) and τ²-bench") + 2:]
-    assert [line.split()[:2] for line in ood] == [["tiny", "base"], ["seal", "r001"]]
+    assert [line.split()[:3] for line in ood] == [["tiny", "base", "—"], ["seal", "r001", "seal"]]
     assert ood[1].endswith("user-7b") and "20.00" in ood[1] and "10.00" in ood[0]
     with pytest.raises(report.RecordError, match="no such run folder"):
         report.compare([str(tmp_path / "none")])

@@ -365,6 +365,43 @@ def test_bad_input_stops_without_output(tiny, tmp_path):
     assert not os.path.exists(os.path.dirname(out))
 
 
+def test_adaptive_rho_refusals_and_the_rounds_own_rho(tmp_path):
+    """--adaptive-rho beside --rho (a table to use as it is) or --no-reweight (no ρ at all) stops
+    at the command line, naming both, with nothing written. Otherwise the join weighs the round
+    with its own ρ_t (common/grpo.py adaptive_rho), which every metrics line records."""
+    import train_grpo
+    from common.grpo import diagnosis_weight
+    from common.taxonomy import RHO
+
+    rollouts, diagnoses = make_data(str(tmp_path))
+    rho = tmp_path / "rho.json"
+    rho.write_text(json.dumps(RHO))
+    out = str(tmp_path / "run" / "policy")
+    for extra in (["--rho", str(rho)], ["--no-reweight"]):
+        proc = run_train(str(tmp_path / "model"), rollouts, diagnoses, out, "--adaptive-rho", *extra, "--cpu")
+        assert proc.returncode == 2 and f"error: --adaptive-rho and {extra[0]}:" in proc.stderr, proc.stderr
+    assert not os.path.exists(os.path.dirname(out))
+
+    # t0, t1: failures beside successes (argument_mismatch); t2 fails throughout and t3 once (state_mismatch)
+    recs = read_jsonl(diagnoses)
+    for d in recs:
+        z = "pass" if d["reward"] else "argument_mismatch" if d["task_id"] in ("t0", "t1") else "state_mismatch"
+        d |= {"turn_labels": [z], "profile": {z: 1.0}}
+    args = SimpleNamespace(rollouts=rollouts, diagnoses=diagnoses, no_reweight=False, adaptive_rho=True)
+    trajs, adapted = train_grpo.join(args, read_jsonl(rollouts), recs, RHO)
+    assert adapted.kept is None and adapted.learnable == {"argument_mismatch": 1.0, "state_mismatch": 0.2}
+    assert adapted.rho["argument_mismatch"] / RHO["argument_mismatch"] > adapted.rho["state_mismatch"] / RHO["state_mismatch"]
+    profiles = {(d["task_id"], d["sample_index"]): d["profile"] for d in recs}
+    assert [t.weight for t in trajs] == [diagnosis_weight(profiles[t.task_id, t.sample_index], adapted.rho) for t in trajs]
+    line = train_grpo.Round(0.25, 1.0, None, 0.0, adapted).recorded()
+    assert (line["rho"], line["rho_adapted"], line["rho_learnable"]) == (adapted.rho, True, adapted.learnable)
+    assert "rho" not in train_grpo.Round(0.25, 1.0, None, 0.0).recorded()  # seal's lines are as they were
+    assert train_grpo.rho_line(adapted).startswith("adaptive ρ (scale ")
+    _, none = train_grpo.join(args, read_jsonl(rollouts), read_jsonl(diagnoses), RHO)  # one label: kept
+    assert none.kept and train_grpo.rho_line(none) == f"adaptive ρ: kept as the table ({none.kept})"
+    assert train_grpo.Round(0.25, 1.0, None, 0.0, none).recorded()["rho_adapted"] is False
+
+
 def test_temperature_comes_from_the_records(tiny, tmp_path):
     """Old records without it: T = 1 and a warning naming the file; a file mixing
     temperatures: refused with file:line and no output."""

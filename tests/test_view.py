@@ -90,7 +90,8 @@ def synthetic_run(path, tasks, eval_tasks, rounds=2, n=4, step_chars=0, hostile=
     _write(task_file, [dict(t, questions=[[{"role": "user", "content": m["content"] + " " + " ".join(bad)}
                                            for m in q] for q in t["questions"]]) for t in tasks])
     settings = {"preset": "synthetic", "mode": mode, "rounds": str(rounds), "model": "tiny", "tasks": task_file,
-                "reweight": "--no-reweight" if mode == "vanilla" else ""}
+                "reweight": "--no-reweight" if mode == "vanilla" else "",
+                "adaptive_rho": "--adaptive-rho" if mode == "seal-adaptive" else ""}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"settings": settings, "git_commit": "0" * 40}, f)
     for t in range(rounds):
@@ -302,7 +303,46 @@ def test_missing_and_cut_artifacts_are_named_and_the_rest_shown(runs):
     missing = " ".join(li.text() for li in dom.all("li"))
     assert "round_001/diagnoses.jsonl:6: cut or unreadable" in missing
     assert "round_001/train_metrics.jsonl: not written" in missing
+    rho = list(next(dom.all("table", id="rho")).all("tr"))  # the interface's table, each round
+    assert len(rho) == 3 and rho[1].text().startswith("round 0") and "2.000" in rho[1].text()
     assert len(rows(browse(page, "round/1"))) == 16  # every rollout, 5 of them diagnosed
+
+
+def test_an_adaptive_run_weighs_and_shows_each_rounds_own_rho(tmp_path):
+    """seal-adaptive: the viewer's and the trackers' w are the trainer's under the round's own ρ_t
+    (common/grpo.py join_round), and the run page's data, the trackers' figures and the report
+    show the ρ_t the train metrics recorded."""
+    from common import report
+    from common.grpo import adaptive_rho, diagnosis_weight
+
+    tasks = list(load_tasks(os.path.join(ROOT, "data", "tiny.jsonl")).values())[:4]
+    run = synthetic_run(tmp_path / "adaptive", tasks, tasks[:1], rounds=1, mode="seal-adaptive", hostile=False)
+    folder = run / "round_000"
+    diags = [json.loads(x) for x in open(folder / "diagnoses.jsonl")]
+    for d in diags:  # task 0 fails throughout, and one failure beside task 1's success, as state_mismatch
+        if d["task_id"] == tasks[0]["id"] or (d["task_id"] == tasks[1]["id"] and d["sample_index"] == 1):
+            n = len(d["turn_labels"])
+            d |= {"reward": 0, "turn_labels": ["state_mismatch"] * n, "profile": {z: float(z == "state_mismatch")
+                                                                                 for z in LABELS}}
+    _write(str(folder / "diagnoses.jsonl"), diags)
+    adapted = adaptive_rho(RHO, diags)
+    assert adapted.kept is None and adapted.learnable["state_mismatch"] == 0.2
+    _write(str(folder / "train_metrics.jsonl"), [{"step": 0, "global_step": 0, "w_mean": 1.0, "w_std": 0.0,
+                                                  "rho": adapted.rho, "rho_adapted": True}])
+    view_mod.build(str(run))
+    page = run / "viewer" / "index.html"
+    profiles = {(d["task_id"], d["sample_index"]): d["profile"] for d in diags}
+    w = {(r["task_id"], r["sample_index"]): r["w"] for r in data(page, "round_000")["rows"]}
+    assert w == {k: diagnosis_weight(p, adapted.rho) for k, p in profiles.items()} and len(set(w.values())) > 2
+    assert data(page, "run")["rounds"][0]["rho"] == adapted.rho
+    figs = tracking.round_figures(str(folder), 0, {}, None)
+    assert figs["seal/rho/state_mismatch"] == adapted.rho["state_mismatch"] < RHO["state_mismatch"]
+    assert figs["seal/rho/adapted"] == 1.0
+    table = tracking.trajectory_table(tracking.Run(str(run)), str(folder))
+    assert all(r[7] == w[r[0], r[1]] for r in table)
+    report.main(str(run))
+    text = (run / "report.md").read_text()
+    assert "## ρ per label" in text and f"| {adapted.rho['state_mismatch']:.3f} |" in text
 
 
 def test_a_task_across_rounds_and_an_evaluation_beside_another_run(runs):

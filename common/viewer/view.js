@@ -86,6 +86,12 @@ function viewRun() {
       h("td", {}, link(`#round/${r.round}`, `round ${r.round}`)), num(r.trajectories), num(r.reward, 3),
       num(r.w_mean, 3), h("td", {}, `${r.steps} (${r.global_step ?? "–"})`), h("td", {}, cues(r.omega)),
       num(r.gen_tokens), labels.map((z) => num(r.label_share[z], 2)))), { id: "rounds" });
+  // the ρ each round's weights used: its interface's table, or (seal-adaptive) the round's own ρ_t
+  const adaptive = !!s.adaptive_rho;
+  const rhoNote = (r) => (r.rho_adapted === false ? " (kept)" : adaptive && r.rho_adapted == null ? " (table: not trained yet)" : "");
+  const rho = table(["round", ...labels.map((z) => z.replace(/_/g, " "))].map((x) => h("th", {}, x)),
+    RUN.rounds.map((r) => h("tr", {}, h("td", {}, `round ${r.round}${rhoNote(r)}`),
+      labels.map((z) => num(r.rho ? r.rho[z] : null, 3)))), { id: "rho" });
   const cats = RUN.categories;
   const evals = table(["evaluation", ...cats, "average"].map((x) => h("th", {}, x)),
     RUN.evals.map((e) => h("tr", {}, h("td", {}, link(`#eval/${e.tag}`, e.tag)),
@@ -98,6 +104,10 @@ function viewRun() {
     h("p", {}, `preset ${s.preset ?? "?"}, mode ${s.mode ?? "?"}, model ${s.model ?? "?"}, commit ${(RUN.git_commit || "?").slice(0, 10)}`),
     missingBox(RUN.missing, "This run"),
     h("h2", {}, "Rounds"), RUN.rounds.length ? rounds : h("p", {}, "No round has rollouts yet."),
+    h("h2", {}, "ρ per label (the utilities of the weight w)"),
+    s.reweight === "--no-reweight" ? h("p", {}, `Mode ${s.mode} trains with w = 1: ρ is not used.`)
+      : [adaptive ? h("p", {}, "Each round's own ρ, from its diagnoses by the mixed-group rule (docs/design.md §6).") : null,
+        RUN.rounds.length ? rho : h("p", {}, "No round yet.")],
     h("h2", {}, "Held-in evaluations (%)"), RUN.evals.length ? evals : h("p", {}, "No evaluation yet."),
     ood,
     RUN.siblings.length ? [h("h2", {}, "Other runs beside this one"),
