@@ -1,8 +1,10 @@
 """vLLM's own server as the one engine (common/serve.py, common/engines.py ServerEngine): the command
-lines it is started with, in-place reloads checked by the weights, stages on several servers, and
-the faults a stage must name (a server that dies, never starts, is unreachable or serves other
-weights, a port in use); against a stand-in HTTP server, what only GPUs run (the probe on each
-data-parallel engine, the wake order, a failed sleep); a state file whose pid is another process."""
+lines it is started with, in-place reloads checked by the weights (checksums, a measured probe
+tolerance, a stale engine caught), stages on several servers, and the faults a stage must name (a
+server that dies, never starts, is unreachable or serves other weights, a port in use); against a
+stand-in HTTP server, what only GPUs run (the probe on each data-parallel engine, engines whose
+checksums differ, a data-parallel server without /server_info, the wake order, a failed sleep); a
+state file whose pid is another process."""
 
 import json
 import os
