@@ -163,6 +163,7 @@ def train(args):
     reference_logprobs(reference, mini_batches, temperature, accelerator)
     scoring = time.perf_counter() - t0
     training = load_policy(args, policy, accelerator, state_info)
+    start = start_probe(args, policy, training, state_info, accelerator)
     t0 = time.perf_counter()
     old_logprobs(training.model, reference, mini_batches, temperature, accelerator)
     # verl's timing_s/ref and timing_s/old_log_prob
@@ -171,7 +172,7 @@ def train(args):
     metrics = optimise(args, training, mini_batches, this_round, accelerator)
     if not metrics:
         metrics = [nothing_to_learn(trajectories, training.global_step, this_round, accelerator)]
-    save(args, policy, training, metrics, accelerator)
+    save(args, policy, training, metrics, accelerator, start)
     del training  # the prepared model holds its process groups: freed with the interpreter whole
     finish(accelerator)
 
@@ -555,10 +556,10 @@ def step_metrics(kl_coef, mb, sums, grad_norm, seconds, this_round, accelerator)
 # ---------------------------------------------------------------- save
 
 
-def save(args, policy, training, metrics, accelerator):
+def save(args, policy, training, metrics, accelerator, start=None):
     """The next policy, written once by the main process in --policy-dtype, and the training
     state (written by every process, its own shard), renamed into --out together, and the
-    metrics."""
+    metrics. `start`: the probe of the weights the round started from (start_probe)."""
     model = training.model
     global_step = metrics[-1]["global_step"]
     metrics_path = args.metrics or os.path.join(os.path.dirname(os.path.abspath(args.out)), "train_metrics.jsonl")
@@ -588,7 +589,7 @@ def save(args, policy, training, metrics, accelerator):
                         shutil.copy(os.path.join(folder, name), os.path.join(tmp, name))
                         break
             if probe:
-                write_json(os.path.join(tmp, serve.PROBE), probe)
+                write_json(os.path.join(tmp, serve.PROBE), probe | weights_record(args, tmp, start))
             write_jsonl(metrics_path, metrics)
     steps = sum(m["step"] > 0 for m in metrics)
     accelerator.print(
@@ -615,6 +616,28 @@ def weights_probe(args, model, dtype, accelerator):
     model.train(training)
     lp = torch.log_softmax(logits, dim=-1).gather(1, x[0, 1:, None])[:, 0]
     return {"ids": ids, "logprobs": lp.tolist(), "dtype": str(dtype).removeprefix("torch.")}
+
+
+def start_probe(args, policy, training, state_info, accelerator):
+    """The probe's log-probabilities under the weights the round starts from, where those are the
+    --model folder's own (not float32 master weights carried in the optimiser state): what a server
+    serving that folder should give, the measure of the probe's tolerance (common/serve.py)."""
+    if policy.use_lora or (state_info or {}).get("master_weights"):
+        return None
+    probe = weights_probe(args, training.model, None, accelerator)
+    return probe and probe["logprobs"]
+
+
+def weights_record(args, folder, start):
+    """What a server check reads besides the probe: the sha256 of every saved tensor, those of the
+    previous policy (--model) for the tensors this round changed, and where the round started."""
+    digests = serve.file_digests(folder)
+    before = os.path.join(args.model, serve.PROBE)
+    before = read_json(before).get("sha256") if os.path.isfile(before) else None
+    before = before or serve.file_digests(args.model)
+    changed = {k: v for k, v in before.items() if k in digests and digests[k] != v}
+    return {"sha256": digests, "previous": changed,
+            "start": {"model": os.path.abspath(args.model), **({"logprobs": start} if start else {})}}
 
 
 def saved_dtype(args, policy, accelerator):

@@ -343,7 +343,8 @@ class ServerEngine(Engine):
     temperature > 0 differ from run to run (batch composition varies).
     """
 
-    def __init__(self, urls, model_dir, *, max_model_len, seed=0, max_in_flight=256, timeout=3600, logs=None):
+    def __init__(self, urls, model_dir, *, max_model_len, seed=0, max_in_flight=256, timeout=3600, logs=None,
+                 data_parallel_size=None):
         import concurrent.futures
         import queue
         import threading
@@ -356,14 +357,14 @@ class ServerEngine(Engine):
         self.seeded = {}  # url -> whether it takes per-request seeds
         for url in urls:
             try:
-                name = serve.check(url, model_dir)
+                name = serve.check(url, model_dir, data_parallel_size)
                 info = serve.served(url)
             except RecordError as e:
                 raise RecordError(f"{e}{self._log_hint(url)}") from None
             if info["max_model_len"] and info["max_model_len"] < max_model_len:
                 raise RecordError(f"server {url} serves a context of {info['max_model_len']} tokens, "
                                   f"less than the {max_model_len} asked for (--max-model-len)")
-            where = serve.server_info(url)
+            where = serve.server_info(url, data_parallel_size)
             self.seeded[url] = where["device"] != "cpu"
             ranks = [None] if where["data_parallel_size"] == 1 else range(where["data_parallel_size"])
             self.slots += [(url, name, r) for r in ranks]

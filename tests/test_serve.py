@@ -1,8 +1,10 @@
 """vLLM's own server as the one engine (common/serve.py, common/engines.py ServerEngine): the command
-lines it is started with, in-place reloads checked by the weights, stages on several servers, and
-the faults a stage must name (a server that dies, never starts, is unreachable or serves other
-weights, a port in use); against a stand-in HTTP server, what only GPUs run (the probe on each
-data-parallel engine, the wake order, a failed sleep); a state file whose pid is another process."""
+lines it is started with, in-place reloads checked by the weights (checksums, a measured probe
+tolerance, a stale engine caught), stages on several servers, and the faults a stage must name (a
+server that dies, never starts, is unreachable or serves other weights, a port in use); against a
+stand-in HTTP server, what only GPUs run (the probe on each data-parallel engine, engines whose
+checksums differ, a data-parallel server without /server_info, the wake order, a failed sleep); a
+state file whose pid is another process."""
 
 import json
 import os
@@ -159,7 +161,7 @@ def probe_of(model, folder):
 
 
 def test_reload_serves_the_new_policy_and_the_check_reads_its_weights(tiny_server, tiny_server_state, tiny_model,
-                                                                       other_policy, tasks):
+                                                                       other_policy, tasks, tmp_path, capfd):
     before, _ = play.play(tasks[:2], 1, make_engine("vllm", tiny_model, max_model_len=16384, servers=[tiny_server]),
                           play.PlaySpec(**GREEDY), progress=False)
     with pytest.raises(RecordError, match=f"serves {tiny_model}, not {other_policy}"):
@@ -181,6 +183,44 @@ def test_reload_serves_the_new_policy_and_the_check_reads_its_weights(tiny_serve
             serve.check(tiny_server, other_policy)
     finally:
         write_json(os.path.join(other_policy, serve.PROBE), probe)
+    # A round that moved the weights by less than the probe can see (as a few small AdamW steps
+    # do): labelled without a load, the server still holds the old bytes, which its checksums show.
+    nudged = nudge(other_policy, str(tmp_path / "nudged"), probe["logprobs"])
+    stale = serve.server_logprobs(tiny_server, "policy", probe["ids"])
+    assert serve.probe_gap(stale, read_json(os.path.join(nudged, serve.PROBE))["logprobs"])[0] < serve.PROBE_TOL["float32"]
+    serve.request(tiny_server, "/update_weight_version", {"new_version": serve.policy_label(nudged)})
+    with pytest.raises(RecordError, match="holds the previous policy's bytes of .* tensors the trainer changed"):
+        serve.check(tiny_server, nudged)
+    serve.request(tiny_server, "/update_weight_version", {"new_version": serve.policy_label(other_policy)})
+    capfd.readouterr()
+    serve.reload([tiny_server], nudged, tiny_server_state)  # measures the tolerance on other_policy, then loads
+    tol = read_json(os.path.join(nudged, serve.PROBE))["tolerance"]
+    assert tol["model"] == other_policy and tol["noise"] < 1e-3
+    assert tol["value"] == pytest.approx(serve.PROBE_K * tol["noise"] + serve.PROBE_FLOOR["float32"])
+    log = capfd.readouterr().err
+    assert f"{tiny_server} {nudged}: probe mean |Δ log p| " in log and "tensors as in the files" in log, log
+
+
+def nudge(policy, out, start_logprobs):
+    """A copy of `policy` moved by a relative 1e-5 (every float32 weight changes), with the probe
+    and weights record train_grpo.py writes for a round that started from `policy`."""
+    import types
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import train_grpo
+
+    shutil.copytree(policy, out)
+    model = AutoModelForCausalLM.from_pretrained(policy)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + 1e-5)
+    model.save_pretrained(out)
+    record = train_grpo.weights_record(types.SimpleNamespace(model=policy), out, start_logprobs)
+    assert record["previous"] and set(record["previous"]) <= set(record["sha256"])
+    write_json(os.path.join(out, serve.PROBE), probe_of(model, out) | record)
+    return out
 
 
 def test_reload_command_line_and_a_check_before_any_output(tiny_server, other_policy, tmp_path, tiny_model):
@@ -304,13 +344,15 @@ class FakeVLLM:
     only GPUs run (data-parallel engines, sleep mode): it records every request (method, path, the
     data-parallel rank header) and serves the probe's log-probabilities, shifted on `bad_ranks`."""
 
-    def __init__(self, policy, *, dp=1, label=None, sleeping=False, bad_ranks=(), sleep_fails=False):
+    def __init__(self, policy, *, dp=1, label=None, sleeping=False, bad_ranks=(), sleep_fails=False, sums=None,
+                 no_info=False):
         import http.server
         import threading
 
         self.probe = read_json(os.path.join(policy, serve.PROBE))
         self.dp, self.label, self.asleep = dp, label, {"weights", "kv_cache"} if sleeping else set()
         self.bad_ranks, self.sleep_fails, self.seen = set(bad_ranks), sleep_fails, []
+        self.sums, self.no_info = sums, no_info  # /weight_checker's checksums (None: no such endpoint)
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -343,6 +385,10 @@ class FakeVLLM:
             return 200, {"data": [{"id": "policy", "root": "/elsewhere", "max_model_len": 4096}]}
         if path == "/weight_info":
             return 200, {"weight_version": self.label}
+        if path == "/server_info" and self.no_info:
+            return 500, {"error": "Internal Server Error"}
+        if path == "/weight_checker":
+            return (404, {"detail": "Not Found"}) if self.sums is None else (200, {"checksums": self.sums})
         if path == "/server_info":  # vLLM's config as its one repr string
             return 200, {"vllm_config": f"model='/m', data_parallel_size={self.dp}, device_config=cuda, seed=0"}
         if path == "/is_sleeping":
@@ -401,7 +447,7 @@ def test_the_probe_reads_every_data_parallel_engine_and_names_the_one_that_diffe
     label = serve.policy_label(policy)
     good = fake_vllm(dp=4, label=label)
     assert serve.check(good.url, policy) == "policy"
-    assert good.posts() == [("/v1/completions", r) for r in ("0", "1", "2", "3")]
+    assert good.posts() == [("/weight_checker", None)] + [("/v1/completions", r) for r in ("0", "1", "2", "3")]
     stale = fake_vllm(dp=4, label=label, bad_ranks={2})
     with pytest.raises(RecordError, match="its weights are not") as e:
         serve.check(stale.url, policy)
@@ -409,7 +455,23 @@ def test_the_probe_reads_every_data_parallel_engine_and_names_the_one_that_diffe
     assert "rank 0" not in str(e.value) and "rank 1" not in str(e.value) and "rank 3" not in str(e.value)
     one = fake_vllm(dp=1, label=label)  # one engine: no header, vLLM's own routing
     serve.check(one.url, policy)
-    assert one.posts() == [("/v1/completions", None)]
+    assert one.posts() == [("/weight_checker", None), ("/v1/completions", None)]
+
+
+def test_engines_whose_checksums_differ_are_named_and_a_missing_server_info_fails_a_data_parallel_check(policy,
+                                                                                                      fake_vllm):
+    label = serve.policy_label(policy)
+    sums = {f"dp{r}:pp0:pcp0:tp0:model.norm.weight": "a" for r in range(4)}
+    assert serve.check(fake_vllm(dp=4, label=label, sums=sums).url, policy) == "policy"
+    one_behind = fake_vllm(dp=4, label=label, sums=sums | {"dp2:pp0:pcp0:tp0:model.norm.weight": "b"})
+    with pytest.raises(RecordError, match="engines dp0 and dp2 hold different weights .1 tensors, e.g. pp0:pcp0:tp0"):
+        serve.check(one_behind.url, policy)
+    # a server whose /server_info fails: one engine where none was asked for, else a clear error after a retry
+    mute = fake_vllm(dp=4, label=label, no_info=True)
+    assert serve.server_info(mute.url) == {"device": None, "data_parallel_size": 1}
+    with pytest.raises(RecordError, match=f"server {mute.url}: /server_info answered 500.*4 data-parallel engines"):
+        serve.check(mute.url, policy, data_parallel_size=4)
+    assert [p for m, p, _ in mute.seen if p == "/server_info"] == ["/server_info"] * 3  # once; with DP 4 asked, twice
 
 
 def test_a_reload_wakes_the_weights_loads_then_wakes_the_kv_cache(policy, fake_vllm):
@@ -417,7 +479,8 @@ def test_a_reload_wakes_the_weights_loads_then_wakes_the_kv_cache(policy, fake_v
     serve.reload([asleep.url], policy)
     assert asleep.posts() == [("/wake_up?tags=weights", None), ("/collective_rpc", None),
                               ("/update_weight_version", None), ("/wake_up?tags=kv_cache", None),
-                              ("/reset_prefix_cache", None)] + [("/v1/completions", r) for r in ("0", "1", "2", "3")]
+                              ("/reset_prefix_cache", None), ("/weight_checker", None)] + [
+                                  ("/v1/completions", r) for r in ("0", "1", "2", "3")]
     assert not asleep.asleep and asleep.label == serve.policy_label(policy)
     # asleep with the policy's own label (a rerun after a failed train step): woken and loaded, not
     # taken for serving it, and not probed before its weights are back

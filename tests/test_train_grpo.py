@@ -27,6 +27,7 @@ import torch
 from helpers import in_process
 from safetensors.torch import load_file
 
+from common import serve
 from common.distributed import distributed_plugins, gradient_dtypes
 from common.grpo import collate, join_trajectories, sequence_logprobs
 from common.jsonl import read_jsonl
@@ -871,6 +872,16 @@ def test_fsdp2_rounds_as_the_loop_runs_them(tiny_model, data, tmp_path):
     assert [m["global_step"] for m in metrics_of(out["b"])] == [4, 5, 6]
     assert json.load(open(os.path.join(out["b"], "optimizer", "trainer_state.json")))["global_step"] == 6
     assert all(os.path.isfile(os.path.join(out[k], "probe.json")) for k in ("a", "b"))  # the probe ran
+    # what a server check reads besides: every saved tensor's sha256, the previous policy's of those
+    # the round changed, and the probe of the weights the round started from (--model's own here)
+    pa, pb = (json.load(open(os.path.join(out[k], serve.PROBE))) for k in ("a", "b"))
+    assert pa["sha256"] == serve.file_digests(out["a"]) and pb["sha256"] == serve.file_digests(out["b"])
+    before = serve.file_digests(tiny_model)
+    assert pa["previous"] and all(before[k] == v != pa["sha256"][k] for k, v in pa["previous"].items())
+    assert pb["previous"] and all(pa["sha256"][k] == v != pb["sha256"][k] for k, v in pb["previous"].items())
+    assert pa["start"]["model"] == os.path.abspath(tiny_model) and pb["start"]["model"] == os.path.abspath(out["a"])
+    assert len(pa["start"]["logprobs"]) == len(pb["start"]["logprobs"]) == len(pa["ids"]) - 1
+    assert pb["start"]["logprobs"] == pytest.approx(pa["logprobs"], abs=1e-4)  # round B starts where A saved
     assert_matches_one_process(out["a"], out["one_b"], out["b"])
 
 
