@@ -18,7 +18,9 @@ Rules return a one-line evidence string when they apply, None otherwise.
 tests/test_taxonomy.py has one real-task test per rule.
 """
 
-from common import bfcl, replay
+# bfcl-eval (common.bfcl, common.replay) is imported where a trajectory is labelled, not here: the
+# labels and ρ are read by the trainer and bench/plan_check.py, which must run without it (a GPU
+# check whose wheel install failed still measures the memory plan).
 
 # The order other stages report labels in: the two good outcomes, then the failures by priority.
 LABELS = ["pass", "correct_abstention", "invalid_tool_call", "argument_mismatch", "state_mismatch",
@@ -127,6 +129,8 @@ def recovery_failure(turn):
     """A call in the turn failed (bfcl.is_error_result on its replayed result: an execution
     error, an error payload, or a refusal) and no successful call followed it before the
     turn ended; that is, the turn's last call failed."""
+    from common import bfcl
+
     if turn.results and bfcl.is_error_result(turn.results[-1]):
         return f"last call failed: {_show(turn.calls[-1])} -> {turn.results[-1]}"
     return None
@@ -194,6 +198,8 @@ def diagnose(task, rollout):
 
     Raises common.jsonl.RecordError when the record's turns are not a rollout's.
     """
+    from common import replay
+
     turns = replay.read_turns(task, rollout["turns"])
     official = replay.replay(task, turns)  # reward parity with bfcl.official_verdict: tests/test_diagnose.py
     labelled = [label_turn(t) for t in turns]

@@ -39,3 +39,27 @@ def test_common_has_no_import_circle():
         raise AssertionError(f"import circle in common/: {' -> '.join(e.args[1])}") from None
     # what engines.py and serve.py both need lives below both of them
     assert order.index("models") < order.index("serve") < order.index("engines")
+
+
+def test_the_plan_check_and_the_trainers_plumbing_import_without_bfcl_eval():
+    """bench/gpu_check.sh measures the memory plan before it installs bfcl-eval on the GPU machine: what
+    bench/plan_check.py imports (the GRPO loss, the distributed plumbing, ρ's table) needs none of it."""
+    import subprocess
+    import sys
+
+    code = """import importlib.abc, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] == "bfcl_eval":
+            raise ImportError("bfcl_eval refused: " + name)
+sys.meta_path.insert(0, Refuse())
+import common.grpo, common.distributed, common.taxonomy, common.memplan
+assert "bfcl_eval" not in sys.modules
+try:
+    import common.bfcl
+except ImportError as e:
+    print(e)
+"""
+    res = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(COMMON), capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("bfcl_eval refused"), res.stdout + res.stderr
