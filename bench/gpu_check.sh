@@ -87,8 +87,10 @@ if [ "$DRY" = --cpu ]; then
   export CUDA_VISIBLE_DEVICES=""
   N=2; TPUT=(--cpu --config small --seqs 2 --seq-len 512); FSDP=(--config_file configs/accelerate/fsdp_cpu.yaml)
   CPU=(--cpu); TASK_ARGS=(--limit 1); MAX_NEW=32; PER_CATEGORY=1
+  BF16_CPU=(--mixed_precision bf16)  # the LoRA step as on GPUs: a bf16 base, bf16 compute (float32 is the CPU default)
 else
   N=4; TPUT=(); FSDP=(--config_file configs/accelerate/fsdp_1gpu.yaml); CPU=(); TASK_ARGS=(); MAX_NEW=96; PER_CATEGORY=2
+  BF16_CPU=()
 fi
 TABLE=$OUT/gpu_check.md
 printf '| step | status | seconds | figures |\n|---|---|---|---|\n' > "$TABLE"
@@ -163,10 +165,11 @@ metrics() {  # the last metrics row of a train run, in brief, and the gradient d
 TRAIN=(train_grpo.py --rollouts "$I/rollouts.jsonl" --diagnoses "$I/diagnoses.jsonl" --interface "$I/interface.json"
        --mini-batch-tasks 2 --save-optimizer "${CPU[@]}")
 LAUNCH=($PY -m accelerate.commands.launch "${FSDP[@]}")
-step train_lora_fsdp2 "$(metrics train_lora_b)" -- bash -c "${LAUNCH[*]} ${TRAIN[*]} --model $M --lora \
-  ${LORA_BASE[*]:-} --metrics $W/train_lora_a/metrics.jsonl --out $W/train_lora_a/policy && ${LAUNCH[*]} ${TRAIN[*]} \
-  --model $W/train_lora_a/policy --optimizer-state $W/train_lora_a/policy/optimizer ${LORA_BASE[*]:-} \
-  --metrics $W/train_lora_b/metrics.jsonl --out $W/train_lora_b/policy"
+step train_lora_fsdp2 "$(metrics train_lora_b); grep -h -m1 '^adapter in' $W/train_lora_a.log" -- bash -c "\
+  ${LAUNCH[*]} ${BF16_CPU[*]} ${TRAIN[*]} --model $M --lora --metrics $W/train_lora_a/metrics.jsonl \
+    --out $W/train_lora_a/policy > $W/train_lora_a.log 2>&1 && \
+  ${LAUNCH[*]} ${BF16_CPU[*]} ${TRAIN[*]} --model $W/train_lora_a/policy --optimizer-state $W/train_lora_a/policy/optimizer \
+    --metrics $W/train_lora_b/metrics.jsonl --out $W/train_lora_b/policy"
 step train_full_fsdp2 "$(metrics train_full)" -- "${LAUNCH[@]}" "${TRAIN[@]}" --model "$M" --lr 1e-4 --ref-model "$M" \
   --metrics "$W/train_full/metrics.jsonl" --out "$W/train_full/policy"
 
