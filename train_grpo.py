@@ -12,6 +12,8 @@ metrics line per step.
         [--ref-model ROUND0_MODEL] [--save-optimizer] [--optimizer-state round_000/policy/optimizer] [--lora]
     accelerate launch --multi_gpu --num_processes 2 train_grpo.py ... --cpu      # 2-process DDP on CPU
     accelerate launch --config_file configs/accelerate/fsdp_cpu.yaml train_grpo.py ... --cpu  # FSDP2, 2 CPU processes
+    accelerate launch --config_file configs/accelerate/fsdp_cpu.yaml --mixed_precision bf16 \
+        train_grpo.py ... --cpu                                      # the same in the GPU presets' bf16
     accelerate launch --config_file configs/accelerate/fsdp_4gpu.yaml train_grpo.py ...   # 7B, 4 GPUs
 
 Multi-node: the same command on every node with `--num_machines N --machine_rank R
@@ -391,9 +393,10 @@ def load_policy(args, policy, accelerator, state_info=None):
     """The policy (full model, or base + LoRA adapter) and its AdamW, prepared: a Training; with
     --optimizer-state, the optimiser (and the float32 master weights, where the policy folder
     holds fewer bits) continue from the previous round, at its global step."""
-    on_gpu = accelerator.device.type != "cpu"
-    dtype = torch.bfloat16 if policy.use_lora and on_gpu else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(policy.base_path, dtype=dtype)
+    # a frozen base is only ever computed with: in bf16 under bf16 compute (on GPUs, or a CPU
+    # launch that asks for it), half the memory; the adapter peft adds stays float32
+    bf16_base = policy.use_lora and accelerator.mixed_precision == "bf16"
+    model = AutoModelForCausalLM.from_pretrained(policy.base_path, dtype=torch.bfloat16 if bf16_base else torch.float32)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if policy.use_lora:
@@ -418,6 +421,10 @@ def load_policy(args, policy, accelerator, state_info=None):
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them with sharded ones
     dtypes = gradient_dtypes(accelerator, model, params)
     accelerator.print(f"gradients accumulated in {dtypes['grad']}, reduced in {dtypes['reduce']}")
+    if policy.use_lora:
+        frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+        accelerator.print(f"adapter in {sorted(map(str, {p.dtype for p in params}))}, "
+                          f"frozen base in {sorted(map(str, frozen))}")
     if not args.optimizer_state:
         return Training(model, optimizer, params, 0)
     load_training_state(args.optimizer_state, state_info, model, optimizer, accelerator)
@@ -572,7 +579,8 @@ def save(args, policy, training, metrics, accelerator, start=None):
             save_training_state(
                 os.path.join(tmp, OPTIMIZER_DIR), model, training.optimizer, global_step, master, accelerator
             )
-        state_dict = whole_state_dict(model, accelerator)
+        # an adapter's folder keeps its trainable weights alone: the frozen base is never gathered
+        state_dict = whole_state_dict(model, accelerator, trainable_only=policy.use_lora)
         if accelerator.is_main_process:
             cast = {}  # tied weights share one tensor, and keep sharing it
             for k, v in state_dict.items():

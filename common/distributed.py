@@ -5,6 +5,7 @@
     sharded(accelerator)                          # FSDP2: weights split over the processes
     reshard(model)                                # after a forward with no backward (FSDP2)
     whole_state_dict(model, accelerator)          # the weights, whole, on the main process
+    whole_state_dict(model, accelerator, trainable_only=True)   # a LoRA adapter's alone
     save_training_state(folder, model, optimizer, global_step, master, accelerator)
     load_training_state(folder, info, model, optimizer, accelerator)
     with shared_atomic_dir(out, accelerator) as tmp: ...   # one temporary folder, renamed once
@@ -33,6 +34,7 @@ from accelerate.utils import (
 )
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from common import checkpoint
 from common.jsonl import atomic_dir
@@ -45,10 +47,14 @@ TIMEOUT_MINUTES = 60
 
 
 def make_accelerator(cpu=False, grad_clip=GRAD_CLIP, timeout=TIMEOUT_MINUTES, mixed_precision=None):
-    """The run's Accelerator: bf16 compute on GPUs (unless `cpu`), float32 on CPU; `mixed_precision`
-    asks for another (tests run the GPU presets' bf16 FSDP2 on CPU processes with it)."""
+    """The run's Accelerator: bf16 compute on GPUs (unless `cpu`); on CPU float32, unless the
+    launch asks for bf16 (`accelerate launch --mixed_precision bf16`: the GPU presets' bf16
+    FSDP2 on CPU processes, where the tests run it); `mixed_precision` asks for another."""
     if mixed_precision is None:
-        mixed_precision = "bf16" if torch.cuda.is_available() and not cpu else "no"
+        if torch.cuda.is_available() and not cpu:
+            mixed_precision = "bf16"
+        else:  # the launch's choice is honoured only for bf16: float32 stays the CPU default
+            mixed_precision = "bf16" if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" else "no"
     plugins = distributed_plugins(mixed_precision, grad_clip)
     accelerator = Accelerator(
         cpu=cpu, mixed_precision=mixed_precision, **plugins,
@@ -140,13 +146,28 @@ def reshard(model):
             m.reshard()
 
 
-def whole_state_dict(model, accelerator):
+def whole_state_dict(model, accelerator, trainable_only=False):
     """The weights, whole, on the main process (empty elsewhere); every process must call it:
     under FSDP2 it gathers the shards. (Not accelerator.get_state_dict: it picks FSDP2's gather
     by Accelerate's distributed_type, which on CPU processes says MULTI_CPU, and would hand
     the main process sharded DTensors whose every use in save_pretrained is a collective the
-    other processes never enter.)"""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    other processes never enter.)
+
+    `trainable_only`: the trainable parameters alone, which are all a LoRA adapter's folder
+    keeps; the frozen base is neither gathered nor copied (at 4B that was 8 GB gathered and
+    16 GB cast to float32 on the main process each round, to write tens of MB). Not torch's
+    ignore_frozen_params: it drops frozen parameters by their first name only, and a tied
+    output layer (Qwen3-4B's) would still be gathered."""
+    if not trainable_only:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = {}
+    for name, p in accelerator.unwrap_model(model).named_parameters():
+        if p.requires_grad:
+            # FSDP2: one all-gather per tensor, every process in the same (module) order
+            whole = p.full_tensor() if isinstance(p, DTensor) else p
+            if accelerator.is_main_process:
+                state[name] = whole.detach().cpu()
+    return state
 
 
 def save_training_state(folder, model, optimizer, global_step, master, accelerator):

@@ -2,7 +2,8 @@
 direction of the weighted advantage, --no-reweight changes the update by exactly w,
 2 DDP or FSDP2 processes on CPU give the 1-process update (FSDP2 holding no unsharded
 gradient between micro-batches; two machine ranks give the 2-process one), LoRA adapters
-save/load/continue, the optimiser state (torch.distributed.checkpoint) carries across rounds
+save (their weights alone gathered), load and continue, on one process and under bf16 FSDP2
+on a bf16 base, the optimiser state (torch.distributed.checkpoint) carries across rounds
 (one process, DDP and FSDP2; a killed round reruns to the same state, bit for bit; a bf16
 policy resumes from the float32 master; a 2-process state loads on one process), the KL
 reference stays the initial policy, and bad input stops with file:line and no output.
@@ -326,6 +327,7 @@ def test_lora_adapter_trains_saves_and_continues(tiny, data, tmp_path):
     assert cfg["base_model_name_or_path"] == os.path.abspath(tiny)
     assert os.path.isfile(os.path.join(out, "optimizer", "trainer_state.json"))
     assert not os.path.exists(os.path.join(out, "model.safetensors"))
+    assert_save_keeps_the_adapter_alone(out)
 
     ids = torch.tensor([list(range(1, 40))])
     with torch.no_grad():
@@ -349,6 +351,31 @@ def test_lora_adapter_trains_saves_and_continues(tiny, data, tmp_path):
     proc = run_train(tiny, *data, full, *COMMON, "--optimizer-state", os.path.join(out, "optimizer"))
     assert proc.returncode != 0 and not os.path.exists(full)
     assert "does not match this model's trainable parameters" in proc.stderr.strip().splitlines()[-1]
+
+
+def assert_save_keeps_the_adapter_alone(adapter):
+    """What a LoRA save gathers (whole_state_dict's trainable_only): the adapter's tensors and no
+    base weight, equal to the whole state's, and what the folder holds, bit for bit."""
+    from accelerate.state import AcceleratorState
+
+    import train_grpo
+    from common.distributed import make_accelerator, whole_state_dict
+
+    args = train_grpo.parser.parse_args(["--model", adapter, "--rollouts", "-", "--diagnoses", "-", "--out", "-"])
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = make_accelerator(cpu=True)
+        model = train_grpo.load_policy(args, train_grpo.read_policy(adapter, False), accelerator).model
+        kept = whole_state_dict(model, accelerator, trainable_only=True)
+        whole = whole_state_dict(model, accelerator)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert kept.keys() == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert len(kept) == 28 and all(".lora_A.default." in k or ".lora_B.default." in k for k in kept)
+    assert len(whole) > len(kept) and all(torch.equal(kept[k], whole[k]) for k in kept)
+    saved = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    assert saved.keys() == {k.replace(".default.", ".") for k in kept}
+    assert all(torch.equal(saved[k.replace(".default.", ".")], v) for k, v in kept.items())
 
 
 def test_bad_input_stops_without_output(tiny, tmp_path):
@@ -748,7 +775,7 @@ def test_optimizer_state_carries_on_two_processes(tiny, data, carried, ddp_round
     """DDP over 2 CPU processes: round A equals the one-process round A, and round B continues its
     optimiser. (A killed round's rerun is checked on one process and under FSDP2, the GPU presets'
     path: test_killed_round_reruns_to_the_same_weights_and_optimizer_state and
-    test_fsdp2_state_is_sharded_resumes_exactly_and_reshards.)"""
+    test_lora_fsdp2_bf16_rounds_as_the_loop_runs_them.)"""
     a, b = ddp_rounds["a"], ddp_rounds["b"]
     assert_matches_one_process(tiny, carried["a"], a)
     assert [m["global_step"] for m in metrics_of(b)] == [4, 5, 6]
@@ -820,69 +847,91 @@ def test_bf16_policy_resumes_from_the_float32_master(tiny, data, carried, tmp_pa
     assert all(torch.equal(ref[k], new[k]) for k in ref)
 
 
-def test_fsdp2_state_is_sharded_resumes_exactly_and_reshards(tiny, data, carried, tmp_path):
-    """FSDP2 on 2 CPU processes (gradients reduce-scattered every micro-batch, in float32): round
-    A equals the one-process round A; each process writes its shard (master weights and
-    moments); a killed round B reruns bit-identical; one process reads the 2-process state
-    (DCP reshards)."""
-    a, b, b1 = (str(tmp_path / k / "policy") for k in ("a", "b", "one"))
-    proc = ok(run_train(tiny, *data, a, *CARRY, "--save-optimizer", "--policy-dtype", "bfloat16",
-                        launcher=fsdp_launcher()))
-    assert "gradients accumulated in torch.float32, reduced in torch.float32" in proc.stdout
-    files = os.listdir(os.path.join(a, "optimizer"))
-    assert sorted(f for f in files if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    assert_matches_one_process(tiny, carried["a"], a, training_state(a, tmp_path)["model"])
-    args = [*CARRY, "--ref-model", tiny, "--optimizer-state", os.path.join(a, "optimizer"), "--save-optimizer"]
-    ok(run_train(a, *data, b, *args, launcher=fsdp_launcher()))
-    killed_then_rerun(a, data, str(tmp_path / "again" / "policy"), args, launcher=fsdp_launcher())
-    ref, new = load(b).state_dict(), load(str(tmp_path / "again" / "policy")).state_dict()
-    assert all(torch.equal(ref[k], new[k]) for k in ref)
-    assert_same_state(training_state(b, tmp_path), training_state(str(tmp_path / "again" / "policy"), tmp_path))
-    # one process continues the 2-process state: the same round within float tolerance
-    proc = ok(run_train(a, *data, b1, *args))
-    assert "resuming optimiser state and float32 master weights" in proc.stdout
-    one = load(b1).state_dict()
-    assert all(torch.allclose(ref[k], one[k], atol=1e-6) for k in ref)
-    assert [m["global_step"] for m in metrics_of(b1)] == [4, 5, 6]
-
-
 def test_fsdp2_rounds_as_the_loop_runs_them(tiny_model, data, tmp_path):
     """`bash loop.sh tiny --set NPROC=2 --set ACCEL_CONFIG=configs/accelerate/fsdp_cpu.yaml`'s
-    train stage: FSDP2 on 2 CPU processes, on the loop's own model (whose tokenizer spells the
-    weights probe, so the probe's forward runs before the save, as in every full fine-tuning
-    round), with loop.sh's flags (--ref-model, --save-optimizer, then --optimizer-state; a
-    float32 policy, so the state folder holds AdamW's state alone). Two rounds: each saves its
-    sharded state, round B loads round A's and continues its global step, and both take the
-    one-process rounds' steps."""
-    out = {k: str(tmp_path / k / "policy") for k in ("one_a", "one_b", "a", "b")}
+    train stage: FSDP2 on 2 CPU processes (gradients reduce-scattered every micro-batch, in
+    float32), on the loop's own model (whose tokenizer spells the weights probe, so the probe's
+    forward runs before the save, as in every full fine-tuning round), with loop.sh's flags
+    (--ref-model, --save-optimizer, then --optimizer-state). Round A saves a bf16 policy, as the
+    GPU presets do, so each process writes its shard of the float32 master weights and AdamW's
+    moments; round B continues from them and the global step, as a float32 policy, as the loop
+    on CPU does (its state AdamW's alone). Round A takes the one-process round's steps; one
+    process continues the 2-process state (DCP reshards) with round B's steps. (A killed round
+    B under FSDP2: test_lora_fsdp2_bf16_rounds_as_the_loop_runs_them.)"""
+    out = {k: str(tmp_path / k / "policy") for k in ("one_a", "a", "b", "one")}
     first = [*CARRY, "--ref-model", tiny_model, "--save-optimizer"]
-    ok(run_train(tiny_model, *data, out["one_a"], *first))
-    ok(run_train(tiny_model, *data, out["a"], *first, launcher=fsdp_launcher()))
+    ok(run_train(tiny_model, *data, out["one_a"], *CARRY, "--ref-model", tiny_model))
+    proc = ok(run_train(tiny_model, *data, out["a"], *first, "--policy-dtype", "bfloat16", launcher=fsdp_launcher()))
+    assert "gradients accumulated in torch.float32, reduced in torch.float32" in proc.stdout
     info = json.load(open(os.path.join(out["a"], "optimizer", "trainer_state.json")))
-    assert info == {"format": "torch.distributed.checkpoint", "global_step": 3, "master_weights": False,
+    assert info == {"format": "torch.distributed.checkpoint", "global_step": 3, "master_weights": True,
                     "optimizer": True, "world_size": 2, "distributed_type": "FSDP"}  # fmt: skip
     assert sorted(f for f in os.listdir(os.path.join(out["a"], "optimizer")) if f.endswith(".distcp")) == [
         "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
-    assert_matches_one_process(tiny_model, out["one_a"], out["a"])
-    for one, two in (("one_a", "one_b"), ("a", "b")):
-        state = os.path.join(out[one], "optimizer")
-        args = [*CARRY, "--ref-model", tiny_model, "--optimizer-state", state, "--save-optimizer"]
-        proc = ok(run_train(out[one], *data, out[two], *args, launcher=fsdp_launcher() if two == "b" else ()))
-        assert f"resuming optimiser state from {state} (global step 3)" in proc.stdout
+    assert_matches_one_process(tiny_model, out["one_a"], out["a"], training_state(out["a"], tmp_path)["model"])
+    state = os.path.join(out["a"], "optimizer")
+    args = [*first, "--optimizer-state", state]
+    proc = ok(run_train(out["a"], *data, out["b"], *args, launcher=fsdp_launcher()))
+    assert f"resuming optimiser state and float32 master weights from {state} (global step 3)" in proc.stdout
     assert [m["global_step"] for m in metrics_of(out["b"])] == [4, 5, 6]
-    assert json.load(open(os.path.join(out["b"], "optimizer", "trainer_state.json")))["global_step"] == 6
+    info = json.load(open(os.path.join(out["b"], "optimizer", "trainer_state.json")))
+    assert (info["global_step"], info["master_weights"]) == (6, False)
     assert all(os.path.isfile(os.path.join(out[k], "probe.json")) for k in ("a", "b"))  # the probe ran
     # what a server check reads besides: every saved tensor's sha256, the previous policy's of those
-    # the round changed, and the probe of the weights the round started from (--model's own here)
+    # the round changed, and the probe of the weights the round started from where they are --model's
+    # own (round A's; round B starts from the float32 master weights, not the folder's bf16 ones)
     pa, pb = (json.load(open(os.path.join(out[k], serve.PROBE))) for k in ("a", "b"))
     assert pa["sha256"] == serve.file_digests(out["a"]) and pb["sha256"] == serve.file_digests(out["b"])
     before = serve.file_digests(tiny_model)
     assert pa["previous"] and all(before[k] == v != pa["sha256"][k] for k, v in pa["previous"].items())
     assert pb["previous"] and all(pa["sha256"][k] == v != pb["sha256"][k] for k, v in pb["previous"].items())
     assert pa["start"]["model"] == os.path.abspath(tiny_model) and pb["start"]["model"] == os.path.abspath(out["a"])
-    assert len(pa["start"]["logprobs"]) == len(pb["start"]["logprobs"]) == len(pa["ids"]) - 1
-    assert pb["start"]["logprobs"] == pytest.approx(pa["logprobs"], abs=1e-4)  # round B starts where A saved
-    assert_matches_one_process(out["a"], out["one_b"], out["b"])
+    assert len(pa["start"]["logprobs"]) == len(pa["ids"]) - 1 and "logprobs" not in pb["start"]
+    # one process continues the 2-process state: the same round within float tolerance
+    proc = ok(run_train(out["a"], *data, out["one"], *args))
+    assert "resuming optimiser state and float32 master weights" in proc.stdout
+    ref, one = load(out["b"]).state_dict(), load(out["one"]).state_dict()
+    assert all(torch.allclose(ref[k], one[k], atol=1e-6) for k in ref)
+    assert [m["global_step"] for m in metrics_of(out["one"])] == [4, 5, 6]
+    assert_matches_one_process(out["one_a"], out["one"], out["b"])
+
+
+def test_lora_fsdp2_bf16_rounds_as_the_loop_runs_them(tiny, data, tmp_path):
+    """The GPU presets' LoRA round on 2 CPU processes: FSDP2 with bf16 mixed precision (the
+    launch's `--mixed_precision bf16`, which train_grpo.py honours on CPU), a bf16 base with tied
+    embeddings, loop.sh's flags (--lora, --ref-model, --save-optimizer, then the adapter as
+    --model and --optimizer-state). The base stays frozen in bf16 and the adapter float32; round
+    B, killed once as soon as it has loaded its state (no output, its input untouched) and rerun,
+    continues round A's adapter, AdamW's moments and global step, its KL taken against the base
+    (the adapter disabled); each save holds the adapter's float32 weights alone, and they moved."""
+    from peft import PeftModel
+
+    base = str(tmp_path / "base")
+    load(tiny).to(torch.bfloat16).save_pretrained(base)
+    a, b = str(tmp_path / "a" / "policy"), str(tmp_path / "b" / "policy")
+    launcher = [*fsdp_launcher(), "--mixed_precision", "bf16"]
+    flags = [*COMMON, "--lora", "--lora-r", "4", "--lora-alpha", "8", "--ref-model", base, "--save-optimizer"]
+    proc = ok(run_train(base, *data, a, *flags, launcher=launcher))
+    assert "adapter in ['torch.float32'], frozen base in ['torch.bfloat16']" in proc.stdout
+    assert "gradients accumulated in torch.float32, reduced in torch.float32" in proc.stdout
+    killed_then_rerun(a, data, b, [*flags, "--optimizer-state", os.path.join(a, "optimizer")], launcher=launcher)
+    m = metrics_of(b)
+    assert [r["global_step"] for r in m] == [4, 5, 6] and m[0]["kl"] > 0
+    info = json.load(open(os.path.join(b, "optimizer", "trainer_state.json")))
+    assert (info["global_step"], info["master_weights"], info["world_size"], info["distributed_type"]) == (
+        6, False, 2, "FSDP")  # fmt: skip
+    assert {float(s["step"]) for s in training_state(b, tmp_path)["optim"]["state"].values()} == {6.0}
+    # 2 layers x 7 linear modules x (A, B); no base weight (none of the tied embedding) gathered into them
+    wa, wb = (load_file(os.path.join(p, "adapter_model.safetensors")) for p in (a, b))
+    assert wa.keys() == wb.keys() and len(wa) == 28 and all(".lora_A." in k or ".lora_B." in k for k in wa)
+    assert {v.dtype for v in (*wa.values(), *wb.values())} == {torch.float32}
+    assert all(wa[k].abs().max() > 0 for k in wa if ".lora_B." in k)  # B starts at zero: round A moved it
+    assert all(not torch.equal(wa[k], wb[k]) for k in wa)  # round B moved every adapter weight
+    assert not os.path.exists(os.path.join(b, "model.safetensors"))
+    ids = torch.tensor([list(range(1, 40))])
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(load(base), b).eval()(ids).logits
+        assert (adapted - load(base)(ids).logits).abs().max() > 1e-4
 
 
 def test_state_from_another_format_is_refused(tiny, data, tmp_path):
