@@ -145,8 +145,6 @@ def train(args):
     trajectories, adapted = join(args, rollouts, diagnoses, rho)
     temperature, warning = read_temperature(rollouts, args.rollouts)
     policy = read_policy(args.model, args.lora)
-    if args.lr is None:  # an input adapter trains as one, --lora or not
-        args.lr = presets.LORA_LR if policy.use_lora else presets.LR
     check_vocabulary(trajectories, rollouts, policy.vocab_size, args.rollouts)
     reference = choose_reference(args.kl_coef, args.ref_model, policy)
     state_info = checkpoint.read_info(args.optimizer_state) if args.optimizer_state else None
@@ -416,7 +414,9 @@ def load_policy(args, policy, accelerator, state_info=None):
             model = get_peft_model(model, lora)
     params = [p for p in model.parameters() if p.requires_grad]
     # no weight decay: a round is a handful of steps and decay would only shrink the policy
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    # --lr, else the presets': an adapter's (--lora, or an input adapter) or full fine-tuning's
+    lr = args.lr if args.lr is not None else presets.LORA_LR if policy.use_lora else presets.LR
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them with sharded ones
     dtypes = gradient_dtypes(accelerator, model, params)
@@ -429,7 +429,7 @@ def load_policy(args, policy, accelerator, state_info=None):
         return Training(model, optimizer, params, 0)
     load_training_state(args.optimizer_state, state_info, model, optimizer, accelerator)
     for g in optimizer.param_groups:
-        g["lr"] = args.lr
+        g["lr"] = lr
     master = " and float32 master weights" if state_info.get("master_weights") else ""
     accelerator.print(
         f"resuming optimiser state{master} from {args.optimizer_state} (global step {state_info['global_step']})"

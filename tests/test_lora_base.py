@@ -95,7 +95,9 @@ def test_train_grpo_loads_the_adapters_base_from_elsewhere(layout, tiny_model, m
     assert train_grpo.choose_reference(args.kl_coef, args.ref_model, policy) == train_grpo.Reference("base", policy.base_path)
     AcceleratorState._reset_state(True)
     try:
-        model, *_ = train_grpo.load_policy(args, policy, make_accelerator(cpu=True))
+        model, optimizer, *_ = train_grpo.load_policy(args, policy, make_accelerator(cpu=True))
+        # an input adapter, no --lora and no --lr: it trains at the adapter's rate, not full fine-tuning's
+        assert optimizer.param_groups[0]["lr"] == train_grpo.presets.LORA_LR == 1e-5
         assert model.peft_config["default"].base_model_name_or_path == policy.base_path  # what a save records
         _same_weights(model.merge_and_unload().state_dict(), layout["merged"])
     finally:
