@@ -113,7 +113,8 @@ step() {
 finish() {
   [ -f "$PLAN" ] && { printf '\nThe memory plan against one measured step (bench/plan_check.py):\n\n'; cat "$PLAN"; } >> "$TABLE"
   cp "$TABLE" "$W/"
-  tar -czf "$OUT/logs.tar.gz" -C "$W" . && rm -rf "$W"
+  # logs and records, not the trained weights and optimiser states (megabytes that explain nothing)
+  tar -czf "$OUT/logs.tar.gz" --exclude='*.safetensors' --exclude='*.distcp' --exclude='*.bin' -C "$W" . && rm -rf "$W"
   cat "$TABLE"
 }
 
@@ -159,18 +160,18 @@ step install "$versions" -- bash -c install_wheels
 
 # 3. training on the prepared rollouts, as loop.sh runs it: LoRA (two rounds), then full fine-tuning
 I=.gpu-inputs; M=$I/model
-metrics() {  # the last metrics row of a train run, in brief, and the gradient dtypes its log states
-  echo "$PY -c \"import json,sys; m=[json.loads(l) for l in open(sys.argv[1])][-1]; print('global step', m['global_step'], 'tokens/s', m.get('tokens_per_s'), 'grad_norm', m.get('grad_norm'), 'lr', m.get('lr'))\" $W/$1/metrics.jsonl; grep -h -m1 '^gradients accumulated' $W/$1.log"
+metrics() {  # the last metrics row of run $1, in brief, and the gradient dtypes its log $2 states
+  echo "$PY -c \"import json,sys; m=[json.loads(l) for l in open(sys.argv[1])][-1]; print('global step', m['global_step'], 'tokens/s', round(m['tokens_per_s']), 'grad_norm %.3g' % m['grad_norm'], 'lr', m['lr'])\" $W/$1/metrics.jsonl; grep -h -m1 '^gradients accumulated' $W/$2.log"
 }
 TRAIN=(train_grpo.py --rollouts "$I/rollouts.jsonl" --diagnoses "$I/diagnoses.jsonl" --interface "$I/interface.json"
        --mini-batch-tasks 2 --save-optimizer "${CPU[@]}")
 LAUNCH=($PY -m accelerate.commands.launch "${FSDP[@]}")
-step train_lora_fsdp2 "$(metrics train_lora_b); grep -h -m1 '^adapter in' $W/train_lora_a.log" -- bash -c "\
+step train_lora_fsdp2 "$(metrics train_lora_b train_lora_a); grep -h -m1 '^adapter in' $W/train_lora_a.log" -- bash -c "\
   ${LAUNCH[*]} ${BF16_CPU[*]} ${TRAIN[*]} --model $M --lora --metrics $W/train_lora_a/metrics.jsonl \
     --out $W/train_lora_a/policy > $W/train_lora_a.log 2>&1 && \
   ${LAUNCH[*]} ${BF16_CPU[*]} ${TRAIN[*]} --model $W/train_lora_a/policy --optimizer-state $W/train_lora_a/policy/optimizer \
     --metrics $W/train_lora_b/metrics.jsonl --out $W/train_lora_b/policy"
-step train_full_fsdp2 "$(metrics train_full)" -- "${LAUNCH[@]}" "${TRAIN[@]}" --model "$M" --lr 1e-4 --ref-model "$M" \
+step train_full_fsdp2 "$(metrics train_full train_full_fsdp2)" -- "${LAUNCH[@]}" "${TRAIN[@]}" --model "$M" --lr 1e-4 --ref-model "$M" \
   --metrics "$W/train_full/metrics.jsonl" --out "$W/train_full/policy"
 
 # 4. FSDP2 with bf16 mixed precision (the GPU presets'): the log-probs stay float32
