@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/view_bench.py [--rounds 18] [--tasks 32] [--n 8] [--step-chars 3400] [--eval-tasks 400]
 
-A synthetic run (tests/test_view.py synthetic_run: records in docs/design.md §3's formats) of
+A synthetic run (tests/helpers.py synthetic_run: records in docs/design.md §3's formats) of
 `rounds` rounds x tasks x n trajectories of real training tasks, long model texts and tool
 results (about 16k tokens of prompt and ids each), and held-in evaluations of `eval-tasks` tasks
 every 6 rounds and of the base model. Round 0's artifacts are written once and linked into the
@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.bfcl import load_tasks  # noqa: E402
-from tests.test_view import CHROMIUM, Tree, synthetic_run  # noqa: E402
+from tests.helpers import CHROMIUM, Tree, synthetic_run  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--rounds", type=int, default=18)

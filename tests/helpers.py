@@ -9,6 +9,8 @@ so that no test module imports another.
 - Scripted engines (`Scripted`, `Script`) and bfcl-eval's own multi-turn loop replaying their
   texts (`theirs`), for prompt parity.
 - `in_process`: train_grpo.py as its main() in the test process.
+- The viewer's synthetic run (`synthetic_run`) and headless Chromium reading the page it rendered
+  (`browse`, `rows`, `view`, `data`; `check_tiny_runs` for tests/test_loop.py's tiny runs).
 - The cue leakage audit (`audit`): no cue of Ω may reveal a ground-truth value (docs/design.md §5);
   a test oracle, which the stages never run.
 """
@@ -21,17 +23,23 @@ import importlib.util
 import io
 import itertools
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import types
 import zlib
+from html.parser import HTMLParser
 from typing import Any
 
 from common import bfcl, prompts
 from common import calls as C
+from common.bfcl import ground_truth_calls
 from common.engines import Generation
 from common.interface import CAPABILITY_TEXT, error_hint, tool_view
+from common.taxonomy import LABELS, RHO
 
 ANSWER = "Done."  # the plain answer that ends a turn (json format: no call, no parse error)
 GARBAGE = '<tool_call>\n{"name": "cd", "arguments": {"folder": \n</tool_call>'  # does not parse
@@ -551,3 +559,200 @@ def _missing_value(value):
     if isinstance(value, float):
         return float(AUDIT_EXEC_INT)
     return value
+
+
+# ---------------------------------------------------------------- the viewer: a synthetic run, a browser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOSTILE = ["<script>alert(1)</script>", "<img src=x onerror=alert(1)>", "</textarea>"]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+# ---------------------------------------------------------------------------------- a synthetic run
+
+
+def _rollout(task, sample, t, wrong, hostile, step_chars, segment_at=None):
+    """A rollout record: each turn's ground-truth calls (one argument changed when `wrong`), then an
+    answer; from turn `segment_at` on, a further token segment (a thinking model's re-rendered prompt)."""
+    turns, runs, segments = [], [], []
+    for k in range(len(task["questions"])):
+        calls = [dict(c, arguments=dict(c["arguments"])) for c in ground_truth_calls(task, k)]
+        if wrong and calls:
+            key = next(iter(calls[0]["arguments"]), None)
+            if key:
+                calls[0]["arguments"][key] = "wrong_value"
+        filler = ("x" * (step_chars - 40) + "\n") if step_chars > 40 else ""
+        text = filler + "\n".join('<tool_call>\n' + json.dumps(c) + '\n</tool_call>' for c in calls)
+        results = [(hostile[0] if hostile else "ok") + filler for _ in calls]
+        steps = [{"text": text, "calls": calls, "parse_error": None, "results": results,
+                  "call_errors": [None] * len(calls), "schema_errors": [None] * len(calls), "feedback": None},
+                 {"text": "Done. " + " ".join(hostile), "calls": [], "parse_error": None, "results": [],
+                  "call_errors": [], "schema_errors": [], "feedback": None}]
+        turns.append({"steps": steps, "end": "answer"})
+        if k == segment_at:
+            segments.append({"turn": k, "prompt_ids": [1] * 500})
+        (segments[-1].setdefault("runs", []) if segments else runs).extend(
+            [(1, max(1, len(text) // 4)), (0, 30 + len("".join(results)) // 4), (1, 12), (0, 20)])
+    tokens = [{"prompt_ids": [1] * 3000, "runs": runs}, *segments]
+    for seg in tokens:
+        mask = [m for m, n in seg.pop("runs") for _ in range(n)]
+        seg.update(ids=[7] * len(mask), mask=mask, logprobs=[-0.5 if m else None for m in mask])
+    first, *more = tokens
+    return {"task_id": task["id"], "category": task["category"], "sample_index": sample, "round": t, "policy": "p",
+            "interface_version": t, "turns": turns, "stop": "done", "decode_failure": "feedback",
+            "tokens": first | ({"segments": more} if more else {}),
+            "stats": {"gen_tokens": sum(sum(seg["mask"]) for seg in tokens), "cue_tokens": 100, "seconds": 1.0},
+            "sampling": {"temperature": 1.0}}
+
+
+def _diagnosis(rec, reward, label, hostile):
+    n = len(rec["turns"])
+    labels = ["pass" if reward else label] * n
+    return {"task_id": rec["task_id"], "category": rec["category"], "sample_index": rec["sample_index"],
+            "round": rec["round"], "reward": reward,
+            "official": {"valid": bool(reward), "error_type": None if reward else "multi_turn:instance_state_mismatch",
+                         "turn": None if reward else 0},
+            "turn_labels": labels, "evidence": ["ok" if reward else "wrong_value " + " ".join(hostile)] * n,
+            "profile": {z: labels.count(z) / n for z in LABELS}}
+
+
+def _write(path, records):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def synthetic_run(path, tasks, eval_tasks, rounds=2, n=4, step_chars=0, hostile=True, mode="seal", thinking=False):
+    """Write a finished run of `rounds` rounds (each task x n samples; sample 0 of every task
+    right, the others wrong in odd-numbered tasks: mixed and zero-variance groups), a held-in
+    evaluation of `eval_tasks` after the last round, and the task file it names. `thinking`: each
+    task's last sample re-rendered at turn 1, as a thinking model's is."""
+    bad = HOSTILE if hostile else []
+    os.makedirs(path, exist_ok=True)
+    task_file = os.path.join(path, "tasks.jsonl")
+    _write(task_file, [dict(t, questions=[[{"role": "user", "content": m["content"] + " " + " ".join(bad)}
+                                           for m in q] for q in t["questions"]]) for t in tasks])
+    settings = {"preset": "synthetic", "mode": mode, "rounds": str(rounds), "model": "tiny", "tasks": task_file,
+                "reweight": "--no-reweight" if mode == "vanilla" else "",
+                "adaptive_rho": "--adaptive-rho" if mode == "seal-adaptive" else ""}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"settings": settings, "git_commit": "0" * 40}, f)
+    for t in range(rounds):
+        folder = os.path.join(path, f"round_{t:03d}")
+        rollouts, diagnoses = [], []
+        for i, task in enumerate(tasks):
+            for s in range(n):
+                right = s == 0 or i % 2 == 0
+                rec = _rollout(task, s, t, not right, bad, step_chars, segment_at=1 if thinking and s == n - 1 else None)
+                rollouts.append(rec)
+                diagnoses.append(_diagnosis(rec, int(right), "argument_mismatch" if s % 2 else "invalid_tool_call", bad))
+        _write(os.path.join(folder, "rollouts.jsonl"), rollouts)
+        _write(os.path.join(folder, "diagnoses.jsonl"), diagnoses)
+        omega = {"version": t, "round": t, "schema_cue": {"enabled": True, "required": True, "types": True, "enums": True},
+                 "error_feedback": True, "capability_cues": [{"label": "argument_mismatch", "text": "Copy values. " + " ".join(bad)}],
+                 "profile": {}, "rho": RHO}
+        with open(os.path.join(folder, "interface.json"), "w") as f:
+            json.dump(omega, f)
+        _write(os.path.join(folder, "train_metrics.jsonl"), [{"step": 0, "global_step": 0, "w_mean": 1.2, "w_std": 0.4,
+                 "zero_var_share": 0.5, "reward_mean": 0.625, "temperature": 1.0, "ref_model": None, "logprob_seconds": 1.0}])
+    ev = os.path.join(path, "eval", f"round_{rounds - 1:03d}")
+    plays = [dict(_rollout(task, 0, rounds - 1, i % 2 == 1, bad, step_chars), interface_version=None)
+             for i, task in enumerate(eval_tasks)]
+    _write(os.path.join(ev, "rollouts.jsonl"), plays)
+    _write(os.path.join(ev, "results.jsonl"), [
+        {"task_id": p["task_id"], "category": p["category"], "valid": i % 2 == 0,
+         "error_type": None if i % 2 == 0 else "multi_turn:instance_state_mismatch", "turn": None if i % 2 == 0 else 0}
+        for i, p in enumerate(plays)])
+    with open(os.path.join(ev, "scores.json"), "w") as f:
+        json.dump({"base": 50.0, "miss_func": 50.0, "miss_param": 50.0, "long_context": 50.0, "average": 50.0}, f)
+    return path
+
+
+# ---------------------------------------------------------------------------------- the browser
+
+
+class Node:
+    def __init__(self, tag, attrs):
+        self.tag, self.attrs, self.children = tag, dict(attrs), []
+
+    def text(self):
+        return "".join(c if isinstance(c, str) else c.text() for c in self.children)
+
+    def all(self, tag=None, cls=None, **attrs):
+        for c in self.children:
+            if isinstance(c, Node):
+                if (tag is None or c.tag == tag) and (cls is None or cls in (c.attrs.get("class") or "").split()) \
+                        and all(c.attrs.get(k) == v for k, v in attrs.items()):
+                    yield c
+                yield from c.all(tag, cls, **attrs)
+
+
+class Tree(HTMLParser):
+    VOID = {"meta", "link", "img", "input", "br", "hr"}
+
+    def __init__(self, html):
+        super().__init__(convert_charrefs=True)
+        self.root = Node("#document", {})
+        self.stack = [self.root]
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        node = Node(tag, attrs)
+        self.stack[-1].children.append(node)
+        if tag not in self.VOID:
+            self.stack.append(node)
+
+    def handle_endtag(self, tag):
+        for i in range(len(self.stack) - 1, 0, -1):
+            if self.stack[i].tag == tag:
+                del self.stack[i:]
+                return
+
+    def handle_data(self, data):
+        self.stack[-1].children.append(data)
+
+
+def browse(page, fragment=""):
+    """The DOM headless Chromium rendered for file://page#fragment, once its scripts ran."""
+    assert CHROMIUM, "no chromium on PATH: bash tests/system.sh installs Debian's chromium package"
+    with tempfile.TemporaryDirectory() as profile:
+        out = subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--virtual-time-budget=10000", "--dump-dom",
+             "file://" + os.path.abspath(page) + (f"#{fragment}" if fragment else "")],
+            capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "data-ready" in out.stdout, out.stderr[-2000:]
+    return Tree(out.stdout).root
+
+
+def rows(dom):
+    return [r for table in dom.all("table", id="trajectories") for r in table.all("tr", cls="traj")]
+
+
+def view(run, *extra):
+    return subprocess.run([sys.executable, "-m", "common.view", str(run), *extra], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def data(page, name):
+    text = open(os.path.join(os.path.dirname(page), "data", name + ".js")).read()
+    return json.loads(text[len("SEAL_LOADED = "):].rstrip().rstrip(";"))
+
+
+def check_tiny_runs(runs):
+    """tests/test_loop.py: the viewer loop.sh rebuilt after every round of its two tiny runs."""
+    for mode in ("seal", "vanilla"):
+        page = runs / mode / "viewer" / "index.html"
+        for t in (0, 1):
+            records = [json.loads(line) for line in open(runs / mode / f"round_00{t}" / "rollouts.jsonl")]
+            dom = browse(page, f"round/{t}")
+            assert len(rows(dom)) == len(records)
+            diag = [json.loads(line) for line in open(runs / mode / f"round_00{t}" / "diagnoses.jsonl")]
+            failed = [d for d in diag if d["reward"] == 0]
+            assert len(rows(browse(page, f"round/{t}?reward=0"))) == len(failed)
+        d = diag[0]
+        text = browse(page, f"traj/1/{d['task_id']}/{d['sample_index']}").text()
+        assert ("valid" if d["official"]["valid"] else d["official"]["error_type"]) in text
+        assert d["turn_labels"][0] in text

@@ -209,8 +209,8 @@ POLICY_TAGS = ["actor/pg_loss", "actor/kl_loss", "actor/pg_clipfrac", "actor/pg_
 
 def test_the_viewer_loop_built_shows_every_round_in_a_browser(runs):
     """loop.sh rebuilt the viewer after every round: headless Chromium renders each round's rows,
-    a filter, and a trajectory with its verdict and label (tests/test_view.py)."""
-    from tests.test_view import check_tiny_runs
+    a filter, and a trajectory with its verdict and label (tests/helpers.py)."""
+    from helpers import check_tiny_runs
     check_tiny_runs(runs)
 
 
