@@ -35,7 +35,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         needs.setdefault(item.module, set()).update(n for n in SERVERS if n in item.fixturenames)
     items.sort(key=lambda item: bool(needs[item.module]))  # stable: a module's tests stay together
-    config.stash[_WANTED] = set().union(*needs.values())
+    # An xdist worker collects every test but runs the modules it is sent, which it cannot know
+    # here: its servers start when a test first needs them.
+    config.stash[_WANTED] = set() if os.environ.get("PYTEST_XDIST_WORKER") else set().union(*needs.values())
 
 
 @pytest.fixture(scope="module")
