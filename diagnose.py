@@ -2,6 +2,7 @@
 
     python diagnose.py --tasks data/train.jsonl --rollouts runs/x/round_000/rollouts.jsonl \
         --out runs/x/round_000/diagnoses.jsonl
+    python diagnose.py --tasks tau2:airline:train --rollouts ... --out ...
 
 For every rollout record, replays the trajectory against the ground truth turn
 by turn with bfcl-eval's executor and official checks (common/replay.py), and
@@ -10,6 +11,8 @@ reward (the official multi_turn_checker verdict, 1 solved else 0), the official
 error type and turn, a label and a one-line evidence string for every turn
 (rules: common/taxonomy.py) and the profile p_j (fraction of turns per label,
 all labels). Prints reward and label mix per category and the commonest failure evidence.
+τ²-bench rollouts (`--tasks tau2:DOMAIN:SPLIT`) are scored by τ²'s own evaluator on their
+transcript and labelled by taxonomy.py's τ² rules (common/tau2.py gathers the evidence).
 """
 
 import argparse
@@ -18,11 +21,12 @@ import sys
 
 from tqdm import tqdm
 
-from common import bfcl, taxonomy
+from common import envs, taxonomy
 from common.jsonl import RecordError, read_jsonl, write_jsonl
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--tasks", required=True, help="task file (data/train.jsonl or data/heldin.jsonl)")
+parser.add_argument("--tasks", required=True,
+                    help="task file (data/train.jsonl or data/heldin.jsonl), or tau2:DOMAIN:SPLIT")
 parser.add_argument("--rollouts", required=True, help="rollout records (JSONL)")
 parser.add_argument("--out", required=True, help="diagnosis records (JSONL)")
 parser.add_argument("--top", type=int, default=10, help="how many of the commonest evidence strings to print")
@@ -31,8 +35,9 @@ parser.add_argument("--top", type=int, default=10, help="how many of the commone
 ROLLOUT_FIELDS = ["task_id", "category", "sample_index", "round", "turns"]
 
 
-def diagnose_file(tasks, path):
+def diagnose_file(env, path):
     """Diagnosis records for every rollout of `path`; stops at the first bad record."""
+    tasks = env.tasks
     rollouts = read_jsonl(path, required=ROLLOUT_FIELDS)
     out = []
     for r in tqdm(rollouts, desc="diagnose", unit="traj"):
@@ -43,14 +48,14 @@ def diagnose_file(tasks, path):
         if r["category"] != task["category"]:
             raise RecordError(f"{where}: category {r['category']!r} but task {task['id']} is {task['category']!r}")
         try:
-            out.append(taxonomy.diagnose(task, r))
+            out.append(env.diagnose(task, r))
         except RecordError as e:
             raise RecordError(f"{where}: {e}") from None
     return out
 
 
-def print_summary(records, top):
-    cats = [c for c in bfcl.CATEGORIES if any(r["category"] == c for r in records)]
+def print_summary(records, top, categories):
+    cats = [c for c in categories if any(r["category"] == c for r in records)]
     turns = {c: collections.Counter() for c in cats}
     for r in records:
         turns[r["category"]].update(r["turn_labels"])
@@ -74,11 +79,11 @@ def print_summary(records, top):
 
 
 def main(args):
-    tasks = bfcl.load_tasks(args.tasks)
-    records = diagnose_file(tasks, args.rollouts)
+    env = envs.load(args.tasks)
+    records = diagnose_file(env, args.rollouts)
     write_jsonl(args.out, records)
     if records:
-        print_summary(records, args.top)
+        print_summary(records, args.top, env.categories)
     print(f"wrote {args.out}")
 
 

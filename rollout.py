@@ -1,9 +1,11 @@
-"""Roll out a policy on BFCL multi-turn tasks through the training-time interface Ω.
+"""Roll out a policy on BFCL multi-turn tasks (or a τ²-bench domain's) through the training-time interface Ω.
 
     python rollout.py --model DIR --tasks data/train.jsonl --out rollouts.jsonl [--n 8] \
         [--interface interface.json] [--engine vllm|hf] [--limit K] [--temperature 1.0] \
         [--seed S] [--max-steps-per-turn 20] [--max-model-len 16384] [--max-new-tokens 1024] \
         [--schedule async|lockstep] [--prompts bfcl|template] [--handler QwenFCHandler] [--server URL[,URL...]]
+    python rollout.py --model DIR --tasks tau2:airline:train --out rollouts.jsonl \
+        (--scripted-user | --user-model DIR | --user-base-url URL --user-model-name NAME) [...]
 
 The defaults of the settings a preset holds (--n, --temperature, lengths, handler, ...) are the
 presets' (common/presets.py): run by hand, the stage plays as the loop plays it.
@@ -27,6 +29,12 @@ submitted as soon as its previous one is handled (`--schedule async`, the defaul
 `lockstep` waits for the whole step, and is the only schedule of `--engine hf`
 (transformers generate in this process). The summary reports the share of prompt
 tokens served from vLLM's prefix cache.
+
+`--tasks tau2:DOMAIN:SPLIT` plays a τ²-bench domain's split instead (common/envs.py,
+common/tau2.py): each episode runs through τ²'s orchestrator against a user simulator (a
+served model, or `--scripted-user`, which needs none), with the model's chat template and
+τ²'s tool schemas, token-in/token-out, and its record holds the same fields plus τ²'s
+transcript, which diagnose.py scores with τ²'s evaluator.
 """
 
 import argparse
@@ -35,13 +43,14 @@ import os
 import random
 import sys
 
-from common import bfcl, play, playargs, presets
+from common import envs, play, playargs, presets
 from common import interface as omega_api
+from common import tau2 as tau2_env
 from common.jsonl import RecordError, write_json, write_jsonl
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="policy folder (HF model or LoRA adapter)")
-parser.add_argument("--tasks", required=True, help="task file, e.g. data/train.jsonl")
+parser.add_argument("--tasks", required=True, help="task file (data/train.jsonl), or tau2:DOMAIN:SPLIT")
 parser.add_argument("--n", type=int, default=presets.GROUP_SIZE, help="samples per task (the GRPO group)")
 parser.add_argument("--out", required=True, help="output JSONL")
 parser.add_argument("--interface", default=None, help="Ω (interface.json); absent: plain prompts")
@@ -57,18 +66,23 @@ parser.add_argument("--prompts", default=play.PlaySpec.prompts, choices=["bfcl",
 parser.add_argument("--round", type=int, default=0)
 playargs.add_play_args(parser)
 parser.add_argument("--summary", default=None, help="also write the summary as JSON here")
+parser.add_argument("--scripted-user", action="store_true",
+                    help="τ² tasks: the scripted user (common/tau2.py ScenarioUser), no model")
+parser.add_argument("--user-model", default=None, help="τ² tasks: a user simulator model folder, served here")
+parser.add_argument("--user-base-url", default=None, help="τ² tasks: a user simulator's OpenAI-compatible endpoint")
+parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
 
 
-def select_tasks(path, limit=None, ids=None, batch=None, round_=0):
-    tasks = list(bfcl.load_tasks(path).values())
+def select_tasks(env, limit=None, ids=None, batch=None, round_=0):
+    tasks = list(env.tasks.values())
     if limit:
-        tasks = bfcl.first_per_category(tasks, limit)
+        tasks = [t for cat in env.categories for t in [x for x in tasks if x["category"] == cat][:limit]]
     if ids:
         wanted = ids.split(",")
         known = {t["id"] for t in tasks}
         unknown = [i for i in wanted if i not in known]
         if unknown:
-            raise RecordError(f"{path}: unknown task id {unknown[0]}")
+            raise RecordError(f"{env.source}: unknown task id {unknown[0]}")
         tasks = [t for t in tasks if t["id"] in set(wanted)]
     if batch:
         # A fixed order (not --seed) so that every run and mode sees the same tasks per round.
@@ -79,13 +93,33 @@ def select_tasks(path, limit=None, ids=None, batch=None, round_=0):
     return tasks
 
 
+def user_of(args):
+    """The τ² user simulator the flags name ("scripted": the scripted user); refused for BFCL tasks."""
+    given = [bool(args.scripted_user), args.user_model is not None,
+             args.user_base_url is not None or args.user_model_name is not None]
+    if not envs.is_tau2(args.tasks):
+        if any(given):
+            parser.error("a user simulator is for τ² tasks (--tasks tau2:DOMAIN:SPLIT); BFCL scripts its user turns")
+        return None
+    if sum(given) != 1:
+        parser.error("τ² tasks need one user: --scripted-user, --user-model DIR, or --user-base-url URL "
+                     "--user-model-name NAME")
+    if given[2] and not (args.user_base_url and args.user_model_name):
+        parser.error("--user-base-url and --user-model-name go together")
+    if args.scripted_user:
+        return "scripted"
+    return tau2_env.User(args.user_model, args.user_base_url, args.user_model_name)
+
+
 def main(args):
+    user = user_of(args)
     spec = playargs.play_spec(args, parser, omega=omega_api.load(args.interface), temperature=args.temperature,
                               prompts=args.prompts)
-    tasks = select_tasks(args.tasks, args.limit, args.task_ids, args.batch, args.round)
+    env = envs.load(args.tasks, user, user_log=os.path.splitext(args.out)[0] + ".user.log")
+    tasks = select_tasks(env, args.limit, args.task_ids, args.batch, args.round)
     log = os.path.splitext(args.out)[0] + ".server.log"
     with playargs.open_engine(args, args.model, max_model_len=spec.max_model_len, seed=args.seed, log=log) as engine:
-        records, timing = play.play(tasks, args.n, engine, spec, round_=args.round, policy=os.path.abspath(args.model))
+        records, timing = env.play(tasks, args.n, engine, spec, round_=args.round, policy=os.path.abspath(args.model))
     write_jsonl(args.out, records)
     stats = {**play.summary(records), "schedule": spec.schedule, **play.cache_summary(timing),
              "seconds": round(timing["seconds"], 3), "engine_seconds": round(timing["engine_seconds"], 3)}

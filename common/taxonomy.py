@@ -13,6 +13,7 @@ docstring is the exact rule. Reading order:
     FAILURE_RULES         the first failure rule that applies, in priority order
     label_turn            applies the above to one turn
     diagnose              one diagnosis record (docs/design.md §3) per rollout record
+    TAU2_FAILURE_RULES    the same labels from a τ²-bench episode's evidence (common/tau2.py)
 
 Rules return a one-line evidence string when they apply, None otherwise.
 tests/test_taxonomy.py has one real-task test per rule.
@@ -182,6 +183,93 @@ def label_turn(turn):
             return label, _line(evidence)
     # Unreachable: a failing turn made no call (missing_tool_call) or failed the state or the response check.
     raise AssertionError(f"turn {turn.index}: no rule applies")
+
+
+# ----------------------------------------------------------------------------- τ²-bench episodes
+# τ²'s verdict is one per episode (its evaluator: database against the gold actions' replay,
+# environment assertions, gold actions made, information communicated). common/tau2.py gathers
+# it into an `Episode` and each user turn's evidence into a `Turn` (steps' parse errors, schema
+# breaks against τ²'s tool schemas, calls, and results with τ²'s error flag). An episode τ² solves
+# passes on every turn; otherwise each turn takes the first of these rules that applies, in the
+# same priority order as above: what the turn itself shows first, the episode's verdict after
+# (state is cumulative, as in BFCL: a database that differs at the end differs at every turn).
+
+
+def tau2_invalid_tool_call(turn, episode):
+    """Some output in the turn did not parse into calls, or a call broke the tool schemas τ²
+    shows the agent (an unknown tool or parameter, a missing required one, a wrong type or
+    enum value). τ²'s executor answers such calls with error=True; the label records the break."""
+    return invalid_tool_call(turn)
+
+
+def tau2_argument_mismatch(turn, episode):
+    """A call in the turn names the tool of a gold action τ²'s action check found missing, and
+    matches no gold action (τ²'s own comparison: the action's compare_args, else all arguments)."""
+    for call in turn.calls:
+        for action in episode.unmatched_actions:
+            if action.name == call["name"] and not episode.matches_gold(call):
+                return f"{call['name']}: {_arg_diff(call['arguments'], action.arguments)}"
+    return None
+
+
+def tau2_state_mismatch(turn, episode):
+    """τ²'s database check fails (the database after the episode's calls differs from the gold
+    actions' replay), or one of the task's environment assertions does not hold."""
+    if episode.db_match is False:
+        return "database differs from the gold actions' replay (τ²'s hash check)"
+    if episode.failed_assertions:
+        return f"environment assertion not met: {episode.failed_assertions[0]}"
+    return None
+
+
+def tau2_recovery_failure(turn, episode):
+    """The turn's last call failed (τ²'s tool message has error=True) and nothing corrected it
+    in the turn."""
+    if turn.results and turn.errors[-1]:
+        return f"last call failed: {_show(turn.calls[-1])} -> {turn.results[-1]}"
+    return None
+
+
+def tau2_missing_tool_call(turn, episode):
+    """The episode ended before the user was done (τ²'s termination is not a stop by the user or
+    the agent: an agent error, the step or error limit), or a gold action was never made (τ²'s
+    action check) and no call of the turn names its tool."""
+    if episode.early_end:
+        return f"episode ended early: {episode.early_end}"
+    for action in episode.unmatched_actions:
+        if all(c["name"] != action.name for c in turn.calls):
+            return f"never made gold action {action.name}"
+    return None
+
+
+def tau2_response_mismatch(turn, episode):
+    """Information the task requires the agent to communicate was not (τ²'s communicate check)."""
+    if episode.unmet_info:
+        return f"{len(episode.unmet_info)} required piece(s) of information not communicated, e.g. " \
+               f"{episode.unmet_info[0]!r}"
+    return None
+
+
+TAU2_FAILURE_RULES = [
+    ("invalid_tool_call", tau2_invalid_tool_call),
+    ("argument_mismatch", tau2_argument_mismatch),
+    ("state_mismatch", tau2_state_mismatch),
+    ("recovery_failure", tau2_recovery_failure),
+    ("missing_tool_call", tau2_missing_tool_call),
+    ("response_mismatch", tau2_response_mismatch),
+]
+
+
+def label_tau2_turn(turn, episode):
+    """(label, evidence) for one turn of a τ² episode."""
+    if episode.reward == 1:
+        return "pass", _line(f"τ² reward 1 ({len(turn.calls)} call(s) in the turn)")
+    for label, rule in TAU2_FAILURE_RULES:
+        evidence = rule(turn, episode)
+        if evidence:
+            return label, _line(evidence)
+    # Unreachable: a reward below 1 comes from an early end or a failed check, each a rule above.
+    raise AssertionError(f"turn {turn.index}: no rule applies (reward {episode.reward})")
 
 
 # ----------------------------------------------------------------------------- records

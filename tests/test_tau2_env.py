@@ -1,0 +1,189 @@
+"""τ²-bench as a training environment (common/tau2.py): episodes into rollout records, and
+τ²'s own verdict into Ψ's labels (common/taxonomy.py's τ² rules), one constructed episode per
+label on τ²'s mock domain, played through τ²'s orchestrator, environment and evaluator."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from common import calls as calls_api
+from common import tau2 as T
+from common.jsonl import RecordError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DONE = "Your request is complete."
+NO_TOKENS = {"prompt_ids": [], "ids": [], "mask": [], "logprobs": []}  # a scripted agent generates none
+
+
+@pytest.fixture(scope="module")
+def tau2():
+    return T.import_tau2()
+
+
+def call(name, **arguments):
+    return calls_api.format_calls([{"name": name, "arguments": arguments}], "json")
+
+
+def scripted(tau2, domain, task_id, outputs):
+    """(rollout record, diagnosis record) of an episode whose agent writes `outputs` in turn,
+    against the scripted ScenarioUser."""
+    task = next(t for t in tau2.tasks(domain) if t.id == task_id)
+    texts = iter(outputs)
+
+    def players(task, tools, user_tools, system, fmt):
+        return (lambda history, new: next(texts)), tau2.classes[4](task)
+
+    row = tau2.play(domain, task, players, 50, "json")
+    record = T.episode_record(row, NO_TOKENS, 0, 0, "scripted", "scripted", 0.0)
+    return record, T.diagnose(tau2, domain, task, record)
+
+
+GOLD = call("create_task", user_id="user_1", title="Important Meeting")
+
+CASES = {  # label: (task, the agent's outputs, evidence it names)
+    "pass": ("create_task_1", [GOLD, DONE], "reward 1"),
+    "invalid_tool_call": ("create_task_1", [call("delete_everything"), DONE], "unknown tool delete_everything"),
+    "argument_mismatch": ("create_task_1", [call("create_task", user_id="user_1", title="Other"), DONE],
+                          "title='Other', ground truth 'Important Meeting'"),
+    "state_mismatch": ("create_task_1", [GOLD, call("create_task", user_id="user_1", title="Extra"), DONE],
+                       "database differs"),
+    "recovery_failure": ("impossible_task_1", [call("update_task_status", task_id="task_999", status="completed"),
+                                               DONE], "last call failed"),
+    "missing_tool_call": ("impossible_task_1", [DONE], "never made gold action transfer_to_human_agents"),
+    "response_mismatch": ("update_task_with_initialization_data",
+                          [call("update_task_status", task_id="task_2", status="completed"), DONE],
+                          "not communicated"),
+}
+
+
+@pytest.mark.parametrize("label", list(CASES))
+def test_each_label_from_a_constructed_episode(tau2, label):
+    task_id, outputs, evidence = CASES[label]
+    record, diagnosis = scripted(tau2, "mock", task_id, outputs)
+    assert diagnosis["turn_labels"] == [label] and evidence in diagnosis["evidence"][0]
+    assert diagnosis["reward"] == (1.0 if label == "pass" else 0.0)
+    assert diagnosis["official"]["valid"] is (label == "pass")
+    assert diagnosis["profile"][label] == 1.0 and sum(diagnosis["profile"].values()) == 1.0
+    # the record: one turn (the user's opening), one step per output, τ²'s results beside the calls
+    (turn,) = record["turns"]
+    assert [s["text"] for s in turn["steps"]] == outputs and turn["end"] == "answer"
+    assert all(len(s["results"]) == len(s["calls"]) == len(s["call_errors"]) for s in turn["steps"])
+    assert record["stop"] == "user_stop" and record["env"] == "tau2:mock"
+
+
+def test_an_early_end_is_a_missing_tool_call(tau2):
+    """An empty agent output ends the episode as AGENT_ERROR, which τ² scores 0 without checks."""
+    record, diagnosis = scripted(tau2, "mock", "create_task_1", ["  "])
+    assert record["stop"] == "agent_error" and diagnosis["reward"] == 0.0
+    assert diagnosis["turn_labels"] == ["missing_tool_call"] and "agent_error" in diagnosis["evidence"][0]
+
+
+def test_the_reward_is_taus_evaluator_on_the_transcript(tau2):
+    """Diagnosis scores the record's transcript with τ²'s evaluator, which replays its calls in a
+    fresh environment: a transcript whose results the calls do not give is refused, not scored."""
+    record, diagnosis = scripted(tau2, "mock", "create_task_1", [GOLD, DONE])
+    assert diagnosis["reward"] == 1.0
+    task = next(t for t in tau2.tasks("mock") if t.id == "create_task_1")
+    edited = json.loads(json.dumps(record))
+    for m in edited["transcript"]:
+        for c in m.get("tool_calls") or []:
+            c["arguments"]["title"] = "Edited"
+    with pytest.raises(RecordError, match="does not replay"):
+        T.diagnose(tau2, "mock", task, edited)
+    edited["transcript"][1]["role"] = "wizard"
+    with pytest.raises(RecordError, match="not a τ² transcript"):
+        T.diagnose(tau2, "mock", task, edited)
+
+
+def test_splits_and_playable_tasks(tau2):
+    """τ²'s own splits; tasks that start mid-conversation are not played."""
+    assert (len(tau2.tasks("airline", split="train")), len(tau2.tasks("airline", split="test"))) == (30, 20)
+    assert sum(map(T.playable, tau2.tasks("mock"))) == 7
+    with pytest.raises(RecordError, match="no task split 'nope'"):
+        tau2.tasks("airline", split="nope")
+
+
+def _stage(*argv):
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_tiny_model_rollouts_diagnosed_by_tau2(tmp_path, tiny_model, tau2):
+    """rollout.py and diagnose.py on a τ² split, the tiny model (HF engine) against the scripted
+    user, Ω_0 on: every record's tokens are what the model was shown and wrote, and each episode
+    is scored by τ²'s evaluator and labelled."""
+    from transformers import AutoTokenizer
+
+    from common import interface as omega_api
+    from common import taxonomy
+    from common.jsonl import write_json
+    write_json(tmp_path / "omega.json", omega_api.initial())
+    res = _stage("rollout.py", "--model", tiny_model, "--tasks", "tau2:mock:base", "--limit", "2", "--n", "2",
+                 "--engine", "hf", "--scripted-user", "--max-new-tokens", "24", "--interface",
+                 str(tmp_path / "omega.json"), "--out", str(tmp_path / "r.jsonl"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [(r["task_id"], r["sample_index"]) for r in records] == [
+        (t, k) for t in ("create_task_1", "create_task_1_with_env_assertions") for k in range(2)]
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    policy = tau2.registry.get_env_constructor("mock")().get_policy()
+    for r in records:
+        assert r["env"] == "tau2:mock" and "scripted" in r["user_simulator"] and r["category"] == "mock"
+        t = r["tokens"]
+        assert len(t["ids"]) == len(t["mask"]) == len(t["logprobs"]) and sum(t["mask"]) == r["stats"]["gen_tokens"] > 0
+        assert all((lp is not None) == bool(m) for m, lp in zip(t["mask"], t["logprobs"], strict=True))
+        shown = tok.decode(t["prompt_ids"])
+        assert policy.strip()[:200] in shown and r["turns"][0]["user"] in shown
+        assert r["stats"]["cue_tokens"] > 0  # Ω_0's schema cue annotates τ²'s tool schemas
+        context, at = tok.decode(t["prompt_ids"] + t["ids"]), 0
+        for step in (s for turn in r["turns"] for s in turn["steps"]):
+            at = context.index(step["text"], at)  # each output in the context, in order
+    res = _stage("diagnose.py", "--tasks", "tau2:mock:base", "--rollouts", str(tmp_path / "r.jsonl"),
+                 "--out", str(tmp_path / "d.jsonl"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    diagnoses = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert len(diagnoses) == len(records)
+    for d, r in zip(diagnoses, records, strict=True):
+        assert (d["task_id"], d["sample_index"]) == (r["task_id"], r["sample_index"])
+        assert d["reward"] in (0.0, 1.0) and len(d["turn_labels"]) == max(1, len(r["turns"]))
+        assert set(d["turn_labels"]) <= set(taxonomy.LABELS) and abs(sum(d["profile"].values()) - 1) < 1e-9
+
+
+def test_the_user_flags_belong_to_tau2_tasks(tmp_path, tiny_model):
+    out = str(tmp_path / "r.jsonl")
+    res = _stage("rollout.py", "--model", tiny_model, "--tasks", "tau2:mock:base", "--out", out)
+    assert res.returncode == 2 and "τ² tasks need one user" in res.stderr
+    res = _stage("rollout.py", "--model", tiny_model, "--tasks", "data/tiny.jsonl", "--scripted-user", "--out", out)
+    assert res.returncode == 2 and "a user simulator is for τ² tasks" in res.stderr
+    res = _stage("diagnose.py", "--tasks", "tau2:mock", "--rollouts", out, "--out", out)
+    assert res.returncode == 1 and "tau2:DOMAIN:SPLIT" in res.stderr
+    assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("omega", ["initial", "off"])
+def test_error_feedback_hints_after_taus_error_messages(tau2, tokenizer, omega):
+    """Ω's error feedback appends a recovery hint to a tool message τ² flags error=True (never
+    the answer), recorded as the step's feedback and counted as cue tokens; with Ω off the
+    model sees τ²'s message alone. The agent is scripted (real tokenizer, fixed texts)."""
+    from helpers import Scripted
+
+    from common import interface as omega_api
+    from common.play import PlaySpec
+    texts = iter([call("update_task_status", task_id="task_999", status="completed"), DONE])
+    engine = Scripted(tokenizer, lambda prompt: next(texts))
+    spec = PlaySpec(omega=getattr(omega_api, omega)(), fmt="json", temperature=1.0, max_model_len=8192,
+                    max_new_tokens=64)
+    task = next(t for t in tau2.tasks("mock") if t.id == "impossible_task_1")
+    (record,), _ = T.rollouts(tau2, "mock", [task], 1, engine, spec, None)
+    first, second = record["turns"][0]["steps"]
+    assert first["call_errors"][0] and "not found" in first["call_errors"][0]
+    context = tokenizer.decode(record["tokens"]["prompt_ids"] + record["tokens"]["ids"])
+    if omega == "initial":
+        assert first["feedback"] and first["feedback"] in context and record["stats"]["cue_tokens"] > 0
+        assert "task_999" not in first["feedback"]
+    else:
+        assert first["feedback"] is None and record["stats"]["cue_tokens"] == 0
+    assert second["feedback"] is None and second["text"] == DONE
