@@ -102,22 +102,28 @@ try: print(call_format(sys.argv[1], sys.argv[2]))
 except HandlerError as e: sys.exit(f'loop: BFCL_HANDLER={sys.argv[1]} CALL_FORMAT={sys.argv[2]}: {e}')" \
   "$BFCL_HANDLER" "$CALL_FORMAT") || exit 2
 RECORD=("${RECORD[@]/#call_format=*/call_format=$CALL_FORMAT}")
-USER_ARGS=()  # the τ²-bench user simulator, checked before any round runs
+# The τ²-bench user simulator (training on ENV=tau2:DOMAIN, and the tau2 OOD bench), checked before any
+# round runs; on CPU a τ² run without one plays against the scripted ScenarioUser (common/tau2.py).
+USER_ARGS=()
+if [ -n "$USER_MODEL" ]; then USER_ARGS=(--user-model "$USER_MODEL")
+elif [ -n "$USER_BASE_URL" ] && [ -n "$USER_MODEL_NAME" ]; then
+  USER_ARGS=(--user-base-url "$USER_BASE_URL" --user-model-name "$USER_MODEL_NAME")
+fi
+DOMAIN=""; [ "$ENV" = bfcl ] || DOMAIN=${ENV#tau2:}
+ENV_USER=("${USER_ARGS[@]+"${USER_ARGS[@]}"}")
+if [ -n "$DOMAIN" ] && [ ${#USER_ARGS[@]} -eq 0 ]; then ENV_USER=(--scripted-user); fi
 for b in $OOD; do
   case $b in
     bfcl-memory|bfcl-web) ;;
     tau2)
-      if [ -n "$USER_MODEL" ]; then USER_ARGS=(--user-model "$USER_MODEL")
-      elif [ -n "$USER_BASE_URL" ] && [ -n "$USER_MODEL_NAME" ]; then
-        USER_ARGS=(--user-base-url "$USER_BASE_URL" --user-model-name "$USER_MODEL_NAME")
-      else
+      if [ ${#USER_ARGS[@]} -eq 0 ]; then
         echo "loop: OOD tau2 needs a user simulator: --set USER_MODEL=DIR (served with vllm serve)," \
           "or --set USER_BASE_URL=URL --set USER_MODEL_NAME=NAME" >&2; exit 2
       fi ;;
     *) echo "loop: OOD=$OOD: benches are bfcl-memory, bfcl-web and tau2" >&2; exit 2 ;;
   esac
 done
-NAME=${NAME:-$PRESET-$MODE}
+NAME=${NAME:-$PRESET-$MODE${DOMAIN:+-$DOMAIN}}
 
 # Rollouts and every evaluation (held-in and OOD) play with the same engine, handler, step limit
 # and call format (COMMON_ARGS); only their lengths differ (MAX_LEN/MAX_NEW, EVAL_LEN/EVAL_NEW).
@@ -128,7 +134,7 @@ PLAY_ARGS=("${SCORE_ARGS[@]}")
 # The base model's scores are shared by every run of the preset under $RUNS, so they must come
 # from one model and one set of evaluation settings: a run with others stops here. Where they
 # live is common/runinfo.py base_dir's rule (evaluate.py --compare and common/report.py find them by it).
-BASE=$RUNS/base-$PRESET
+BASE=$RUNS/base-$PRESET${DOMAIN:+-tau2-$DOMAIN}  # common/runinfo.py base_dir's rule
 if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" revision="$REVISION" eval_limit="$EVAL_LIMIT" play="${SCORE_ARGS[*]}"; then
   echo "loop: $BASE holds the base model's scores for the settings above; use another --runs, or remove it" >&2
   exit 2
@@ -205,7 +211,12 @@ playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve PO
   fi
 }
 
-evaluate() {  # evaluate POLICY ROUND DIR: held-in, bfcl-eval's decoding, Ω removed
+evaluate() {  # evaluate POLICY ROUND DIR: held-in, bfcl-eval's decoding, Ω removed; τ²: the domain's test split
+  if [ -n "$DOMAIN" ]; then
+    run eval "$2" "$3/scores.json" playing "$1" $PY -m ood.tau --policy "$1" --domain "$DOMAIN" --split test \
+      "${ENV_USER[@]}" $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" --out "$3"
+    return
+  fi
   run eval "$2" "$3/scores.json" playing "$1" $PY evaluate.py --policy "$1" --split heldin \
     $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" ${BFCL_MODEL:+--bfcl-model "$BFCL_MODEL"} --out "$3"
 }
@@ -265,7 +276,7 @@ for ((t = 0; t < ROUNDS; t++)); do
   run rollout "$t" "$R/rollouts.jsonl" playing "$policy" $PY rollout.py --model "$policy" --tasks "$TASKS" \
     $(limit_args "$TRAIN_LIMIT") --batch "$TASKS_PER_ROUND" --round "$t" --n "$N" --interface "$R/interface.json" \
     "${COMMON_ARGS[@]}" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
-    --temperature "$TEMP" --seed $((SEED * 1000 + t)) --prompts "$PROMPTS" \
+    --temperature "$TEMP" --seed $((SEED * 1000 + t)) --prompts "$PROMPTS" ${DOMAIN:+"${ENV_USER[@]}"} \
     --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
   run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks "$TASKS" \
     --rollouts "$R/rollouts.jsonl" --out "$R/diagnoses.jsonl"

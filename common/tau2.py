@@ -101,7 +101,7 @@ class Tau2:
         try:
             tasks = self.get_tasks(domain, task_split_name=split or SPLITS.get(domain))
         except (ValueError, KeyError) as e:
-            raise RecordError(f"τ² domain {domain!r}: no task split {split!r} ({e})") from None
+            raise RecordError(f"τ² domain {domain!r}, task split {split!r}: {e}") from None
         return tasks[:limit] if limit else tasks
 
     def oracle(self, task, tools, user_tools, system, fmt):
@@ -112,6 +112,8 @@ class Tau2:
     def model_players(self, engine, spec, user_sim):
         """Players for a model policy: our engine as the agent, τ²'s user simulator at `user_sim`."""
         def players(task, tools, user_tools, system, fmt):
+            if user_sim["kind"] == "scripted":
+                return ModelPolicy(engine, tools, system, spec), self.classes[4](task)
             user = self.classes[2](tools=user_tools, instructions=str(task.user_scenario),
                                    llm=f"openai/{user_sim['name']}", llm_args=dict(user_sim["llm_args"]))
             return ModelPolicy(engine, tools, system, spec), user
@@ -319,6 +321,7 @@ def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy
         tokens = {"prompt_ids": p.prompt_ids or [], "ids": p.ids, "mask": p.mask, "logprobs": p.logprobs}
         record = episode_record(row, tokens, k, round_, policy, user_label(user_sim), time.perf_counter() - start)
         record["stats"].update(cue_tokens=p.cue_tokens, engine_seconds=p.engine_seconds)
+        record["interface_version"] = spec.omega.get("version") if spec.omega else None
         for step, hint in zip((s for t in record["turns"] for s in t["steps"]), p.feedback, strict=False):
             step["feedback"] = hint
         return record
@@ -330,6 +333,7 @@ def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy
     concurrency = min(concurrency, len(jobs))
     if concurrency <= 1:
         records = [one(job) for job in jobs]
+        engine_seconds = sum(r["stats"]["engine_seconds"] for r in records)
     else:
         with Batcher(engine) as batched:
             engine = batched
@@ -338,9 +342,11 @@ def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy
                 records = list(pool.map(one, jobs))
             finally:
                 pool.shutdown(wait=False, cancel_futures=True)
+        engine_seconds = batched.engine_seconds  # an episode's own count includes its wait in the queue
+    for r in records:
+        del r["stats"]["engine_seconds"]
     sampling = sampling_params(spec.temperature)
-    timing = {"seconds": time.perf_counter() - started,
-              "engine_seconds": sum(r["stats"].pop("engine_seconds") for r in records)}
+    timing = {"seconds": time.perf_counter() - started, "engine_seconds": engine_seconds}
     return [r | {"sampling": sampling} for r in records], timing
 
 
@@ -485,7 +491,10 @@ def diagnose(tau2, domain, task, record):
     if not labelled:  # no user turn (the user simulator failed at once): one turn, the episode's
         labelled = [taxonomy.label_tau2_turn(Turn(0, [], [], [], [], []), episode)]
     labels = [z for z, _ in labelled]
+    failed = [k for k, v in (info.reward_breakdown or {}).items() if v < 1]
     official = {"valid": info.reward == 1, "reward": info.reward, "termination": record["termination"],
+                "error_type": None if info.reward == 1 else (str(getattr(failed[0], "value", failed[0])) if failed
+                                                             else record["termination"]),
                 "reward_breakdown": {str(getattr(k, "value", k)): v for k, v in (info.reward_breakdown or {}).items()},
                 "note": (info.info or {}).get("note")}
     return {"task_id": record["task_id"], "category": record["category"], "sample_index": record["sample_index"],
@@ -671,7 +680,7 @@ class Batcher:
     def __init__(self, engine):
         self.engine, self.tokenizer, self.queue = engine, engine.tokenizer, queue.Queue()
         self.stop_ids = engine.stop_ids
-        self.lock, self.closed = threading.Lock(), False
+        self.lock, self.closed, self.engine_seconds = threading.Lock(), False, 0.0
         self.thread = threading.Thread(target=self._run, name="tau2-engine", daemon=True)
         self.thread.start()
 
@@ -698,7 +707,9 @@ class Batcher:
             for jobs in by_sampling.values():
                 temperature = jobs[0][2]
                 try:
+                    t0 = time.perf_counter()
                     gens = self.engine.generate([j[0] for j in jobs], [j[1] for j in jobs], temperature)
+                    self.engine_seconds += time.perf_counter() - t0
                 except BaseException as e:  # noqa: BLE001 - handed to the waiting episodes
                     for j in jobs:
                         j[3].set_exception(e)

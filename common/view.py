@@ -64,6 +64,8 @@ def read_object(path, rel, missing, required=False):
 
 def load_tasks(path):
     """(task records by id, []) or ({}, [why not]): the user turns and ground truth shown beside the plays."""
+    if path.startswith("tau2:"):  # τ²'s records carry the user simulator's messages themselves
+        return {}, []
     path = path if os.path.isabs(path) else os.path.join(ROOT, path)
     try:
         return bfcl.load_tasks(path), []

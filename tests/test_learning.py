@@ -12,48 +12,16 @@ import json
 import os
 
 import pytest
-from helpers import in_process
+from helpers import Teacher, in_process, seq_logprob
 
 from common import bfcl, play, taxonomy, tiny
 from common import calls as C
-from common.engines import Generation, make_engine
+from common.engines import make_engine
 from common.jsonl import write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = 3  # real samples per task
 MAX_NEW, MAX_STEPS = 96, 3  # the tiny preset's
-
-
-class Teacher:
-    """Writes `script(task, prompt_text)` and gives each token the policy's own log-probability."""
-
-    def __init__(self, model, tokenizer, script):
-        self.model, self.tokenizer, self.script = model, tokenizer, script
-        self.stop_ids = [tokenizer.eos_token_id]
-
-    def generate(self, prompts, max_new_tokens, temperature):
-        import torch
-        out = []
-        for p, limit in zip(prompts, max_new_tokens, strict=True):
-            tail = self.tokenizer.decode(p[-200:])
-            ids = self.tokenizer(self.script(tail), add_special_tokens=False)["input_ids"][: limit - 1]
-            ids.append(self.tokenizer.eos_token_id)
-            with torch.no_grad():
-                logits = self.model(input_ids=torch.tensor([p + ids])).logits[0, len(p) - 1:-1].float()
-            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1).tolist()
-            out.append(Generation(ids=ids, logprobs=lp, finish="stop"))
-        return out
-
-
-def seq_logprob(model, rec):
-    """Sum of log p(token) over the model-generated tokens of a rollout record."""
-    import torch
-    toks = rec["tokens"]
-    x = torch.tensor([toks["prompt_ids"] + toks["ids"]])
-    with torch.no_grad():
-        logits = model(input_ids=x).logits[0, len(toks["prompt_ids"]) - 1:-1].float()
-    lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(toks["ids"])[:, None]).squeeze(1)
-    return float((lp * torch.tensor(toks["mask"], dtype=torch.float32)).sum())
 
 
 @pytest.fixture

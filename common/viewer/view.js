@@ -284,7 +284,8 @@ function trajectoryView(row, task, extra) {
     const label = (diag.turn_labels || [])[k];
     out.push(h("h2", {}, `Turn ${k} `, label ? labelChip(label) : null));
     if (diag.evidence && diag.evidence[k]) out.push(h("div", { class: "evidence" }, "evidence: ", diag.evidence[k]));
-    const msgs = task ? task.questions[k] || [] : [];
+    // τ²-bench: the user simulator's message that opened the turn is in the record
+    const msgs = task ? task.questions[k] || [] : turn && turn.user ? [{ role: "user", content: turn.user }] : [];
     for (const m of msgs) out.push(h("div", { class: "box user" }, h("b", {}, `${m.role}: `), h("pre", {}, m.content)));
     if (task && !msgs.length) out.push(h("p", { class: "muted" }, "no user message this turn: the withheld functions are listed now"));
     if (!turn) { out.push(h("p", { class: "muted" }, "not played: the trajectory stopped before this turn")); continue; }
