@@ -198,17 +198,20 @@ def compare(paths):
              if (e := sc.get("bfcl_eval", {})).get("registry") in LEADERBOARD}
     width = max([len(name) for name, _ in rows] + [len("BFCL leaderboard") if board else 10])
     mw = max([len(m) for m in modes.values()] + [len("mode")])
-    print(f"{'':{width}}  {'mode':<{mw}}" + "".join(f"{c:>14}" for c in CATEGORIES + ["average"]))
+    # a τ²-trained run's rows: its domain's test split (ood/tau.py's scores name their domains)
+    domains = list(dict.fromkeys(d for _, sc in rows if "tau2_version" in sc for d in sc.get("tasks", {})))
+    cols = ([c for c in CATEGORIES if any(c in sc for _, sc in rows)] or ([] if domains else CATEGORIES)) + domains
+    print(f"{'':{width}}  {'mode':<{mw}}" + "".join(f"{c:>14}" for c in cols + ["average"]))
     for name, sc in rows:
         e = sc.get("bfcl_eval", {})
         notes = [] if e.get("same_settings", True) else ["* not bfcl-eval's settings: " + "; ".join(e["differs"])]
         if e.get("registry") in board and e.get("tasks") != LEADERBOARD_TASKS:
             notes.append(f"† {e.get('tasks', 'not all')} tasks; the leaderboard's figure is over all {LEADERBOARD_TASKS}")
         print(f"{name:{width}}  {modes.get(name, '—'):<{mw}}"
-              + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in CATEGORIES + ["average"])
-              + "".join(f"  {n}" for n in notes))
+              + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in cols + ["average"])
+              + "".join(f"  {n}" for n in notes + ([f"τ² {sc['split']} split"] if "tau2_version" in sc else [])))
     for registry, (figure, source) in board.items():
-        print(f"{'BFCL leaderboard':{width}}  {'':<{mw}}" + f"{'—':>14}" * len(CATEGORIES) + f"{figure:>14.2f}"
+        print(f"{'BFCL leaderboard':{width}}  {'':<{mw}}" + f"{'—':>14}" * len(cols) + f"{figure:>14.2f}"
               + f"  {registry}, all {LEADERBOARD_TASKS} tasks ({source})")
     print_ood([(name, benches) for name, benches in ood if benches], modes)
     return rows

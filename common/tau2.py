@@ -70,7 +70,28 @@ def import_tau2():
     from loguru import logger
     logger.remove()  # τ²'s registry logs its whole registry at import; keep errors only
     logger.add(sys.stderr, level="ERROR")
-    return Tau2()
+    tau2 = Tau2()
+    for entry in filter(None, (e.strip() for e in os.environ.get("SEAL_TAU2_DOMAINS", "").split(","))):
+        import_domain(entry)
+    return tau2
+
+
+def import_domain(entry):
+    """Import a module that registers a τ² domain of the user's (a .py file or a module name)."""
+    import importlib
+    import importlib.util
+    try:
+        if entry.endswith(".py"):
+            name = "seal_tau2_domain_" + os.path.splitext(os.path.basename(entry))[0]
+            if name not in sys.modules:  # registering twice would fail in τ²'s registry
+                spec = importlib.util.spec_from_file_location(name, entry)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                sys.modules[name] = module
+        else:
+            importlib.import_module(entry)
+    except Exception as e:
+        raise RecordError(f"SEAL_TAU2_DOMAINS: importing {entry} failed: {type(e).__name__}: {e}") from None
 
 
 class Tau2:

@@ -163,7 +163,7 @@ PAPER = dict(rounds="18", eval_every="6", engine="vllm", server="", gpus="", tp=
              n="8", mini_batch="8", lr="", kl="0.001", temp="1.0", max_steps="20", max_len="16384",
              max_new="1024", train_limit="", eval_limit="", keep="evaluated", tasks="data/train.jsonl", seed="0",
              ood="", ood_limit="", prompts="bfcl", eval_len="", eval_new="", thinking="", report_to="none",
-             bfcl_model="", call_format="")
+             bfcl_model="", call_format="", env="bfcl")
 FOUR_GPUS = dict(nproc="4", dp="4", accel_config="configs/accelerate/fsdp_4gpu.yaml", gpu_mem_gib="79",
                  extra_train="--gradient-checkpointing")
 EXPECTED = {

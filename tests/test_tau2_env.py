@@ -230,3 +230,56 @@ def test_a_round_trains_on_tau2_rollouts(tiny_model, tau2, tmp_path):
     up = [d for d, x in zip(delta, rewards, strict=True) if x > mean]
     down = [d for d, x in zip(delta, rewards, strict=True) if x < mean]
     assert sum(up) / len(up) > sum(down) / len(down), (rewards, delta)
+
+
+SHOP = os.path.join(ROOT, "docs", "examples", "shop_domain.py")
+
+
+def test_a_users_own_domain(tau2, monkeypatch):
+    """docs/examples/shop_domain.py, a domain of the user's in τ²'s own format, registered through
+    SEAL_TAU2_DOMAINS: its splits load through the stages' seam, and its episodes are scored by
+    τ²'s evaluator and labelled like any domain's."""
+    from common import envs
+    monkeypatch.setenv("SEAL_TAU2_DOMAINS", SHOP)
+    env = envs.load("tau2:shop:train", "scripted")
+    assert list(env.tasks) == ["two_mugs", "one_teapot"] and env.categories == ["shop"]
+    order = call("place_order", item_id="i2", quantity=1)
+    for task_id, outputs, label, evidence in [
+            ("two_mugs", [call("place_order", item_id="i1", quantity=2), DONE], "pass", "reward 1"),
+            ("two_mugs", [call("place_order", item_id="i1", quantity=3), DONE], "argument_mismatch",
+             "quantity=3, ground truth 2"),
+            ("one_teapot", [order, DONE], "response_mismatch", "'30'"),
+            ("one_teapot", [order, f"That is 30 in total. {DONE}"], "pass", "reward 1")]:
+        _, diagnosis = scripted(env.tau2, "shop", task_id, outputs)
+        assert diagnosis["turn_labels"] == [label] and evidence in diagnosis["evidence"][0], diagnosis
+    monkeypatch.setenv("SEAL_TAU2_DOMAINS", str(ROOT) + "/no/such/domain.py")
+    with pytest.raises(RecordError, match="SEAL_TAU2_DOMAINS: importing .*domain.py failed"):
+        T.import_tau2()
+
+
+def test_the_loop_trains_on_a_users_domain(tmp_path, tiny_model):
+    """bash loop.sh tiny --set ENV=tau2:shop: one round of rollouts on the domain's train split
+    against the scripted user, diagnosis, Ω's next version, training, and evaluation on its test
+    split by τ²'s evaluator, with the report and viewer (the same stages as BFCL's loop)."""
+    res = subprocess.run(["bash", "loop.sh", "tiny", "--rounds", "1", "--set", "ENV=tau2:shop", "--set", "N=2",
+                          "--set", "MAX_NEW=32", "--runs", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "SEAL_TAU2_DOMAINS": SHOP}, timeout=900)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    run = tmp_path / "tiny-seal-shop"
+    config = json.loads((run / "config.json").read_text())["settings"]
+    assert config["env"] == "tau2:shop" and config["tasks"] == "tau2:shop:train"
+    records = [json.loads(line) for line in open(run / "round_000" / "rollouts.jsonl")]
+    assert sorted({r["task_id"] for r in records}) == ["one_teapot", "two_mugs"] and len(records) == 4
+    assert all(r["env"] == "tau2:shop" and r["interface_version"] == 0 for r in records)
+    assert len(open(run / "round_000" / "diagnoses.jsonl").readlines()) == 4
+    assert (run / "round_000" / "policy" / "model.safetensors").is_file()
+    for scores in (tmp_path / "base-tiny-tau2-shop" / "eval" / "scores.json", run / "eval" / "round_000" / "scores.json"):
+        s = json.loads(scores.read_text())
+        assert s["split"] == "test" and s["tasks"] == {"shop": 1} and "shop" in s  # the tiny preset's EVAL_LIMIT
+        assert s["user_simulator"]["kind"] == "scripted"
+    report = (run / "report.md").read_text()
+    assert "τ²-bench shop, test split" in report and (run / "viewer" / "index.html").is_file()
+    res = _stage("evaluate.py", "--compare", str(run))
+    header, *rows = res.stdout.splitlines()
+    assert res.returncode == 0 and header.split() == ["mode", "shop", "average"], res.stdout
+    assert len(rows) == 2 and all(r.endswith("τ² test split") for r in rows)
