@@ -20,6 +20,9 @@
 # --ood (or --set OOD="bfcl-memory tau2") also scores the base model and the final policy on
 # the out-of-distribution benches after the last round (the paper's Table 2); τ²-bench needs
 # a user simulator: --set USER_MODEL=DIR, or USER_BASE_URL=URL and USER_MODEL_NAME=NAME.
+# --set ENV=tau2:DOMAIN trains on a τ²-bench domain instead of BFCL (docs/environments.md): its
+# train split against that user simulator (on CPU without one, a scripted user), evaluated on its
+# test split; --set OOD="bfcl-heldin bfcl-memory" then scores BFCL held-in out of distribution.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -105,7 +108,12 @@ RECORD=("${RECORD[@]/#call_format=*/call_format=$CALL_FORMAT}")
 # The τ²-bench user simulator (training on ENV=tau2:DOMAIN, and the tau2 OOD bench), checked before any
 # round runs; on CPU a τ² run without one plays against the scripted ScenarioUser (common/tau2.py).
 USER_ARGS=()
-if [ -n "$USER_MODEL" ]; then USER_ARGS=(--user-model "$USER_MODEL")
+if [ -n "$USER_MODEL" ]; then
+  USER_ARGS=(--user-model "$USER_MODEL")
+  # on GPUs, beside the policy's server and trainer, in the share the memory plan counts (common/memplan.py)
+  if [ -n "$GPU_MEM_GIB" ]; then
+    USER_ARGS+=(--user-serve-args "--gpu-memory-utilization $($PY -c 'from common.memplan import USER_UTILIZATION as u; print(u)') --max-model-len $MAX_LEN")
+  fi
 elif [ -n "$USER_BASE_URL" ] && [ -n "$USER_MODEL_NAME" ]; then
   USER_ARGS=(--user-base-url "$USER_BASE_URL" --user-model-name "$USER_MODEL_NAME")
 fi
@@ -115,12 +123,14 @@ if [ -n "$DOMAIN" ] && [ ${#USER_ARGS[@]} -eq 0 ]; then ENV_USER=(--scripted-use
 for b in $OOD; do
   case $b in
     bfcl-memory|bfcl-web) ;;
+    bfcl-heldin)
+      if [ -z "$DOMAIN" ]; then echo "loop: OOD bfcl-heldin is a τ²-trained run's (ENV=tau2:DOMAIN); held-in is this run's own score" >&2; exit 2; fi ;;
     tau2)
       if [ ${#USER_ARGS[@]} -eq 0 ]; then
         echo "loop: OOD tau2 needs a user simulator: --set USER_MODEL=DIR (served with vllm serve)," \
           "or --set USER_BASE_URL=URL --set USER_MODEL_NAME=NAME" >&2; exit 2
       fi ;;
-    *) echo "loop: OOD=$OOD: benches are bfcl-memory, bfcl-web and tau2" >&2; exit 2 ;;
+    *) echo "loop: OOD=$OOD: benches are bfcl-memory, bfcl-web, tau2 and (for ENV=tau2:DOMAIN) bfcl-heldin" >&2; exit 2 ;;
   esac
 done
 NAME=${NAME:-$PRESET-$MODE${DOMAIN:+-$DOMAIN}}
@@ -226,6 +236,7 @@ ood() {  # ood POLICY TAG DIR: every bench of $OOD (its own decoding: docs/ood.m
   for b in $OOD; do
     bench=(-m ood.memory --suite "$b")
     if [ "$b" = tau2 ]; then bench=(-m ood.tau "${USER_ARGS[@]}"); fi
+    if [ "$b" = bfcl-heldin ]; then bench=(evaluate.py --split heldin); fi  # a τ²-trained run's BFCL score
     run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" playing "$1" $PY "${bench[@]}" --policy "$1" \
       $(limit_args "$OOD_LIMIT") "${PLAY_ARGS[@]}" --out "$3/$b"
   done

@@ -71,6 +71,7 @@ parser.add_argument("--scripted-user", action="store_true",
 parser.add_argument("--user-model", default=None, help="τ² tasks: a user simulator model folder, served here")
 parser.add_argument("--user-base-url", default=None, help="τ² tasks: a user simulator's OpenAI-compatible endpoint")
 parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
+parser.add_argument("--user-serve-args", default="", help="extra arguments for the --user-model server, one string")
 
 
 def select_tasks(env, limit=None, ids=None, batch=None, round_=0):
@@ -108,7 +109,7 @@ def user_of(args):
         parser.error("--user-base-url and --user-model-name go together")
     if args.scripted_user:
         return "scripted"
-    return tau2_env.User(args.user_model, args.user_base_url, args.user_model_name)
+    return tau2_env.User(args.user_model, args.user_base_url, args.user_model_name, serve_args=args.user_serve_args)
 
 
 def main(args):

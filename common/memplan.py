@@ -75,6 +75,11 @@ VLLM_CONTEXT_GIB = 2.0  # CUDA context and CUDA graphs of a vLLM replica
 # measured, but its GPU image has no vLLM (docs/hardware.md §7): until a vLLM node measures it
 # (the server log's line, after `python -m common.serve sleep`), this figure stands.
 VLLM_ASLEEP_GIB = 3.0
+# A τ² user simulator served here (USER_MODEL, with ENV=tau2:DOMAIN or OOD=tau2) runs on the first GPU
+# beside the policy's server, in what that server leaves (1 - 0.9, less slack), and stays awake
+# while the trainer uses the GPU: its whole share counts in every stage's plan. loop.sh starts it
+# with this gpu_memory_utilization and MAX_LEN as its context.
+USER_UTILIZATION = 0.08
 RECOMPUTE = 1.1  # a recomputed layer in backward, over its activations: measured on CPU (tests/test_memplan.py)
 
 
@@ -313,6 +318,27 @@ def rollout_plan(arch, tp, gpu_mem, max_len, rollout_len=None):
     return Plan(f"rollout server (vLLM, TP {tp}, gpu_memory_utilization {VLLM_UTILIZATION})", terms, budget, contexts)
 
 
+def user_plan(arch, gpu_mem, max_len):
+    """The τ² user simulator's vLLM server (USER_MODEL) on the first GPU, in USER_UTILIZATION of it:
+    bf16 weights, vLLM's profiling activations, CUDA context and graphs, and a KV cache that must
+    hold one context of `max_len`."""
+    budget = USER_UTILIZATION * gpu_mem
+    weights = 2 * arch.params
+    activations = VLLM_BATCHED_TOKENS * 2 * (3 * arch.ffn + 4 * arch.hidden) + 256 * arch.vocab * 4
+    fixed = VLLM_CONTEXT_GIB * GIB
+    kv = budget - weights - activations - fixed
+    contexts = kv / (arch.kv_bytes_per_token * max_len) if kv > 0 else 0.0
+    terms = sort([("weights (bf16)", weights, False), (f"activations at {VLLM_BATCHED_TOKENS} batched tokens", activations, False),
+                  ("CUDA context and graphs", fixed, False)])
+    terms.append((f"KV cache: {contexts:.1f} contexts of max_model_len={max_len}", max(kv, 0), False))
+    return Plan(f"user simulator server (vLLM, USER_MODEL, gpu_memory_utilization {USER_UTILIZATION})", terms,
+                budget, contexts)
+
+
+def USER_TERM(user):  # noqa: N802 - a term, like ASLEEP
+    return ("user simulator's vLLM server, awake (USER_MODEL, its gpu_memory_utilization share)", user.limit, False)
+
+
 def shard(n):
     return f", 1/{n}" if n > 1 else ""
 
@@ -352,14 +378,26 @@ def settings_plans(p):
     ckpt = "--gradient-checkpointing" in p.extra_train.split()
     lora = "--lora" in p.lora.split()
     tokens, chunk = max(micro, max_len), LOGPROB_CHUNK
-    train = train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, lora=lora, chunk=chunk)
+    # a user simulator served here, on the first GPU, awake in every stage
+    user = user_plan(load_arch(p.user_model), gpu_mem, max_len) if served_user(p) else None
+    train = with_user(train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, lora=lora, chunk=chunk), user)
     return arch, {
         "rollout": rollout_plan(arch, tp, gpu_mem, serve, max_len),
-        "reference": reference_plan(arch, tokens, gpu_mem, chunk=chunk),
+        "reference": with_user(reference_plan(arch, tokens, gpu_mem, chunk=chunk), user),
         "train": train,
-        "full": train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, chunk=chunk) if lora else train,
+        "full": with_user(train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, chunk=chunk), user) if lora else train,
+        "user": user,
     }, dict(nproc=nproc, sharded=sharded, ckpt=ckpt, lora=lora, gpu_mem=gpu_mem, max_len=max_len,
             micro=micro, chunk=chunk, serve=serve, eval_len=eval_len)
+
+
+def served_user(p):
+    """Whether loop.sh serves a τ² user simulator here: USER_MODEL, for ENV=tau2:DOMAIN or OOD=tau2."""
+    return bool(p.user_model) and (p.env != "bfcl" or "tau2" in p.ood.split())
+
+
+def with_user(plan, user):
+    return plan if user is None else dataclasses.replace(plan, terms=sort(plan.terms + [USER_TERM(user)]))
 
 
 def advice(arch, k):
@@ -449,14 +487,15 @@ def main(argv):
     if a.host:
         host = host_check(arch, k)
         sys.exit(f"memplan: {host}" if host else 0)
-    rollout, reference, train = plans["rollout"], plans["reference"], plans["train"]
-    ok = rollout.fits and rollout.contexts >= 1 and reference.fits and train.fits
+    rollout, reference, train, user = plans["rollout"], plans["reference"], plans["train"], plans["user"]
+    ok = rollout.fits and rollout.contexts >= 1 and reference.fits and train.fits and (
+        user is None or (user.fits and user.contexts >= 1))
     if not a.brief:
         print(f"memory plan: {a.preset} {p.model} ({arch.params / 1e9:.2f} B parameters, "
               f"{arch.layers} layers), {k['nproc']} GPU{'s' * (k['nproc'] > 1)} x {p.gpu_mem_gib} GiB, rollouts MAX_LEN={k['max_len']},"
               f" server max_model_len={k['serve']} ({served_from(k, arch)}), MICRO_TOKENS={k['micro']},"
               f" log-prob chunk {k['chunk']}, margin {MARGIN:.0%}, {training(p)}")
-        for plan in (rollout, reference, train):
+        for plan in (rollout, reference, train) + ((user,) if user else ()):
             print(render(plan, k["gpu_mem"]))
         print(f"host memory at load: {k['nproc']} process{'es' * (k['nproc'] > 1)} x "
               f"{host_load_bytes(arch, 1, k['lora']) / GIB:.2f} GiB ({'bf16 base' if k['lora'] else 'float32 policy'}"
@@ -468,7 +507,15 @@ def main(argv):
     else:
         print(f"memory plan: rollout server {rollout.contexts:.0f} contexts of max_model_len={k['serve']} per replica, train stage "
               f"{train.peak / GIB:.1f} GiB and reference pass {reference.peak / GIB:.1f} GiB per GPU of "
-              f"{p.gpu_mem_gib}, {training(p)} (bash loop.sh PRESET --plan for the terms)")
+              f"{p.gpu_mem_gib}, {training(p)}"
+              + (f", user simulator {user.contexts:.1f} contexts of MAX_LEN beside it" if user else "")
+              + " (bash loop.sh PRESET --plan for the terms)")
+    if user is not None and not (user.fits and user.contexts >= 1):
+        print(f"memplan: the user simulator USER_MODEL={p.user_model} needs "
+              f"{(user.peak - user.terms[-1][1]) / GIB:.1f} GiB and one context of MAX_LEN={k['max_len']} beside the "
+              f"policy's server, which leaves it {user.limit / GIB:.1f} GiB of the first GPU (gpu_memory_utilization "
+              f"{USER_UTILIZATION}): serve it on other GPUs or another node and name it with USER_BASE_URL and "
+              f"USER_MODEL_NAME", file=sys.stderr)
     if rollout.contexts < 1:
         print(f"memplan: the rollout server's KV cache holds {rollout.contexts:.2f} contexts of its max_model_len="
               f"{k['serve']} ({served_from(k, arch)}), and vLLM does not start below one: lower "

@@ -272,6 +272,9 @@ def tau2_env(preset, changes):
     if preset.gpu_mem_gib and not (preset.user_model or preset.user_base_url):
         raise PresetError(f"ENV={preset.env} needs a user simulator: --set USER_MODEL=DIR (served beside the "
                           "policy), or --set USER_BASE_URL=URL --set USER_MODEL_NAME=NAME")
+    if "tau2" in preset.ood.split():
+        raise PresetError(f"OOD=tau2 scores the τ² domains, the one this run trains on (ENV={preset.env}) among "
+                          "them: use --set OOD=\"bfcl-heldin bfcl-memory\" (BFCL held-in out of distribution)")
     return dataclasses.replace(preset, tasks=preset.tasks if "tasks" in changes else f"{preset.env}:train")
 
 

@@ -219,7 +219,7 @@ def compare(paths):
 
 # The paper's Table 2: BFCL V4 memory per backend and its mean, web search where it ran, and
 # τ²-bench per domain and their mean, with the user simulator that τ² scores depend on.
-OOD_COLUMNS = [("bfcl-memory", "memory_kv", "mem kv"), ("bfcl-memory", "memory_vector", "mem vector"),
+OOD_COLUMNS = [("bfcl-heldin", "average", "BFCL held-in"), ("bfcl-memory", "memory_kv", "mem kv"), ("bfcl-memory", "memory_vector", "mem vector"),
                ("bfcl-memory", "memory_rec_sum", "mem rec_sum"), ("bfcl-memory", "memory", "memory avg"),
                ("bfcl-web", "web_search", "web search"), ("tau2", "retail", "τ² retail"),
                ("tau2", "airline", "τ² airline"), ("tau2", "telecom", "τ² telecom"), ("tau2", "average", "τ² avg")]

@@ -21,7 +21,7 @@ from common.runinfo import base_dir
 
 # timing.jsonl's stages, in a round's order (a round's eval scores the policy it trained)
 STAGES = ("interface", "rollout", "diagnose", "evolve", "train", "eval")
-OOD_BENCHES = ("bfcl-memory", "bfcl-web", "tau2")
+OOD_BENCHES = ("bfcl-heldin", "bfcl-memory", "bfcl-web", "tau2")
 ROUND = "round_[0-9][0-9][0-9]"
 
 

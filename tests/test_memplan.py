@@ -325,3 +325,30 @@ def test_the_training_processes_load_is_checked_against_the_nodes_memory(tmp_pat
             assert "113.5 GiB of host memory" in why and "100.0 GiB available" in why and "LORA=--lora" in why
     meminfo.write_text("MemTotal: 1 kB\n")  # no MemAvailable (an old kernel): nothing to compare, no refusal
     assert memplan.host_check(arch, k, str(meminfo)) is None
+
+
+def test_a_user_model_served_beside_the_policy_is_planned(tmp_path):
+    """ENV=tau2:DOMAIN with USER_MODEL: the user simulator's server is planned on the first GPU in
+    what the policy's server leaves (USER_UTILIZATION) and counted, awake, in the train stage and
+    reference pass; a user model that does not fit is refused naming the endpoint alternative, and
+    a GPU preset on τ² without a user simulator is refused before any plan."""
+    small = tmp_path / "qwen2.5-0.5b"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
+        "tie_word_embeddings": True, "max_position_embeddings": 32768}))
+    res = loop("qwen7b", "--plan", "--set", "ENV=tau2:retail", "--set", f"USER_MODEL={small}")
+    assert res.returncode == 0 and "user simulator server (vLLM, USER_MODEL, gpu_memory_utilization 0.08)" in res.stdout
+    awake = "user simulator's vLLM server, awake"
+    assert train_terms(res.stdout).count(awake) == 1
+    assert f"{memplan.USER_UTILIZATION * 79:.2f} GiB  {awake}" in res.stdout
+    without = loop("qwen7b", "--plan")
+    peak = re.findall(r"([\d.]+) GiB  peak", train_terms(res.stdout))[0]
+    peak_without = re.findall(r"([\d.]+) GiB  peak", train_terms(without.stdout))[0]
+    assert abs(float(peak) - float(peak_without) - memplan.USER_UTILIZATION * 79) < 0.02
+    res = loop("qwen7b", "--plan", "--set", "ENV=tau2:retail", "--set", "USER_MODEL=Qwen/Qwen2.5-7B-Instruct")
+    assert res.returncode == 3 and "serve it on other GPUs or another node" in res.stderr
+    assert "USER_BASE_URL and USER_MODEL_NAME" in res.stderr
+    res = loop("qwen7b", "--plan", "--set", "ENV=tau2:retail")
+    assert res.returncode == 2 and "ENV=tau2:retail needs a user simulator" in res.stderr

@@ -251,3 +251,19 @@ def test_seal_adaptive_is_seal_with_the_rounds_own_rho():
     record = presets.record(presets.resolve("tiny"), "tiny", "seal-adaptive")
     assert record["adaptive_rho"] == "--adaptive-rho" and presets.record(presets.resolve("tiny"), "tiny", "seal")[
         "adaptive_rho"] == ""
+
+
+def test_env_tau2_plays_a_domains_train_split_and_checks_its_user():
+    """ENV=tau2:DOMAIN: the rollouts' tasks are the domain's train split unless TASKS says otherwise;
+    a malformed ENV, a half-named endpoint, two user simulators, or the τ² OOD bench (which holds the
+    training domain) are refused (a GPU preset without a user: tests/test_memplan.py)."""
+    assert presets.resolve("tiny", ["ENV=tau2:airline"]).tasks == "tau2:airline:train"
+    assert presets.resolve("tiny", ["ENV=tau2:airline", "TASKS=tau2:airline:test"]).tasks == "tau2:airline:test"
+    assert presets.resolve("tiny").env == "bfcl" and presets.resolve("tiny").tasks == "data/tiny.jsonl"
+    for sets, message in [(["ENV=tau2"], "use bfcl or tau2:DOMAIN"),
+                          (["ENV=tau2:airline", "OOD=bfcl-memory tau2"], "OOD=tau2 scores the τ² domains"),
+                          (["ENV=tau2:airline", "USER_BASE_URL=http://h/v1"], "go together"),
+                          (["ENV=tau2:airline", "USER_MODEL=/m", "USER_BASE_URL=http://h/v1", "USER_MODEL_NAME=n"],
+                           "one user simulator")]:
+        with pytest.raises(presets.PresetError, match=message):
+            presets.resolve("tiny", sets)

@@ -260,9 +260,11 @@ def test_a_users_own_domain(tau2, monkeypatch):
 def test_the_loop_trains_on_a_users_domain(tmp_path, tiny_model):
     """bash loop.sh tiny --set ENV=tau2:shop: one round of rollouts on the domain's train split
     against the scripted user, diagnosis, Ω's next version, training, and evaluation on its test
-    split by τ²'s evaluator, with the report and viewer (the same stages as BFCL's loop)."""
+    split by τ²'s evaluator, with the report and viewer (the same stages as BFCL's loop); BFCL
+    held-in is its out-of-distribution score."""
     res = subprocess.run(["bash", "loop.sh", "tiny", "--rounds", "1", "--set", "ENV=tau2:shop", "--set", "N=2",
-                          "--set", "MAX_NEW=32", "--runs", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          "--set", "MAX_NEW=32", "--set", "OOD=bfcl-heldin", "--set", "EVAL_NEW=32",
+                          "--runs", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "SEAL_TAU2_DOMAINS": SHOP}, timeout=900)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     run = tmp_path / "tiny-seal-shop"
@@ -282,4 +284,7 @@ def test_the_loop_trains_on_a_users_domain(tmp_path, tiny_model):
     res = _stage("evaluate.py", "--compare", str(run))
     header, *rows = res.stdout.splitlines()
     assert res.returncode == 0 and header.split() == ["mode", "shop", "average"], res.stdout
-    assert len(rows) == 2 and all(r.endswith("τ² test split") for r in rows)
+    assert len(rows) >= 2 and all(r.endswith("τ² test split") for r in rows[:2])
+    assert "BFCL held-in" in res.stdout
+    for folder in (tmp_path / "base-tiny-tau2-shop" / "ood", run / "ood" / "round_000"):
+        assert json.loads((folder / "bfcl-heldin" / "scores.json").read_text())["average"] >= 0
