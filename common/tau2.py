@@ -131,7 +131,8 @@ class Tau2:
         return script.agent_text, self.classes[1](script)
 
     def model_players(self, engine, spec, user_sim):
-        """Players for a model policy: our engine as the agent, τ²'s user simulator at `user_sim`."""
+        """Players for a model policy: our engine as the agent, τ²'s user simulator at `user_sim`
+        (its kind "scripted": the ScenarioUser)."""
         def players(task, tools, user_tools, system, fmt):
             if user_sim["kind"] == "scripted":
                 return ModelPolicy(engine, tools, system, spec), self.classes[4](task)
@@ -324,20 +325,16 @@ def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy
 
     from common.engines import sampling_params
 
-    Simulator, ScenarioUser = tau2.classes[2], tau2.classes[4]
-
     def one(job):
         task, k = job
         made = []
+        players = tau2.model_players(engine, spec, user_sim or {"kind": "scripted"})
 
-        def players(task, tools, user_tools, system, fmt):
-            made.append(ModelPolicy(engine, tools, system, spec))
-            if user_sim is None:
-                return made[0], ScenarioUser(task)
-            return made[0], Simulator(tools=user_tools, instructions=str(task.user_scenario),
-                                      llm=f"openai/{user_sim['name']}", llm_args=dict(user_sim["llm_args"]))
+        def keeping(*args):  # the policy's tokens go into the record
+            made.extend(players(*args))
+            return made
         start = time.perf_counter()
-        row = tau2.play(domain, task, players, max_steps, spec.fmt, seed_offset=k, evaluate=False)
+        row = tau2.play(domain, task, keeping, max_steps, spec.fmt, seed_offset=k, evaluate=False)
         p = made[0]
         tokens = {"prompt_ids": p.prompt_ids or [], "ids": p.ids, "mask": p.mask, "logprobs": p.logprobs}
         record = episode_record(row, tokens, k, round_, policy, user_label(user_sim), time.perf_counter() - start)
