@@ -400,6 +400,45 @@ def episode_record(row, tokens, sample_index, round_, policy, user, seconds):
             "error": row["error"], "transcript": row["transcript"]}
 
 
+def db_diff(tau2, domain, task, record, limit=4):
+    """Where the database after the episode differs from the gold actions' replay, as one short
+    line ("" when it does not): the two environments τ²'s own environment evaluator builds, read
+    back through the constructor it is given."""
+    from pydantic import TypeAdapter
+    from tau2.data_model.message import Message
+    from tau2.evaluator.evaluator_env import EnvironmentEvaluator
+
+    built, make = [], tau2.registry.get_env_constructor(domain)
+
+    def recording(**kwargs):  # τ²'s evaluator builds the predicted environment, then the gold one
+        built.append(make(**kwargs))
+        return built[-1]
+    EnvironmentEvaluator.calculate_reward(environment_constructor=recording, task=task, solo_mode=False,
+                                          full_trajectory=TypeAdapter(list[Message]).validate_python(record["transcript"]))
+    if len(built) != 2:
+        return ""
+    diffs = []
+    for side in ("tools", "user_tools"):
+        made, gold = (getattr(getattr(env, side, None), "db", None) for env in built)
+        if made is None or gold is None:
+            continue
+        made, gold = made.model_dump(mode="json"), gold.model_dump(mode="json")
+        for table in sorted(set(made) | set(gold)):
+            a, b = made.get(table), gold.get(table)
+            if a == b:
+                continue
+            if isinstance(a, dict) and isinstance(b, dict):
+                rows = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                diffs += [f"{table}[{k}] {'added' if k not in b else 'missing' if k not in a else 'changed'}"
+                          for k in rows]
+            elif isinstance(a, list) and isinstance(b, list):
+                diffs.append(f"{table}: {len(a)} rows, gold {len(b)}" if len(a) != len(b) else f"{table} changed")
+            else:
+                diffs.append(f"{table} changed")
+    more = f" (+{len(diffs) - limit} more)" if len(diffs) > limit else ""
+    return ", ".join(diffs[:limit]) + more
+
+
 def stops(text):
     """Whether a user message ends the episode (τ²'s stop, transfer and out-of-scope tokens): it opens no turn."""
     from tau2.user.user_simulator import OUT_OF_SCOPE, STOP, TRANSFER
@@ -454,6 +493,7 @@ class Episode:
     reward: float
     early_end: str | None  # the termination, when it is not a stop by the user or the agent
     db_match: bool | None
+    db_diff: str  # where the database differs from the gold replay (tables and rows)
     failed_assertions: list
     unmatched_actions: list  # gold actions τ²'s action check did not find
     unmet_info: list
@@ -493,8 +533,9 @@ def diagnose(tau2, domain, task, record):
     # The database, assertion and communication checks count where the task's reward counts them;
     # the gold actions are the episode's ground-truth calls whatever its reward basis.
     basis = {getattr(b, "value", b) for b in (crit.reward_basis if crit else [])}
+    differs = info.db_check is not None and not info.db_check.db_match and "DB" in basis
     episode = Episode(
-        reward=info.reward,
+        reward=info.reward, db_diff=db_diff(tau2, domain, task, record) if differs else "",
         early_end=None if record["termination"] in ("user_stop", "agent_stop")
         else f"{record['termination']}{': ' + record['error'] if record.get('error') else ''}",
         db_match=info.db_check.db_match if info.db_check and "DB" in basis else None,

@@ -214,9 +214,10 @@ def tau2_argument_mismatch(turn, episode):
 
 def tau2_state_mismatch(turn, episode):
     """τ²'s database check fails (the database after the episode's calls differs from the gold
-    actions' replay), or one of the task's environment assertions does not hold."""
+    actions' replay; the evidence names the differing tables and rows), or one of the task's
+    environment assertions does not hold."""
     if episode.db_match is False:
-        return "database differs from the gold actions' replay (τ²'s hash check)"
+        return f"database differs from the gold actions' replay: {episode.db_diff or 'τ² hash check'}"
     if episode.failed_assertions:
         return f"environment assertion not met: {episode.failed_assertions[0]}"
     return None

@@ -49,7 +49,7 @@ CASES = {  # label: (task, the agent's outputs, evidence it names)
     "argument_mismatch": ("create_task_1", [call("create_task", user_id="user_1", title="Other"), DONE],
                           "title='Other', ground truth 'Important Meeting'"),
     "state_mismatch": ("create_task_1", [GOLD, call("create_task", user_id="user_1", title="Extra"), DONE],
-                       "database differs"),
+                       "database differs from the gold actions' replay: tasks[task_3] added, users[user_1] changed"),
     "recovery_failure": ("impossible_task_1", [call("update_task_status", task_id="task_999", status="completed"),
                                                DONE], "last call failed"),
     "missing_tool_call": ("impossible_task_1", [DONE], "never made gold action transfer_to_human_agents"),
