@@ -336,8 +336,8 @@ def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy
         start = time.perf_counter()
         row = tau2.play(domain, task, keeping, max_steps, spec.fmt, seed_offset=k, evaluate=False)
         p = made[0]
-        tokens = {"prompt_ids": p.prompt_ids or [], "ids": p.ids, "mask": p.mask, "logprobs": p.logprobs}
-        record = episode_record(row, tokens, k, round_, policy, user_label(user_sim), time.perf_counter() - start)
+        record = episode_record(row, p.tokens(row["transcript"]), k, round_, policy, user_label(user_sim),
+                                time.perf_counter() - start)
         record["stats"].update(cue_tokens=p.cue_tokens, engine_seconds=p.engine_seconds)
         record["interface_version"] = spec.omega.get("version") if spec.omega else None
         for step, hint in zip((s for t in record["turns"] for s in t["steps"]), p.feedback, strict=False):
@@ -679,6 +679,15 @@ class ModelPolicy:
         if hints:
             self.feedback[-1] = "\n".join(hints)
         return msgs
+
+    def tokens(self, transcript):
+        """The record's tokens. An episode that ended before the agent's first output (its user
+        simulator failed at once) gets the prompt it would have been shown and nothing generated:
+        a sequence the trainer scores as any other, with no token to train."""
+        if self.prompt_ids is None:
+            self.prompt_ids = self.renderer.prompt([{"role": m["role"], "content": m.get("content") or ""}
+                                                    for m in transcript])
+        return {"prompt_ids": self.prompt_ids, "ids": self.ids, "mask": self.mask, "logprobs": self.logprobs}
 
     def _append(self, ids, mask, logprobs):
         self.ids += ids

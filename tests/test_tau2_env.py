@@ -288,3 +288,19 @@ def test_the_loop_trains_on_a_users_domain(tmp_path, tiny_model):
     assert "BFCL held-in" in res.stdout
     for folder in (tmp_path / "base-tiny-tau2-shop" / "ood", run / "ood" / "round_000"):
         assert json.loads((folder / "bfcl-heldin" / "scores.json").read_text())["average"] >= 0
+
+
+def test_an_episode_the_agent_never_spoke_in_has_its_prompt(tau2, tokenizer):
+    """An episode that ends before the agent's first output (its user simulator failed at once)
+    still records the prompt the agent would have been shown, so training reads it as any other
+    record (an empty prompt is refused there)."""
+    from helpers import Scripted
+
+    from common.grpo import token_segments
+    from common.play import PlaySpec
+    env = tau2.registry.get_env_constructor("mock")()
+    policy = T.ModelPolicy(Scripted(tokenizer, lambda prompt: DONE), env.get_tools(), "Be brief.",
+                           PlaySpec(fmt="json", max_model_len=4096, max_new_tokens=16))
+    tokens = policy.tokens([{"role": "assistant", "content": "Hi! How can I help you today?"}])
+    assert tokens["ids"] == [] and "Hi! How can I help you today?" in tokenizer.decode(tokens["prompt_ids"])
+    assert token_segments(tokens) == [tokens]
