@@ -504,6 +504,23 @@ class Episode:
         return any(a.compare_with_tool_call(tc) for a in self.gold)
 
 
+def turn_evidence(index, turn, schemas):
+    """A rollout record's turn as a Turn, its schema verdicts re-derived; RecordError on a structure
+    that is not a rollout's (records are not trusted: docs/design.md §3)."""
+    try:
+        steps = turn["steps"]
+        calls = [c for s in steps for c in s["calls"]]
+        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
+                   for c in calls):
+            raise TypeError("a call is not {name, arguments}")
+        return Turn(index, [s["parse_error"] for s in steps if s["parse_error"]],
+                    [(c, why) for c in calls if (why := calls_api.validate(c, schemas))], calls,
+                    [str(r) for s in steps for r in s["results"]],
+                    [e is not None for s in steps for e in s["call_errors"]])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise RecordError(f"turn {index} is not a τ² rollout's turn ({type(e).__name__}: {e})") from None
+
+
 def _tool_call(call):
     from tau2.data_model.message import ToolCall
     return ToolCall(id="", name=call["name"], arguments=call["arguments"])
@@ -520,14 +537,7 @@ def diagnose(tau2, domain, task, record):
     info = verdict(tau2, domain, task, record)
     schemas = record.get("tools") or [t.openai_schema["function"] for t in
                                       tau2.registry.get_env_constructor(domain)().get_tools()]
-    turns = []
-    for i, turn in enumerate(record["turns"]):
-        steps = turn["steps"]
-        calls = [c for s in steps for c in s["calls"]]
-        turns.append(Turn(i, [s["parse_error"] for s in steps if s["parse_error"]],
-                          [(c, why) for c in calls if (why := calls_api.validate(c, schemas))], calls,
-                          [r for s in steps for r in s["results"]],
-                          [e is not None for s in steps for e in s["call_errors"]]))
+    turns = [turn_evidence(i, turn, schemas) for i, turn in enumerate(record["turns"])]
     crit = task.evaluation_criteria
     gold = [a for a in (crit.actions or []) if a.requestor == "assistant"] if crit else []
     # The database, assertion and communication checks count where the task's reward counts them;

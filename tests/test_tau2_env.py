@@ -93,6 +93,10 @@ def test_the_reward_is_taus_evaluator_on_the_transcript(tau2):
             c["arguments"]["title"] = "Edited"
     with pytest.raises(RecordError, match="does not replay"):
         T.diagnose(tau2, "mock", task, edited)
+    broken = json.loads(json.dumps(record))
+    broken["turns"][0]["steps"][0]["calls"] = [["create_task"]]
+    with pytest.raises(RecordError, match="turn 0 is not a τ² rollout's turn"):
+        T.diagnose(tau2, "mock", task, broken)
     edited["transcript"][1]["role"] = "wizard"
     with pytest.raises(RecordError, match="not a τ² transcript"):
         T.diagnose(tau2, "mock", task, edited)
