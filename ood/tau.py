@@ -127,32 +127,28 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
     "scripted", or None with the oracle), and write DIR/results.jsonl and DIR/scores.json."""
     oracle = user is None
     tau2 = import_tau2()
-    tasks = {d: [t for t in tau2.tasks(d, split=split) if playable(t)][:limit] if limit else
-             [t for t in tau2.tasks(d, split=split) if playable(t)] for d in domains}
+    playable_tasks = {d: [t for t in tau2.tasks(d, split=split) if playable(t)] for d in domains}
+    tasks = {d: ts[:limit] if limit else ts for d, ts in playable_tasks.items()}
     with contextlib.ExitStack() as stack:
         if oracle:
             user_sim, players = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, tau2.oracle
-        elif user == "scripted":
-            user_sim = {"kind": "scripted", "note": "ScenarioUser (common/tau2.py): no model; not τ²-bench's scores"}
-            agent = stack.enter_context(engine())
-            if concurrency > 1:
-                agent = stack.enter_context(Batcher(agent))
-            players = tau2.model_players(agent, spec, user_sim)
         else:
-            if user.model:
+            if user == "scripted":
+                user_sim = {"kind": "scripted", "note": "ScenarioUser (common/tau2.py): no model; not τ²-bench's scores"}
+            elif user.model:
                 state, user_ready = stack.enter_context(serve_user(user, os.path.join(out, "user-server.log")))
                 url, name = state["url"] + "/v1", state["settings"]["served_name"]
                 user_sim = {"kind": "vllm OpenAI server (started by ood/tau.py)",
-                            "model": os.path.abspath(user.model), "name": name, "base_url": url}
+                            "model": os.path.abspath(user.model), "name": name, "base_url": url,
+                            "llm_args": user_llm_args(user.max_tokens, url)}
             else:
-                url, name = user.base_url, user.name
-                user_sim = {"kind": "endpoint", "name": name, "base_url": url}
-            user_sim["llm_args"] = user_llm_args(user.max_tokens, url)
+                user_sim = {"kind": "endpoint", "name": user.name, "base_url": user.base_url,
+                            "llm_args": user_llm_args(user.max_tokens, user.base_url)}
             # the agent's engine starts while the user's server loads
             agent = stack.enter_context(engine())
             if concurrency > 1:
                 agent = stack.enter_context(Batcher(agent))
-            if user.model:
+            if user_sim.get("model"):
                 t0 = time.perf_counter()
                 user_ready()
                 print(f"user simulator: {user_sim['model']} at {url} as {name!r} "
@@ -162,6 +158,7 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
 
         def play(job):
             row = tau2.play(*job, players, max_episode_steps, spec.fmt)
+            del row["tools"]  # the domain's schemas, the same on every row
             print(f"  {row['domain']} {row['task_id']}: reward {row['reward']:.2f} ({row['termination']})",
                   file=sys.stderr)
             return row
