@@ -2,7 +2,7 @@
 
     python diagnose.py --tasks data/train.jsonl --rollouts runs/x/round_000/rollouts.jsonl \
         --out runs/x/round_000/diagnoses.jsonl
-    python diagnose.py --tasks tau2:airline:train --rollouts ... --out ...
+    python diagnose.py --tasks tau2:airline:train --rollouts ... --out ... [--workers K]
 
 For every rollout record, replays the trajectory against the ground truth turn
 by turn with bfcl-eval's executor and official checks (common/replay.py), and
@@ -17,7 +17,9 @@ transcript and labelled by taxonomy.py's τ² rules (common/tau2.py gathers the 
 
 import argparse
 import collections
+import multiprocessing
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 from tqdm import tqdm
 
@@ -30,28 +32,52 @@ parser.add_argument("--tasks", required=True,
 parser.add_argument("--rollouts", required=True, help="rollout records (JSONL)")
 parser.add_argument("--out", required=True, help="diagnosis records (JSONL)")
 parser.add_argument("--top", type=int, default=10, help="how many of the commonest evidence strings to print")
+parser.add_argument("--workers", type=int, default=1,
+                    help="processes diagnosing at once (a τ² episode's evaluator replay takes about a second)")
 
 # The rollout fields this stage reads; within each turn: steps[].calls and steps[].parse_error.
 ROLLOUT_FIELDS = ["task_id", "category", "sample_index", "round", "turns"]
 
 
-def diagnose_file(env, path):
-    """Diagnosis records for every rollout of `path`; stops at the first bad record."""
-    tasks = env.tasks
+def diagnose_file(env, path, workers=1):
+    """Diagnosis records for every rollout of `path`, in order; stops at the first bad record."""
     rollouts = read_jsonl(path, required=ROLLOUT_FIELDS)
-    out = []
-    for r in tqdm(rollouts, desc="diagnose", unit="traj"):
+    jobs = []
+    for r in rollouts:
         where = f"{path}:{r['_line']}"
-        task = tasks.get(r["task_id"])
+        task = env.tasks.get(r["task_id"])
         if task is None:
             raise RecordError(f"{where}: unknown task id {r['task_id']!r}")
         if r["category"] != task["category"]:
             raise RecordError(f"{where}: category {r['category']!r} but task {task['id']} is {task['category']!r}")
-        try:
-            out.append(env.diagnose(task, r))
-        except RecordError as e:
-            raise RecordError(f"{where}: {e}") from None
-    return out
+        jobs.append((where, r))
+    global _ENV
+    _ENV = env  # forked workers inherit it, loaded once
+    bar = dict(total=len(jobs), desc="diagnose", unit="traj")
+    if workers <= 1 or len(jobs) < 2:
+        done = map(_diagnose, jobs)
+        return [_checked(x) for x in tqdm(done, **bar)]
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("fork")) as pool:
+        return [_checked(x) for x in tqdm(pool.map(_diagnose, jobs, chunksize=4), **bar)]
+
+
+_ENV = None  # the environment the jobs are diagnosed against (a module global: forked workers share it)
+
+
+def _diagnose(job):
+    """(record, None) or (None, the RecordError's message naming the file and line)."""
+    where, r = job
+    try:
+        return _ENV.diagnose(_ENV.tasks[r["task_id"]], r), None
+    except RecordError as e:
+        return None, f"{where}: {e}"
+
+
+def _checked(result):
+    record, error = result
+    if error:
+        raise RecordError(error)
+    return record
 
 
 def print_summary(records, top, categories):
@@ -80,7 +106,7 @@ def print_summary(records, top, categories):
 
 def main(args):
     env = envs.load(args.tasks)
-    records = diagnose_file(env, args.rollouts)
+    records = diagnose_file(env, args.rollouts, args.workers)
     write_jsonl(args.out, records)
     if records:
         print_summary(records, args.top, env.categories)

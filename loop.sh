@@ -185,6 +185,7 @@ track() {  # log what is new in the run's artifacts to the trackers; a failure i
     || echo "loop: logging to $REPORT_TO failed (the next call retries what was not logged)" >&2
 }
 
+WORKERS=$(nproc); WORKERS=$((WORKERS < 16 ? WORKERS : 16))  # diagnosis processes (a τ² episode's replay is ~1 s)
 limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
 
 # ---------------------------------------------------------------------------- the engine
@@ -289,7 +290,7 @@ for ((t = 0; t < ROUNDS; t++)); do
     "${COMMON_ARGS[@]}" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
     --temperature "$TEMP" --seed $((SEED * 1000 + t)) --prompts "$PROMPTS" ${DOMAIN:+"${ENV_USER[@]}"} \
     --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
-  run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks "$TASKS" \
+  run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks "$TASKS" --workers "$WORKERS" \
     --rollouts "$R/rollouts.jsonl" --out "$R/diagnoses.jsonl"
   run evolve "$t" "$NEXT/interface.json" $PY evolve.py --mode "$MODE" --diagnoses "$R/diagnoses.jsonl" \
     --previous "$R/interface.json" --round $((t + 1)) --out "$NEXT/interface.json"

@@ -145,15 +145,26 @@ def test_tiny_model_rollouts_diagnosed_by_tau2(tmp_path, tiny_model, tau2):
         context, at = tok.decode(t["prompt_ids"] + t["ids"]), 0
         for step in (s for turn in r["turns"] for s in turn["steps"]):
             at = context.index(step["text"], at)  # each output in the context, in order
-    res = _stage("diagnose.py", "--tasks", "tau2:mock:base", "--rollouts", str(tmp_path / "r.jsonl"),
-                 "--out", str(tmp_path / "d.jsonl"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    diagnoses = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    for workers in ("1", "2"):  # forked workers give the same file
+        res = _stage("diagnose.py", "--tasks", "tau2:mock:base", "--rollouts", str(tmp_path / "r.jsonl"),
+                     "--workers", workers, "--out", str(tmp_path / f"d{workers}.jsonl"))
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "d1.jsonl").read_bytes() == (tmp_path / "d2.jsonl").read_bytes()
+    diagnoses = [json.loads(line) for line in (tmp_path / "d1.jsonl").read_text().splitlines()]
     assert len(diagnoses) == len(records)
     for d, r in zip(diagnoses, records, strict=True):
         assert (d["task_id"], d["sample_index"]) == (r["task_id"], r["sample_index"])
         assert d["reward"] in (0.0, 1.0) and len(d["turn_labels"]) == max(1, len(r["turns"]))
         assert set(d["turn_labels"]) <= set(taxonomy.LABELS) and abs(sum(d["profile"].values()) - 1) < 1e-9
+    # a bad record met by a worker still names its file and line, and nothing is written
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    broken = json.loads(lines[2])
+    broken["turns"][0]["steps"] = "none"
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines[:2] + [json.dumps(broken)] + lines[3:]) + "\n")
+    res = _stage("diagnose.py", "--tasks", "tau2:mock:base", "--rollouts", str(tmp_path / "bad.jsonl"),
+                 "--workers", "2", "--out", str(tmp_path / "bad-d.jsonl"))
+    assert res.returncode == 1 and f"{tmp_path / 'bad.jsonl'}:3: turn 0 is not a τ² rollout's turn" in res.stderr
+    assert not (tmp_path / "bad-d.jsonl").exists()
 
 
 def test_the_user_flags_belong_to_tau2_tasks(tmp_path, tiny_model):
