@@ -4,6 +4,7 @@ label on τ²'s mock domain, played through τ²'s orchestrator, environment and
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -295,7 +296,13 @@ def test_the_loop_trains_on_a_users_domain(tmp_path, tiny_model):
         assert s["split"] == "test" and s["tasks"] == {"shop": 1} and "shop" in s  # the tiny preset's EVAL_LIMIT
         assert s["user_simulator"]["kind"] == "scripted"
     report = (run / "report.md").read_text()
-    assert "τ²-bench shop, test split" in report and (run / "viewer" / "index.html").is_file()
+    assert "τ²-bench shop, test split" in report
+    # the viewer's trajectory page shows the user simulator's opening and τ²'s verdict
+    from helpers import browse
+    dom = browse(run / "viewer" / "index.html", "traj/0/two_mugs/0")
+    text = dom.text()
+    assert "user: I want to order 2 mugs (item i1)." in text and "official verdict" in text
+    assert re.search(r"official verdict(valid|invalid: DB 0 \(\w+\))turn labels", text), text[:2000]
     res = _stage("evaluate.py", "--compare", str(run))
     header, *rows = res.stdout.splitlines()
     assert res.returncode == 0 and header.split() == ["mode", "shop", "average"], res.stdout

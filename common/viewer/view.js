@@ -270,7 +270,9 @@ function trajectoryView(row, task, extra) {
       ["reward", diag.reward ?? (verdict ? (verdict.valid ? 1 : 0) : "–")],
       ...(extra || []),
       ["official verdict", verdict ? (verdict.valid ? h("span", { class: "ok" }, "valid")
-        : h("span", { class: "bad" }, `invalid: ${verdict.error_type ?? "?"} at turn ${verdict.turn ?? "?"}`)) : "not diagnosed yet"],
+        : h("span", { class: "bad" }, verdict.reward_breakdown  // τ²-bench: its evaluator's checks, one per episode
+          ? `invalid: ${Object.entries(verdict.reward_breakdown).map(([k, v]) => `${k} ${v}`).join(", ") || verdict.note || "?"} (${verdict.termination})`
+          : `invalid: ${verdict.error_type ?? "?"} at turn ${verdict.turn ?? "?"}`)) : "not diagnosed yet"],
       ["turn labels", (diag.turn_labels || []).map(labelChip)],
       ["stop", [row.stop ?? "–", row.stop === "context_limit" ? " (the prompt was cut at the context limit)" : "",
         row.inference_error ? ` · inference error: ${row.inference_error}` : ""]],
