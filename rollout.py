@@ -72,6 +72,10 @@ parser.add_argument("--user-model", default=None, help="τ² tasks: a user simul
 parser.add_argument("--user-base-url", default=None, help="τ² tasks: a user simulator's OpenAI-compatible endpoint")
 parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
 parser.add_argument("--user-serve-args", default="", help="extra arguments for the --user-model server, one string")
+parser.add_argument("--user-max-tokens", type=int, default=None,
+                    help="cap on each user-simulator message (default: none, as τ²-bench)")
+parser.add_argument("--max-episode-steps", type=int, default=None,
+                    help="τ² tasks: orchestrator steps an episode may take (default: τ²'s 200)")
 
 
 def select_tasks(env, limit=None, ids=None, batch=None, round_=0):
@@ -99,7 +103,7 @@ def user_of(args):
     given = [bool(args.scripted_user), args.user_model is not None,
              args.user_base_url is not None or args.user_model_name is not None]
     if not envs.is_tau2(args.tasks):
-        if any(given):
+        if any(given) or args.max_episode_steps is not None or args.user_max_tokens is not None:
             parser.error("a user simulator is for τ² tasks (--tasks tau2:DOMAIN:SPLIT); BFCL scripts its user turns")
         return None
     if sum(given) != 1:
@@ -109,14 +113,16 @@ def user_of(args):
         parser.error("--user-base-url and --user-model-name go together")
     if args.scripted_user:
         return "scripted"
-    return tau2_env.User(args.user_model, args.user_base_url, args.user_model_name, serve_args=args.user_serve_args)
+    return tau2_env.User(args.user_model, args.user_base_url and args.user_base_url.rstrip("/"), args.user_model_name,
+                         serve_args=args.user_serve_args, max_tokens=args.user_max_tokens)
 
 
 def main(args):
     user = user_of(args)
     spec = playargs.play_spec(args, parser, omega=omega_api.load(args.interface), temperature=args.temperature,
                               prompts=args.prompts)
-    env = envs.load(args.tasks, user, user_log=os.path.splitext(args.out)[0] + ".user.log")
+    env = envs.load(args.tasks, user, user_log=os.path.splitext(args.out)[0] + ".user.log",
+                    max_steps=args.max_episode_steps)
     tasks = select_tasks(env, args.limit, args.task_ids, args.batch, args.round)
     log = os.path.splitext(args.out)[0] + ".server.log"
     with playargs.open_engine(args, args.model, max_model_len=spec.max_model_len, seed=args.seed, log=log) as engine:

@@ -24,13 +24,14 @@ def is_tau2(tasks):
     return tasks.startswith(TAU2)
 
 
-def load(tasks, user=None, user_log=None):
-    """The environment of `--tasks` (a BFCL task file, or tau2:DOMAIN:SPLIT). `user` is a τ²
-    episode's user simulator: "scripted" (common/tau2.py ScenarioUser) or a tau2.User, whose
-    server, if it names a local model, runs during play() with its log at `user_log`."""
+def load(tasks, user=None, user_log=None, max_steps=None):
+    """The environment of `--tasks` (a BFCL task file, or tau2:DOMAIN:SPLIT). A τ² episode's
+    settings: `user`, its user simulator ("scripted", common/tau2.py ScenarioUser, or a tau2.User,
+    whose server, if it names a local model, runs during play() with its log at `user_log`), and
+    `max_steps`, τ²'s orchestrator steps an episode may take (default τ²'s 200)."""
     if is_tau2(tasks):
-        return Tau2Env(tasks, user, user_log)
-    if user is not None:
+        return Tau2Env(tasks, user, user_log, max_steps or 200)
+    if user is not None or max_steps is not None:
         raise RecordError(f"{tasks}: BFCL tasks script their user turns; a user simulator is for τ² tasks")
     return BFCL(tasks)
 
@@ -55,13 +56,14 @@ class Tau2Env:
     """A τ²-bench domain's split: its user simulator opens and answers every turn, τ²'s tools act on
     its database, τ²'s evaluator scores each episode."""
 
-    def __init__(self, source, user, user_log=None):
+    def __init__(self, source, user, user_log=None, max_steps=200):
         from common import tau2
         parts = source[len(TAU2):].split(":")
         if len(parts) != 2 or not all(parts):
             raise RecordError(f"{source}: τ² tasks are named tau2:DOMAIN:SPLIT (e.g. tau2:airline:train)")
         self.domain, self.split = parts
         self.source, self.categories, self.user, self.user_log = source, [self.domain], user, user_log
+        self.max_steps = max_steps
         self.tau2 = tau2.import_tau2()
         try:
             loaded = self.tau2.tasks(self.domain, split=self.split)
@@ -75,7 +77,7 @@ class Tau2Env:
             raise RecordError(f"{self.source}: no user simulator given (a tau2.User, or 'scripted')")
         with tau2.user_simulator(None if self.user == "scripted" else self.user, self.user_log) as user_sim:
             return tau2.rollouts(self.tau2, self.domain, [t["tau2"] for t in tasks], n, engine, spec, user_sim,
-                                 round_=round_, policy=policy)
+                                 round_=round_, policy=policy, max_steps=self.max_steps)
 
     def diagnose(self, task, rollout):
         from common import tau2

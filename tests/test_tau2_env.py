@@ -326,3 +326,27 @@ def test_an_episode_the_agent_never_spoke_in_has_its_prompt(tau2, tokenizer):
     tokens = policy.tokens([{"role": "assistant", "content": "Hi! How can I help you today?"}])
     assert tokens["ids"] == [] and "Hi! How can I help you today?" in tokenizer.decode(tokens["prompt_ids"])
     assert token_segments(tokens) == [tokens]
+
+
+def test_rollouts_against_a_served_user_simulator(tmp_path, tiny_model, tiny_server):
+    """Training rollouts whose user is τ²'s own UserSimulator on a served model (the session's
+    vLLM server on the tiny model, reached as an endpoint the user runs): the user's turns are
+    the simulator's, the record names it, and the episodes are diagnosed as any other."""
+    out = tmp_path / "r.jsonl"
+    res = _stage("rollout.py", "--model", tiny_model, "--tasks", "tau2:mock:base", "--task-ids", "create_task_1",
+                 "--n", "2", "--engine", "hf", "--user-base-url", f"{tiny_server}/v1/", "--user-model-name", "policy",
+                 "--user-max-tokens", "16", "--max-episode-steps", "6", "--max-new-tokens", "16", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2
+    for r in records:
+        assert r["user_simulator"] == f"policy at {tiny_server}/v1"
+        assert r["termination"] in ("max_steps", "user_stop", "user_error", "agent_error", "agent_stop")
+        users = [m for m in r["transcript"] if m["role"] == "user"]
+        assert users and r["turns"] and r["turns"][0]["user"] == users[0]["content"]
+        assert len(r["transcript"]) <= 6 + 1  # τ²'s greeting, then at most the steps allowed
+    res = _stage("diagnose.py", "--tasks", "tau2:mock:base", "--rollouts", str(out), "--out", str(tmp_path / "d.jsonl"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = _stage("rollout.py", "--model", tiny_model, "--tasks", "data/tiny.jsonl", "--max-episode-steps", "6",
+                 "--out", str(out))
+    assert res.returncode == 2 and "a user simulator is for τ² tasks" in res.stderr
