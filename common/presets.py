@@ -77,9 +77,10 @@ class Preset:
     # evaluated, their policy. KEEP=latest drops evaluated policies too; KEEP=all deletes nothing.
     keep: str = "evaluated"
     # The environment trained on: bfcl (BFCL V3 multi-turn) or tau2:DOMAIN, a τ²-bench domain of its
-    # registry (airline, retail, telecom, mock, or one of the user's: docs/environments.md), whose
-    # train split the rollouts play and whose test split evaluation scores; its user simulator is
-    # USER_MODEL or USER_BASE_URL and USER_MODEL_NAME, or on CPU (tiny) the scripted ScenarioUser.
+    # registry with a train and a test split (airline, retail, telecom, or one of the user's:
+    # docs/environments.md), whose train split the rollouts play and whose test split evaluation
+    # scores; its user simulator is USER_MODEL or USER_BASE_URL and USER_MODEL_NAME, or on CPU
+    # (tiny) the scripted ScenarioUser.
     env: str = "bfcl"
     tasks: str = "data/train.jsonl"  # with ENV=tau2:DOMAIN: tau2:DOMAIN:train
     seed: str = "0"
