@@ -65,10 +65,7 @@ class Tau2Env:
         self.source, self.categories, self.user, self.user_log = source, [self.domain], user, user_log
         self.max_steps = max_steps
         self.tau2 = tau2.import_tau2()
-        try:
-            loaded = self.tau2.tasks(self.domain, split=self.split)
-        except (KeyError, ValueError) as e:  # τ²'s registry raises its own errors for an unknown domain
-            raise RecordError(f"{source}: {type(e).__name__}: {e}") from None
+        loaded = self.tau2.tasks(self.domain, split=self.split)  # RecordError for an unknown domain or split
         self.tasks = {t.id: {"id": t.id, "category": self.domain, "tau2": t} for t in loaded if tau2.playable(t)}
 
     def play(self, tasks, n, engine, spec, *, round_=0, policy=""):

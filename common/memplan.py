@@ -297,10 +297,10 @@ def reference_plan(arch, tokens, gpu_mem, on_gpu=True, chunk=LOGPROB_CHUNK, serv
 ASLEEP = ("sleeping vLLM server: CUDA context, CUDA-graph pool, allocator residue (allowance)", VLLM_ASLEEP_GIB * GIB, False)
 
 
-def rollout_plan(arch, tp, gpu_mem, max_len, rollout_len=None):
+def rollout_plan(arch, tp, gpu_mem, max_len, rollout_len=None, utilization=VLLM_UTILIZATION, title=None):
     """One vLLM replica over `tp` GPUs, per GPU, serving contexts of `max_len` (its max_model_len;
-    rollouts stop at `rollout_len`); the KV cache takes what is left."""
-    budget = VLLM_UTILIZATION * gpu_mem
+    rollouts stop at `rollout_len`) in `utilization` of each GPU; the KV cache takes what is left."""
+    budget = utilization * gpu_mem
     weights = 2 * arch.params / tp
     # vLLM's profiling pass: the MLP's widest tensors over its batched tokens, and sampling's logits
     activations = VLLM_BATCHED_TOKENS * 2 * (3 * arch.ffn + 4 * arch.hidden) / tp + 256 * arch.vocab * 4
@@ -315,24 +315,15 @@ def rollout_plan(arch, tp, gpu_mem, max_len, rollout_len=None):
         rollouts = f", {contexts * max_len / rollout_len:.1f} rollouts of MAX_LEN={rollout_len}"
     terms.append((f"KV cache: {max(kv, 0) / per_token / 1e6:.2f} M tokens of {per_token / 1024:.0f} KiB"
                   f" = {contexts:.1f} contexts of max_model_len={max_len}{rollouts}", max(kv, 0), False))
-    return Plan(f"rollout server (vLLM, TP {tp}, gpu_memory_utilization {VLLM_UTILIZATION})", terms, budget, contexts)
+    return Plan(title or f"rollout server (vLLM, TP {tp}, gpu_memory_utilization {utilization})", terms, budget,
+                contexts)
 
 
 def user_plan(arch, gpu_mem, max_len):
-    """The τ² user simulator's vLLM server (USER_MODEL) on the first GPU, in USER_UTILIZATION of it:
-    bf16 weights, vLLM's profiling activations, CUDA context and graphs, and a KV cache that must
-    hold one context of `max_len`."""
-    budget = USER_UTILIZATION * gpu_mem
-    weights = 2 * arch.params
-    activations = VLLM_BATCHED_TOKENS * 2 * (3 * arch.ffn + 4 * arch.hidden) + 256 * arch.vocab * 4
-    fixed = VLLM_CONTEXT_GIB * GIB
-    kv = budget - weights - activations - fixed
-    contexts = kv / (arch.kv_bytes_per_token * max_len) if kv > 0 else 0.0
-    terms = sort([("weights (bf16)", weights, False), (f"activations at {VLLM_BATCHED_TOKENS} batched tokens", activations, False),
-                  ("CUDA context and graphs", fixed, False)])
-    terms.append((f"KV cache: {contexts:.1f} contexts of max_model_len={max_len}", max(kv, 0), False))
-    return Plan(f"user simulator server (vLLM, USER_MODEL, gpu_memory_utilization {USER_UTILIZATION})", terms,
-                budget, contexts)
+    """The τ² user simulator's vLLM server (USER_MODEL) on the first GPU, in USER_UTILIZATION of it;
+    its KV cache must hold one context of `max_len`."""
+    return rollout_plan(arch, 1, gpu_mem, max_len, utilization=USER_UTILIZATION,
+                        title=f"user simulator server (vLLM, USER_MODEL, gpu_memory_utilization {USER_UTILIZATION})")
 
 
 def USER_TERM(user):  # noqa: N802 - a term, like ASLEEP

@@ -40,6 +40,8 @@ SPLITS = {"telecom": "base"}  # without it, telecom's task set has 2,285 tasks; 
 ORACLE_HELLO = "Hi, I need help with my account."
 ORACLE_DONE = "Done."
 EVAL_RAISED = "τ²'s evaluation raised"
+# the user_sim of the scripted ScenarioUser: no model, so its scores are not τ²-bench's
+SCENARIO = {"kind": "scripted", "note": "ScenarioUser (common/tau2.py): no model; not τ²-bench's scores"}
 SCENARIO_REPLY = "I don't know. Please go on with what you can do."
 
 
@@ -116,6 +118,14 @@ class Tau2:
         self.system_template, self.instruction = SYSTEM_PROMPT, AGENT_INSTRUCTION
         self.UserSimulator, self.TerminationReason, self.RewardInfo = UserSimulator, TerminationReason, RewardInfo
         self.classes = _classes(self, LocalAgent, BaseUser, Orchestrator, AgentError, UserError)
+        self._schemas = {}
+
+    def schemas(self, domain):
+        """The domain's tool schemas as the agent is shown them (function dicts), built once."""
+        if domain not in self._schemas:  # building the environment loads the domain's database
+            env = self.registry.get_env_constructor(domain)()
+            self._schemas[domain] = [t.openai_schema["function"] for t in env.get_tools()]
+        return self._schemas[domain]
 
     def tasks(self, domain, limit=None, split=None):
         """The domain's tasks: those of τ²'s split `split` (train, test, base), else the paper's set."""
@@ -245,12 +255,16 @@ def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
                 return msg.UserMessage(role="user", content=ORACLE_HELLO), state
             action = self.script.next_user_action()
             if action is not None:
-                call = msg.ToolCall(id=f"user_call_{self.script.cursor}", name=action.name,
-                                    arguments=action.arguments, requestor="user")
-                return msg.UserMessage(role="user", tool_calls=[call]), state
+                return self.perform(action), state
             if self.script.finished:
                 return msg.UserMessage(role="user", content="###STOP###"), state
             return msg.UserMessage(role="user", content=ORACLE_DONE), state
+
+        def perform(self, action):
+            """The user's message that performs the gold user action `action` with the user's tools."""
+            call = msg.ToolCall(id=f"user_call_{self.script.cursor}", name=action.name,
+                                arguments=action.arguments, requestor="user")
+            return msg.UserMessage(role="user", tool_calls=[call])
 
     class ScenarioUser(ScriptedUser):
         """A scripted user for runs without a user model (the tiny preset on CPU): it opens with the
@@ -273,9 +287,7 @@ def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
             text = (message.content or "") if isinstance(message, msg.AssistantMessage) else ""
             pending = self.script.next_user_action() if self.script.asked(text) else None
             if pending is not None:
-                call = msg.ToolCall(id=f"user_call_{self.script.cursor}", name=pending.name,
-                                    arguments=pending.arguments, requestor="user")
-                return msg.UserMessage(role="user", tool_calls=[call]), state
+                return self.perform(pending), state
             if state["agent_messages"] > self.turns or "request is complete" in text.lower():
                 return msg.UserMessage(role="user", content="###STOP###"), state
             return msg.UserMessage(role="user", content=SCENARIO_REPLY), state
@@ -309,9 +321,9 @@ def playable(task):
 
 
 def user_label(user_sim):
-    """How a record names its user simulator."""
-    if user_sim is None:
-        return "scripted (common/tau2.py ScenarioUser)"
+    """How records and printed scores name a user simulator (a user_sim: SCENARIO, the oracle's, a served one)."""
+    if user_sim["kind"] == "scripted":
+        return f"scripted ({'oracle' if 'oracle' in user_sim['note'] else 'ScenarioUser'})"
     return f"{user_sim.get('model') or user_sim['name']} at {user_sim['base_url']}"
 
 
@@ -319,7 +331,7 @@ def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy
              max_steps=200):
     """(records, timing): rollout records (docs/design.md §3, plus τ²'s transcript) for `n` episodes
     of every task, in (task, sample) order, our engine sampling at `spec.temperature` against
-    `user_sim` (a served model's settings, or None: the scripted ScenarioUser), and the wall time
+    `user_sim` (a served model's settings, or SCENARIO: the scripted ScenarioUser), and the wall time
     with the part spent inside the engine."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -328,7 +340,7 @@ def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy
     def one(job):
         task, k = job
         made = []
-        players = tau2.model_players(engine, spec, user_sim or {"kind": "scripted"})
+        players = tau2.model_players(engine, spec, user_sim)
 
         def keeping(*args):  # the policy's tokens go into the record
             made.extend(players(*args))
@@ -400,12 +412,10 @@ def episode_record(row, tokens, sample_index, round_, policy, user, seconds):
             "error": row["error"], "transcript": row["transcript"]}
 
 
-def db_diff(tau2, domain, task, record, limit=4):
+def db_diff(tau2, domain, task, transcript, limit=4):
     """Where the database after the episode differs from the gold actions' replay, as one short
     line ("" when it does not): the two environments τ²'s own environment evaluator builds, read
     back through the constructor it is given."""
-    from pydantic import TypeAdapter
-    from tau2.data_model.message import Message
     from tau2.evaluator.evaluator_env import EnvironmentEvaluator
 
     built, make = [], tau2.registry.get_env_constructor(domain)
@@ -414,7 +424,7 @@ def db_diff(tau2, domain, task, record, limit=4):
         built.append(make(**kwargs))
         return built[-1]
     EnvironmentEvaluator.calculate_reward(environment_constructor=recording, task=task, solo_mode=False,
-                                          full_trajectory=TypeAdapter(list[Message]).validate_python(record["transcript"]))
+                                          full_trajectory=transcript)
     if len(built) != 2:
         return ""
     diffs = []
@@ -445,20 +455,29 @@ def stops(text):
     return any(t in text for t in (STOP, TRANSFER, OUT_OF_SCOPE))
 
 
-def verdict(tau2, domain, task, record):
-    """τ²'s own evaluator on a rollout record's transcript (its RewardInfo): the database replayed
-    from the transcript's tool calls against the gold actions', the action checks and the
-    communicated information, exactly as τ²'s runner scores an episode."""
+def messages(record):
+    """A rollout record's transcript as τ²'s messages; RecordError when it is not one."""
     from pydantic import TypeAdapter, ValidationError
     from tau2.data_model.message import Message
+
+    try:
+        return TypeAdapter(list[Message]).validate_python(record["transcript"])
+    except ValidationError as e:
+        raise RecordError(f"not a τ² transcript: {str(e).splitlines()[0]}") from None
+
+
+def verdict(tau2, domain, task, transcript, termination):
+    """τ²'s own evaluator on an episode's `transcript` (τ²'s messages; its RewardInfo): the database
+    replayed from the transcript's tool calls against the gold actions', the action checks and the
+    communicated information, exactly as τ²'s runner scores an episode."""
+    from pydantic import ValidationError
     from tau2.data_model.simulation import SimulationRun
 
     try:
-        messages = TypeAdapter(list[Message]).validate_python(record["transcript"])
         sim = SimulationRun(id="seal", task_id=task.id, start_time="", end_time="", duration=0.0,
-                            termination_reason=record["termination"], messages=messages)
+                            termination_reason=termination, messages=transcript)
     except ValidationError as e:
-        raise RecordError(f"not a τ² transcript: {str(e).splitlines()[0]}") from None
+        raise RecordError(f"not a τ² termination: {str(e).splitlines()[0]}") from None
     try:
         return tau2.evaluate_simulation(simulation=sim, task=task, evaluation_type=tau2.all, solo_mode=False,
                                         domain=domain)
@@ -534,10 +553,10 @@ def diagnose(tau2, domain, task, record):
     missing = [k for k in ("transcript", "termination") if k not in record]
     if missing:
         raise RecordError(f"not a τ² rollout record (no {missing[0]!r}): was it played on BFCL tasks?")
-    info = verdict(tau2, domain, task, record)
-    schemas = record.get("tools") or [t.openai_schema["function"] for t in
-                                      tau2.registry.get_env_constructor(domain)().get_tools()]
-    turns = [turn_evidence(i, turn, schemas) for i, turn in enumerate(record["turns"])]
+    transcript = messages(record)
+    info = verdict(tau2, domain, task, transcript, record["termination"])
+    # the schemas the agent was shown are the domain's, not what a record says they were
+    turns = [turn_evidence(i, turn, tau2.schemas(domain)) for i, turn in enumerate(record["turns"])]
     crit = task.evaluation_criteria
     gold = [a for a in (crit.actions or []) if a.requestor == "assistant"] if crit else []
     # The database, assertion and communication checks count where the task's reward counts them;
@@ -545,7 +564,7 @@ def diagnose(tau2, domain, task, record):
     basis = {getattr(b, "value", b) for b in (crit.reward_basis if crit else [])}
     differs = info.db_check is not None and not info.db_check.db_match and "DB" in basis
     episode = Episode(
-        reward=info.reward, db_diff=db_diff(tau2, domain, task, record) if differs else "",
+        reward=info.reward, db_diff=db_diff(tau2, domain, task, transcript) if differs else "",
         early_end=None if record["termination"] in ("user_stop", "agent_stop")
         else f"{record['termination']}{': ' + record['error'] if record.get('error') else ''}",
         db_match=info.db_check.db_match if info.db_check and "DB" in basis else None,
@@ -839,10 +858,10 @@ def check_endpoint(url, name, timeout=10):
 
 @contextlib.contextmanager
 def user_simulator(user, log):
-    """The settings of `user`'s simulator (a User; None: the scripted ScenarioUser, yielded as None):
-    a local model is served for the block (its log at `log`), an endpoint must answer first."""
+    """The settings of `user`'s simulator (a User; None: the scripted ScenarioUser, SCENARIO): a
+    local model is served for the block (its log at `log`), an endpoint must answer first."""
     if user is None:
-        yield None
+        yield SCENARIO
         return
     with contextlib.ExitStack() as stack:
         if user.model:

@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 
-from common import bfcl
+from common import bfcl, envs
 from common.jsonl import RecordError, atomic_open
 from common.runs import Run, optional_json, round_rho
 from common.taxonomy import LABELS
@@ -64,7 +64,7 @@ def read_object(path, rel, missing, required=False):
 
 def load_tasks(path):
     """(task records by id, []) or ({}, [why not]): the user turns and ground truth shown beside the plays."""
-    if path.startswith("tau2:"):  # τ²'s records carry the user simulator's messages themselves
+    if envs.is_tau2(path):  # τ²'s records carry the user simulator's messages themselves
         return {}, []
     path = path if os.path.isabs(path) else os.path.join(ROOT, path)
     try:

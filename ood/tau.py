@@ -42,6 +42,7 @@ from common.play import TrajectoryFailed
 from common.scores import mean, percent_by_group
 from common.tau2 import (  # noqa: F401 - OracleScript and to_assistant_message: tests patch them here
     DOMAINS,
+    SCENARIO,
     Batcher,
     OracleScript,
     User,
@@ -50,6 +51,7 @@ from common.tau2 import (  # noqa: F401 - OracleScript and to_assistant_message:
     playable,
     serve_user,
     to_assistant_message,
+    user_label,
     user_llm_args,
 )
 
@@ -134,7 +136,7 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
             user_sim, players = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, tau2.oracle
         else:
             if user == "scripted":
-                user_sim = {"kind": "scripted", "note": "ScenarioUser (common/tau2.py): no model; not τ²-bench's scores"}
+                user_sim = SCENARIO
             elif user.model:
                 state, user_ready = stack.enter_context(serve_user(user, os.path.join(out, "user-server.log")))
                 url, name = state["url"] + "/v1", state["settings"]["served_name"]
@@ -195,15 +197,9 @@ def domain_scores(results, domains):
     return scores | {"average": mean(scores.values())}
 
 
-def simulator_label(user_sim):
-    if user_sim["kind"] == "scripted":
-        return f"scripted ({'oracle' if 'oracle' in user_sim['note'] else 'ScenarioUser'})"
-    return f"{user_sim.get('model') or user_sim['name']} at {user_sim['base_url']}"
-
-
 def print_scores(scores, title):
     cols = list(scores["tasks"]) + ["average"]
-    print(f"\n{title}, user simulator: {simulator_label(scores['user_simulator'])}")
+    print(f"\n{title}, user simulator: {user_label(scores['user_simulator'])}")
     print("  ".join(f"{c:>10}" for c in cols))
     print("  ".join(f"{scores[c]:>10.2f}" for c in cols))
 

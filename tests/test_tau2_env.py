@@ -193,7 +193,7 @@ def test_error_feedback_hints_after_taus_error_messages(tau2, tokenizer, omega):
     spec = PlaySpec(omega=getattr(omega_api, omega)(), fmt="json", temperature=1.0, max_model_len=8192,
                     max_new_tokens=64)
     task = next(t for t in tau2.tasks("mock") if t.id == "impossible_task_1")
-    (record,), _ = T.rollouts(tau2, "mock", [task], 1, engine, spec, None)
+    (record,), _ = T.rollouts(tau2, "mock", [task], 1, engine, spec, T.SCENARIO)
     first, second = record["turns"][0]["steps"]
     assert first["call_errors"][0] and "not found" in first["call_errors"][0]
     context = tokenizer.decode(record["tokens"]["prompt_ids"] + record["tokens"]["ids"])
@@ -220,11 +220,11 @@ def test_a_round_trains_on_tau2_rollouts(tiny_model, tau2, tmp_path):
     task = next(t for t in tau2.tasks("mock") if t.id == "create_task_1")
     spec = PlaySpec(omega=omega_api.initial(), fmt="json", temperature=1.0, max_model_len=8192, max_new_tokens=48)
     engine = make_engine("hf", tiny_model, max_model_len=8192, seed=0)
-    real, _ = T.rollouts(tau2, "mock", [task], 2, engine, spec, None, concurrency=1)
+    real, _ = T.rollouts(tau2, "mock", [task], 2, engine, spec, T.SCENARIO, concurrency=1)
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     right = Teacher(model, engine.tokenizer, lambda tail: DONE if "task_2" in tail else GOLD)
     wrong = Teacher(model, engine.tokenizer, lambda tail: DONE)
-    records = real + [T.rollouts(tau2, "mock", [task], 1, t, spec, None, concurrency=1)[0][0] for t in (right, wrong)]
+    records = real + [T.rollouts(tau2, "mock", [task], 1, t, spec, T.SCENARIO, concurrency=1)[0][0] for t in (right, wrong)]
     for k, r in enumerate(records):
         r["sample_index"] = k
     diagnoses = [T.diagnose(tau2, "mock", task, r) for r in records]
