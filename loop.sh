@@ -112,7 +112,7 @@ if [ -n "$USER_MODEL" ]; then
   USER_ARGS=(--user-model "$USER_MODEL")
   # on GPUs, beside the policy's server and trainer, in the share the memory plan counts (common/memplan.py)
   if [ -n "$GPU_MEM_GIB" ]; then
-    USER_ARGS+=(--user-serve-args "--gpu-memory-utilization $($PY -c 'from common.memplan import USER_UTILIZATION as u; print(u)') --max-model-len $MAX_LEN")
+    USER_ARGS+=(--user-serve-args "$($PY -c 'import sys; from common.memplan import user_serve_args as a; print(a(sys.argv[1]))' "$MAX_LEN")")
   fi
 elif [ -n "$USER_BASE_URL" ] && [ -n "$USER_MODEL_NAME" ]; then
   USER_ARGS=(--user-base-url "$USER_BASE_URL" --user-model-name "$USER_MODEL_NAME")

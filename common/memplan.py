@@ -326,6 +326,11 @@ def user_plan(arch, gpu_mem, max_len):
                         title=f"user simulator server (vLLM, USER_MODEL, gpu_memory_utilization {USER_UTILIZATION})")
 
 
+def user_serve_args(max_len):
+    """The serve arguments loop.sh gives a USER_MODEL server on GPUs: the share and context user_plan counts."""
+    return f"--gpu-memory-utilization {USER_UTILIZATION} --max-model-len {max_len}"
+
+
 def USER_TERM(user):  # noqa: N802 - a term, like ASLEEP
     return ("user simulator's vLLM server, awake (USER_MODEL, its gpu_memory_utilization share)", user.limit, False)
 

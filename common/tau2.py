@@ -877,14 +877,19 @@ def user_simulator(user, log):
         yield user_sim | {"llm_args": user_llm_args(user.max_tokens, url)}
 
 
+def user_server_args(user):
+    """What vLLM's server for the User's model gets beyond the engine settings: tool calling on
+    (telecom's user has tools), then the User's own serve_args (loop.sh's on GPUs: memplan.user_serve_args)."""
+    return ["--enable-auto-tool-choice", "--tool-call-parser", user.tool_parser, *shlex.split(user.serve_args or "")]
+
+
 @contextlib.contextmanager
 def serve_user(user, log):
     """vLLM's server for the User's model, with tool calling on, started in the background (it
     loads while the agent's engine starts): yields (state, wait), wait() blocking until it is
     healthy; its process group is stopped however the block ends."""
     name = os.path.basename(os.path.normpath(user.model))
-    state, proc = serve.spawn(user.model, log, served_name=name, extra=[
-        "--enable-auto-tool-choice", "--tool-call-parser", user.tool_parser, *shlex.split(user.serve_args or "")])
+    state, proc = serve.spawn(user.model, log, served_name=name, extra=user_server_args(user))
     try:
         yield state, lambda: serve.ready(state, proc, user.start_timeout)
     finally:

@@ -352,3 +352,18 @@ def test_a_user_model_served_beside_the_policy_is_planned(tmp_path):
     assert "USER_BASE_URL and USER_MODEL_NAME" in res.stderr
     res = loop("qwen7b", "--plan", "--set", "ENV=tau2:retail")
     assert res.returncode == 2 and "ENV=tau2:retail needs a user simulator" in res.stderr
+
+
+def test_the_user_server_gets_the_share_and_context_its_plan_counts():
+    """On GPUs loop.sh serves USER_MODEL with memplan.user_serve_args (its plan's share and MAX_LEN):
+    the vLLM command line the stage builds for it holds exactly those, after tool calling."""
+    from common import serve, tau2
+    args = memplan.user_serve_args("16384")
+    assert args == f"--gpu-memory-utilization {memplan.USER_UTILIZATION} --max-model-len 16384"
+    extra = tau2.user_server_args(tau2.User(model="/m/Qwen2.5-1.5B-Instruct", serve_args=args))
+    assert extra == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--gpu-memory-utilization",
+                     "0.08", "--max-model-len", "16384"]
+    argv, _ = serve.command("/m/Qwen2.5-1.5B-Instruct", port=8123, cpu=False, extra=extra)
+    assert argv[-len(extra):] == extra and "--gpu-memory-utilization" not in argv[:-len(extra)]
+    script = open(os.path.join(ROOT, "loop.sh")).read()
+    assert "from common.memplan import user_serve_args" in script
