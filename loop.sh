@@ -122,9 +122,7 @@ ENV_USER=("${USER_ARGS[@]+"${USER_ARGS[@]}"}")
 if [ -n "$DOMAIN" ] && [ ${#USER_ARGS[@]} -eq 0 ]; then ENV_USER=(--scripted-user); fi
 for b in $OOD; do
   case $b in
-    bfcl-memory|bfcl-web) ;;
-    bfcl-heldin)
-      if [ -z "$DOMAIN" ]; then echo "loop: OOD bfcl-heldin is a τ²-trained run's (ENV=tau2:DOMAIN); held-in is this run's own score" >&2; exit 2; fi ;;
+    bfcl-memory|bfcl-web|bfcl-heldin) ;;  # bfcl-heldin: a τ²-trained run's (common/presets.py checks)
     tau2)
       if [ ${#USER_ARGS[@]} -eq 0 ]; then
         echo "loop: OOD tau2 needs a user simulator: --set USER_MODEL=DIR (served with vllm serve)," \

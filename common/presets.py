@@ -253,6 +253,8 @@ def resolve(name, sets=(), found=0):
             raise PresetError(f"{field.upper()}={value}: use {', '.join(words[:-1])} or {words[-1]}")
     if preset.env != "bfcl":
         preset = tau2_env(preset, changes)
+    elif "bfcl-heldin" in preset.ood.split():
+        raise PresetError("OOD=bfcl-heldin is a τ²-trained run's (ENV=tau2:DOMAIN); held-in is this run's own score")
     if preset.gpu_mem_gib:
         preset = place(preset, changes, found)
     if not preset.lr:

@@ -263,6 +263,7 @@ def test_env_tau2_plays_a_domains_train_split_and_checks_its_user():
     for sets, message in [(["ENV=tau2"], "use bfcl or tau2:DOMAIN"),
                           (["ENV=tau2:airline", "OOD=bfcl-memory tau2"], "OOD=tau2 scores the τ² domains"),
                           (["ENV=tau2:airline", "USER_BASE_URL=http://h/v1"], "go together"),
+                          (["OOD=bfcl-heldin"], "OOD=bfcl-heldin is a τ²-trained run's"),
                           (["ENV=tau2:airline", "USER_MODEL=/m", "USER_BASE_URL=http://h/v1", "USER_MODEL_NAME=n"],
                            "one user simulator")]:
         with pytest.raises(presets.PresetError, match=message):
