@@ -22,7 +22,8 @@
 # a user simulator: --set USER_MODEL=DIR, or USER_BASE_URL=URL and USER_MODEL_NAME=NAME.
 # --set ENV=tau2:DOMAIN trains on a τ²-bench domain instead of BFCL (docs/environments.md): its
 # train split against that user simulator (on CPU without one, a scripted user), evaluated on its
-# test split; --set OOD="bfcl-heldin bfcl-memory" then scores BFCL held-in out of distribution.
+# test split (--set TAU_K=k: k trials a task, pass^k); --set OOD="bfcl-heldin bfcl-memory" then
+# scores BFCL held-in out of distribution.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -96,7 +97,8 @@ PY=.venv/bin/python
 # a tracker that is not installed stops here with its pip line, before any model is built or fetched
 $PY -m common.tracking --check "$REPORT_TO" || exit 2
 if [ "$MODEL" = offline-tiny ]; then
-  MODEL=$($PY -c "from common.tiny import build_cached; print(build_cached())")
+  # on ENV=tau2:DOMAIN, the build whose warm start played that domain's tiny tasks (common/tiny.py)
+  MODEL=$($PY -c "import sys; from common.tiny import build_cached; print(build_cached(env=sys.argv[1]))" "$ENV")
 fi
 # The call format follows the handler's prompts (common/prompts.py HANDLERS): a CALL_FORMAT that contradicts
 # them would mis-decode every output. The stages get, and config.json records, the one used.
@@ -143,7 +145,7 @@ PLAY_ARGS=("${SCORE_ARGS[@]}")
 # from one model and one set of evaluation settings: a run with others stops here. Where they
 # live is common/runinfo.py base_dir's rule (evaluate.py --compare and common/report.py find them by it).
 BASE=$RUNS/base-$PRESET${DOMAIN:+-tau2-$DOMAIN}  # common/runinfo.py base_dir's rule
-if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" revision="$REVISION" eval_limit="$EVAL_LIMIT" play="${SCORE_ARGS[*]}"; then
+if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" revision="$REVISION" eval_limit="$EVAL_LIMIT" play="${SCORE_ARGS[*]}" tau_k="$TAU_K"; then
   echo "loop: $BASE holds the base model's scores for the settings above; use another --runs, or remove it" >&2
   exit 2
 fi
@@ -223,7 +225,7 @@ playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve PO
 evaluate() {  # evaluate POLICY ROUND DIR: held-in, bfcl-eval's decoding, Ω removed; τ²: the domain's test split
   if [ -n "$DOMAIN" ]; then
     run eval "$2" "$3/scores.json" playing "$1" $PY -m ood.tau --policy "$1" --domain "$DOMAIN" --split test \
-      "${ENV_USER[@]}" $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" --out "$3"
+      --trials "$TAU_K" "${ENV_USER[@]}" $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" --out "$3"
     return
   fi
   run eval "$2" "$3/scores.json" playing "$1" $PY evaluate.py --policy "$1" --split heldin \
@@ -234,7 +236,7 @@ ood() {  # ood POLICY TAG DIR: every bench of $OOD (its own decoding: docs/ood.m
   local b bench
   for b in $OOD; do
     bench=(-m ood.memory --suite "$b")
-    if [ "$b" = tau2 ]; then bench=(-m ood.tau "${USER_ARGS[@]}"); fi
+    if [ "$b" = tau2 ]; then bench=(-m ood.tau --trials "$TAU_K" "${USER_ARGS[@]}"); fi
     if [ "$b" = bfcl-heldin ]; then bench=(evaluate.py --split heldin); fi  # a τ²-trained run's BFCL score
     run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" playing "$1" $PY "${bench[@]}" --policy "$1" \
       $(limit_args "$OOD_LIMIT") "${PLAY_ARGS[@]}" --out "$3/$b"

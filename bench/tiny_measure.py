@@ -1,13 +1,16 @@
 """What a build of the tiny model samples (common/tiny.py), measured on demand (minutes on CPU).
 
     .venv/bin/python bench/tiny_measure.py [--temperatures 1.0 0.7] [--samples 8] [--eval-tasks 32] [--model DIR]
+    .venv/bin/python bench/tiny_measure.py --env tau2:airline [--temperatures 1.0] [--samples 16]
 
 Prints, as JSON: the first-step parse rate (greedy first output of `--eval-tasks` training tasks
 with their full turn-0 prompt, parsed as at least one tool call) and, per view of the tool list
 (plain, Ω's schema cue) and temperature, the sampled reward on the preset's tasks as its round 0
 plays them: per task the samples the official checker solved, and the share of mixed groups
 (some but not all solved), GRPO's signal. The model is the cached build (`build_cached()`) unless
---model names another. docs/learning-on-cpu.md quotes it.
+--model names another. docs/learning-on-cpu.md quotes it. With --env tau2:DOMAIN: the τ² build and
+the tasks its loop plays (the domain's first TINY_TAU2_TASKS train tasks, against the scripted user),
+scored by τ²'s evaluator; no parse rate.
 """
 
 import argparse
@@ -31,41 +34,47 @@ MEASURE = {
 
 
 def measure(model_dir, *, temperatures=(1.0, 0.7), samples=None, eval_tasks=None, tasks_path=tiny.DEFAULT_TASKS,
-            preset_path=tiny.PRESET_TASKS, progress=True):
+            preset_path=tiny.PRESET_TASKS, env="bfcl"):
     """What the tests do not measure, on demand: the first-step parse rate on `eval_tasks`
     training tasks (greedy) and the sampled reward on the preset's tasks, per view of the tool
     list and temperature: per task the samples the official checker solved, and the share of
     mixed groups (some but not all solved), GRPO's signal."""
-    from common import bfcl
+    from common import bfcl, envs, presets
     from common import interface as omega_api
 
     m = {**MEASURE, **({"check_samples": samples} if samples else {}),
          **({"eval_tasks": eval_tasks} if eval_tasks is not None else {})}
-    out = {"model": model_dir, "settings": m}
+    if env != "bfcl":  # the τ² loop's tasks and room for its calls (common/presets.py tau2_env)
+        m.update(eval_tasks=0, check_max_new_tokens=presets.TINY_TAU2_MAX_NEW)
+        played = envs.load(f"{env}:train", user="scripted")
+        preset = list(played.tasks.values())[:presets.TINY_TAU2_TASKS]
+    else:
+        played = envs.load(preset_path)
+        preset = list(played.tasks.values())
+    out = {"model": model_dir, "env": env, "settings": m}
     t0 = time.time()
     if m["eval_tasks"]:
         tasks = list(bfcl.load_tasks(tasks_path).values())
         tiny._log(f"measuring the first-step parse rate: greedy first output on {m['eval_tasks']} tasks")
         rate, _ = first_step_parse_rate(model_dir, tiny.pick_eval_tasks(tasks, m["eval_tasks"]), m["eval_max_new_tokens"])
         out["first_step_parse_rate"] = round(rate, 4)
-    preset = list(bfcl.load_tasks(preset_path).values())
     out["sampled_reward"] = {}
     for view, omega in (("plain", None), ("schema_cue", omega_api.initial())):
         for temp in temperatures:
             tiny._log(f"measuring the sampled reward ({view} view, temperature {temp}): {m['check_samples']} "
                  f"samples of each of {len(preset)} tasks")
             out["sampled_reward"][f"{view} T={temp}"] = preset_reward(
-                model_dir, preset, {**m, "check_temperature": temp}, omega=omega, progress=progress)
+                model_dir, played, preset, {**m, "check_temperature": temp}, omega=omega)
     out["seconds"] = round(time.time() - t0, 1)
     return out
 
 
-def preset_reward(model_dir, tasks, args, engine=None, omega=None, progress=False):
-    """Sampled reward on `tasks` as the preset's rollouts play them (under the interface `omega`):
-    `check_samples` per task at `check_temperature`, scored by the official checker.
-    {"mean", "per_task": {id: mean}, "solved": {id: samples solved}, "mixed": share of tasks
-    whose samples are neither all solved nor all failed}."""
-    from common import play, taxonomy
+def preset_reward(model_dir, env, tasks, args, engine=None, omega=None):
+    """Sampled reward on `tasks` of the environment `env` (common/envs.py) as the preset's rollouts
+    play them (under the interface `omega`): `check_samples` per task at `check_temperature`, scored
+    by the environment's own verdict. {"mean", "per_task": {id: mean}, "solved": {id: samples
+    solved}, "mixed": share of tasks whose samples are neither all solved nor all failed}."""
+    from common import play
     from common.engines import make_engine
 
     own = engine is None
@@ -75,14 +84,14 @@ def preset_reward(model_dir, tasks, args, engine=None, omega=None, progress=Fals
         spec = play.PlaySpec(omega=omega, temperature=args["check_temperature"],
                              max_steps_per_turn=args["check_max_steps"], max_model_len=tiny.DEFAULTS["max_positions"],
                              max_new_tokens=args["check_max_new_tokens"])
-        records, _ = play.play(tasks, args["check_samples"], engine, spec, progress=progress)
+        records, _ = env.play(tasks, args["check_samples"], engine, spec)
     finally:
         if own:
             engine.close()
     by_id = {t["id"]: t for t in tasks}
     per_task = {}
     for r in records:
-        per_task.setdefault(r["task_id"], []).append(taxonomy.diagnose(by_id[r["task_id"]], r)["reward"])
+        per_task.setdefault(r["task_id"], []).append(env.diagnose(by_id[r["task_id"]], r)["reward"])
     rewards = [x for v in per_task.values() for x in v]
     return {"mean": round(sum(rewards) / len(rewards), 4),
             "per_task": {k: round(sum(v) / len(v), 3) for k, v in per_task.items()},
@@ -124,9 +133,11 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=MEASURE["check_samples"], help="samples per task")
     p.add_argument("--eval-tasks", type=int, default=MEASURE["eval_tasks"],
                    help="training tasks for the first-step parse rate (0: skip)")
+    p.add_argument("--env", default="bfcl", help="bfcl, or tau2:DOMAIN: the τ² build on its loop's tasks")
     a = p.parse_args(argv)
-    folder = a.model or tiny.build_cached()
-    print(json.dumps(measure(folder, temperatures=a.temperatures, samples=a.samples, eval_tasks=a.eval_tasks), indent=1))
+    folder = a.model or tiny.build_cached(env=a.env)
+    print(json.dumps(measure(folder, temperatures=a.temperatures, samples=a.samples, eval_tasks=a.eval_tasks,
+                             env=a.env), indent=1))
 
 
 if __name__ == "__main__":

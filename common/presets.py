@@ -92,6 +92,9 @@ class Preset:
     user_model: str = ""
     user_base_url: str = ""
     user_model_name: str = ""
+    # τ² evaluations (ENV=tau2:DOMAIN's test split, the tau2 OOD bench): episodes per task; K > 1 adds
+    # pass^1..pass^K to scores.json (τ²'s own pass^k; greedy agent and temperature-0 user, as τ² runs them)
+    tau_k: str = "1"
     # What the model is shown: the prompts of bfcl-eval's handler BFCL_HANDLER, in training too
     # (PROMPTS=template: the model's chat template, verl's convention). Evaluation runs as
     # bfcl-eval's local inference: the model's own context and up to 4096 new tokens per call,
@@ -221,6 +224,10 @@ MAX_NEW_TOKENS = int(Preset.max_new)  # rollout.py --max-new-tokens
 MAX_STEPS_PER_TURN = int(Preset.max_steps)  # --max-steps-per-turn
 HANDLER = Preset.bfcl_handler  # --handler
 ENGINE = Preset.engine  # --engine
+# The tiny preset on ENV=tau2:DOMAIN: the first K tasks of the domain's train split (TRAIN_LIMIT), the
+# ones its model's warm start learnt (common/tiny.py tau2_examples), as data/tiny.jsonl's 8 are on BFCL,
+# and room for a τ² call in MAX_NEW (airline's update_reservation_flights is 100 of the tiny model's tokens).
+TINY_TAU2_TASKS, TINY_TAU2_MAX_NEW = 8, 160
 LORA_RANK = 16  # train_grpo.py --lora-r, and the rank the vLLM server is started for
 # Positions projected onto the vocabulary at once (common/grpo.py sequence_logprobs; the memory plan
 # counts one chunk). The log-prob pass peaks at about LOGPROB_CHUNK x vocabulary x 14 bytes in
@@ -251,6 +258,8 @@ def resolve(name, sets=(), found=0):
         if value not in choices:
             words = [c or "''" for c in choices]
             raise PresetError(f"{field.upper()}={value}: use {', '.join(words[:-1])} or {words[-1]}")
+    if not (preset.tau_k.isdigit() and int(preset.tau_k) >= 1):
+        raise PresetError(f"TAU_K={preset.tau_k}: τ²'s trials per task, a whole number from 1")
     if preset.env != "bfcl":
         preset = tau2_env(preset, changes)
     elif "bfcl-heldin" in preset.ood.split():
@@ -278,7 +287,10 @@ def tau2_env(preset, changes):
     if "tau2" in preset.ood.split():
         raise PresetError(f"OOD=tau2 scores the τ² domains, the one this run trains on (ENV={preset.env}) among "
                           "them: use --set OOD=\"bfcl-heldin bfcl-memory\" (BFCL held-in out of distribution)")
-    return dataclasses.replace(preset, tasks=preset.tasks if "tasks" in changes else f"{preset.env}:train")
+    tiny = {"train_limit": str(TINY_TAU2_TASKS), "max_new": str(TINY_TAU2_MAX_NEW)} \
+        if preset.model == "offline-tiny" else {}
+    return dataclasses.replace(preset, tasks=preset.tasks if "tasks" in changes else f"{preset.env}:train",
+                               **{f: v for f, v in tiny.items() if f not in changes})
 
 
 def place(preset, changes, found):

@@ -1,7 +1,7 @@
 """A tiny Qwen2-style tool-calling model, built offline on CPU (the `tiny` preset, tests).
 
     python -m common.tiny                    # build once into .cache/ (or reuse), print the folder
-    python -m common.tiny --out DIR [--steps N] [--seed K]
+    python -m common.tiny --out DIR [--steps N] [--seed K] [--env tau2:DOMAIN]
     python bench/tiny_measure.py             # measure the build (minutes; the tests do not need it)
 
 Builds a normal Hugging Face model folder in three steps (under a minute of 2 idle cores):
@@ -59,6 +59,12 @@ The thinking build (`build_cached(**THINKING)`, tests/test_thinking.py) is the s
 `<think>\n…\n</think>\n\n`, as QwenFCHandler re-wraps it; 60 steps, as its tests need the format,
 not the calls. Its warm start renders the conversations token-in/token-out with the reasoning kept
 (each example reads only the 256 tokens before its message).
+
+The τ² build (`build_cached(env="tau2:DOMAIN")`, `python -m common.tiny --env tau2:DOMAIN`; loop.sh builds
+it for `tiny --set ENV=tau2:DOMAIN`) is the same model trained on another warm start: the oracle's episodes
+of the domain's first TINY_TAU2_TASKS (8) train tasks against the scripted ScenarioUser, rendered by the
+rollouts' own policy, with near misses on the writes (`tau2_examples`); its BPE is trained on the domain's
+policy, tool schemas and those episodes, and it trains TAU2_STEPS (300) steps.
 
 The chat template is kept for `--prompts template`. What a build samples is measured apart, by
 bench/tiny_measure.py, so that this file is the build alone: `build_cached()` builds once into
@@ -161,10 +167,14 @@ DEFAULTS = {
     "seed": 0,
     "miss_share": 0.4,
     "thinking": False,
+    "env": "bfcl",  # or tau2:DOMAIN: the warm start plays that domain's tiny training tasks (`tau2_examples`)
 }
 # The thinking build (`build_cached(**THINKING)`): a Qwen3ForCausalLM that writes <think>…</think>
 # before every message, as Qwen3-8B does; fewer steps, as its tests need the format, not the calls.
 THINKING = {"thinking": True, "steps": 60}
+# A τ² build (`build_cached(env="tau2:DOMAIN")`) trains longer: its episodes are several calls long, and
+# airline's five-call task was solved in 0 of 16 samples at temperature 1.0 after 180 steps, 5 of 16 after 300.
+TAU2_STEPS = 300
 MAX_TARGET = 384  # tokens of one assistant message trained on (a few ground-truth turns are longer)
 
 
@@ -428,6 +438,131 @@ def make_examples(ids, spans, first_flags, context):
     return out
 
 
+# ----------------------------------------------------------------------------- τ² warm start
+# A τ² build (`env="tau2:DOMAIN"`, what loop.sh builds for `tiny --set ENV=tau2:DOMAIN`) learns the
+# episodes its loop plays: the first TINY_TAU2_TASKS tasks of the domain's train split, against the
+# scripted ScenarioUser, each agent message the oracle's (common/tau2.py OracleScript), rendered by the
+# rollouts' own token-in/token-out policy (ModelPolicy). As on BFCL, each task whose gold actions
+# write something is also learnt with a near miss: its last write's last string argument suffixed
+# "_old" (τ²'s tool refuses it, the database is not changed, τ²'s evaluator gives 0), so sampled
+# episodes split between the two and GRPO's groups are mixed; a reading task that must tell the user
+# something has a closing message without it as its near miss. Other reading tasks have none: any
+# agent that changes nothing solves them.
+
+
+class ScriptEngine:
+    """The warm start's teacher: an engine whose every generation is the script's next agent message."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script = tokenizer, script
+        self.stop_ids = [tokenizer.convert_tokens_to_ids(EOS)]
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        from common.engines import Generation
+        ids = self.tokenizer(self.script.agent_text(None, None), add_special_tokens=False)["input_ids"]
+        ids += self.stop_ids
+        return [Generation(ids=ids, logprobs=[0.0] * len(ids), finish="stop")]
+
+
+def tau2_scripts(env_name, with_misses):
+    """[(τ² task, make_script)] for the tiny τ² tasks: `make_script(miss)` is a fresh OracleScript,
+    or with `miss` its near miss (None where the task writes nothing with a string argument)."""
+    from common import envs, tau2
+    from common.presets import TINY_TAU2_TASKS
+
+    env = envs.load(f"{env_name}:train", user="scripted")
+    toolkit = env.tau2.registry.get_env_constructor(env.domain)().tools
+    out = []
+    for task in [t["tau2"] for t in env.tasks.values()][:TINY_TAU2_TASKS]:
+        def make(miss, task=task):
+            script = tau2.OracleScript(task, "json")
+            if not miss:
+                return script
+            writes = [i for i, a in enumerate(script.actions) if a.requestor == "assistant"
+                      and toolkit.has_tool(a.name) and toolkit.tool_type(a.name).value == "write"
+                      and any(isinstance(v, str) for v in a.arguments.values())]
+            if not with_misses or not (writes or script.info):
+                return None
+            if not writes:  # a reading task scored on what it tells the user: the closing message omits it
+                script.info = []
+                return script
+            a = script.actions[writes[-1]]
+            call = near_miss([{"name": a.name, "arguments": a.arguments}])[0]
+            script.actions[writes[-1]] = a.model_copy(update={"arguments": call["arguments"]})
+            return script
+        out.append((env, task, make))
+    return out
+
+
+def tau2_play(env, task, script, engine=None, omega=None):
+    """One scripted episode against the ScenarioUser: τ²'s result row and the agent's policy (the
+    script's text function, or with `engine` the rollouts' ModelPolicy writing through it)."""
+    from common import tau2
+    from common.play import PlaySpec
+
+    made = []
+
+    def players(task, tools, user_tools, system, fmt):
+        policy = tau2.ModelPolicy(engine, tools, system, PlaySpec(omega=omega)) if engine else script.agent_text
+        made.append(policy)
+        return policy, env.tau2.classes[4](task)
+    row = env.tau2.play(env.domain, task, players, env.max_steps, "json")
+    return row, made[0]
+
+
+def tau2_texts(scripts):
+    """The BPE's training text: the domain's policy and tool schemas, the episodes' messages."""
+    texts, seen = [CHAT_TEMPLATE], set()
+    for env, task, make in scripts:
+        for miss in (False, True):
+            script = make(miss)
+            if script is None:
+                continue
+            row, _ = tau2_play(env, task, script)
+            if not seen:
+                texts.append(env.tau2.registry.get_env_constructor(env.domain)().get_policy())
+                texts += [json.dumps(s) for s in row["tools"]]
+            seen.add(task.id)
+            for m in row["transcript"]:
+                texts.append(m.get("content") or "")
+                texts += [json.dumps({"name": c["name"], "arguments": c["arguments"]}) for c in m.get("tool_calls") or []]
+    return [t for t in texts if t]
+
+
+def tau2_examples(env_name, scripts, tok, context, share):
+    """(examples, weights): every agent message of the scripted episodes, in both views of the tools
+    (plain, and with Ω_0's schema cue), as `make_examples` cuts them from the rollout's own tokens."""
+    import torch
+
+    from common import interface as omega_api
+
+    examples, weights, rewards = [], [], {}
+    for omega in (None, omega_api.initial()):
+        for env, task, make in scripts:
+            miss = make(True)
+            for script, w in ((make(False), 1.0 - share if miss else 1.0), (miss, share)):
+                if script is None or w <= 0:
+                    continue
+                row, policy = tau2_play(env, task, script, ScriptEngine(tok, script), omega)
+                rewards[(task.id, script is miss)] = row["reward"]
+                ids = policy.prompt_ids + policy.ids
+                spans, start = [], None
+                for i, m in enumerate([0] * len(policy.prompt_ids) + policy.mask + [0]):
+                    if m and start is None:
+                        start = i
+                    elif not m and start is not None:
+                        spans.append((start, i))
+                        start = None
+                for x, pos, first in make_examples(ids, spans, [True] * len(spans), context):
+                    examples.append((torch.tensor(x), torch.tensor(pos), first))
+                    weights.append(w)
+    right = [r for (_, m), r in rewards.items() if not m]
+    missed = [r for (_, m), r in rewards.items() if m]
+    _log(f"{env_name}: τ²'s reward of the scripted episodes: {sum(right):.0f}/{len(right)} right, "
+         f"{sum(missed):.0f}/{len(missed)} near misses")
+    return examples, weights
+
+
 # ----------------------------------------------------------------------------- build
 
 
@@ -461,16 +596,22 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     torch.manual_seed(seed)
     timings = {}
 
-    # --- data: ground-truth conversations with real tool results
-    thinking = args["thinking"]
-    tasks = list(bfcl.load_tasks(tasks_path).values())
-    convs = [conversation(t, thinking=thinking) for t in tasks]
+    # --- data: ground-truth conversations with real tool results (a τ² build: oracle episodes)
+    thinking, tau2_env = args["thinking"], args["env"] if args["env"] != "bfcl" else None
+    if tau2_env:
+        tasks, convs = [], []
+        scripts = tau2_scripts(tau2_env, args["miss_share"] > 0)
+        texts = tau2_texts(scripts)
+    else:
+        tasks = list(bfcl.load_tasks(tasks_path).values())
+        convs = [conversation(t, thinking=thinking) for t in tasks]
+        texts = tokenizer_texts(tasks, convs)
     timings["conversations_s"] = round(time.time() - t_start, 2)
 
     # --- tokenizer
     t0 = time.time()
     added = ADDED_TOKENS + (THINK_TOKENS if thinking else [])
-    bpe = train_bpe(tokenizer_texts(tasks, convs), args["vocab_size"], added)
+    bpe = train_bpe(texts, args["vocab_size"], added)
     bpe.save(os.path.join(folder, "bpe_tokenizer.json"))
     tok = hf_tokenizer(bpe, added)
     tok.save_pretrained(folder)
@@ -489,9 +630,11 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     # is sampled right (after 180 steps nearly always, at temperature 1.0 too); a model taught the ground
     # truth alone is nearly deterministic on it, solved always or never (docs/learning-on-cpu.md §1a).
     t0 = time.time()
-    preset = list(bfcl.load_tasks(preset_path).values()) if preset_path else []
+    preset = list(bfcl.load_tasks(preset_path).values()) if preset_path and not tau2_env else []
     examples, weights = [], []
-    if preset:
+    if tau2_env:
+        examples, weights = tau2_examples(tau2_env, scripts, tok, args["context"], args["miss_share"])
+    elif preset:
         pairs = [(t, conversation(t, thinking=thinking), conversation(t, miss=True, thinking=thinking))
                  for t in preset]
         share = args["miss_share"]
@@ -508,7 +651,7 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     weights = [w / sum(weights) for w in weights]
     lens = [len(e[0]) for e in examples]
     timings["examples_s"] = round(time.time() - t0, 2)
-    _log(f"{len(tasks)} tasks, {len(examples)} warm-start examples (mean {sum(lens) / len(lens):.0f} tokens)")
+    _log(f"{len(scripts) if tau2_env else len(tasks)} tasks, {len(examples)} warm-start examples (mean {sum(lens) / len(lens):.0f} tokens)")
 
     # --- model
     eos_id, pad_id = tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(PAD)
@@ -531,8 +674,8 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     timings["train_s"] = round(time.time() - t0, 2)
     model.save_pretrained(folder)
     timings["total_s"] = round(time.time() - t_start, 2)
-    info = {"args": args, "tasks": os.path.relpath(os.path.abspath(tasks_path), REPO),
-            "preset_tasks": os.path.relpath(os.path.abspath(preset_path), REPO) if preset_path else None,
+    info = {"args": args, "tasks": tau2_env and f"{tau2_env}:train" or os.path.relpath(os.path.abspath(tasks_path), REPO),
+            "preset_tasks": os.path.relpath(os.path.abspath(preset_path), REPO) if preset and preset_path else None,
             "n_examples": len(examples), "params": sum(p.numel() for p in model.parameters()),
             "loss_first": losses[0], "loss_last": losses[-1], "timings": timings}
     write_json(os.path.join(folder, "build_info.json"), info)
@@ -608,6 +751,8 @@ def build_cached(cache_root=None, *, tasks_path=DEFAULT_TASKS, preset_path=PRESE
     to check that tests and the preset hold on a build whose floats differ from this one's."""
     from filelock import FileLock
     overrides.setdefault("seed", int(os.environ.get("SEAL_TINY_SEED", DEFAULTS["seed"])))
+    if overrides.get("env", "bfcl") != "bfcl":
+        overrides.setdefault("steps", TAU2_STEPS)
     cache_root = cache_root or os.path.join(REPO, ".cache")
     os.makedirs(cache_root, exist_ok=True)
     path = os.path.join(cache_root, f"tiny-{build_key(tasks_path, preset_path, **overrides)}")
@@ -626,14 +771,18 @@ def main(argv=None):
                                 "and print its folder (bench/tiny_measure.py measures it).")
     p.add_argument("--out", help="build into this folder (replaced atomically); default: the cached build "
                    "(.cache/tiny-<hash>, built if missing)")
-    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="warm-start optimiser steps")
+    p.add_argument("--steps", type=int, default=None, help="warm-start optimiser steps (default: "
+                   f"{DEFAULTS['steps']}, a τ² build's {TAU2_STEPS})")
     p.add_argument("--seed", type=int, default=int(os.environ.get("SEAL_TINY_SEED", DEFAULTS["seed"])))
+    p.add_argument("--env", default="bfcl", help="bfcl, or tau2:DOMAIN: the build whose warm start plays the "
+                   "domain's tiny training tasks (loop.sh tiny --set ENV=tau2:DOMAIN builds it)")
     a = p.parse_args(argv)
+    steps = a.steps if a.steps is not None else TAU2_STEPS if a.env != "bfcl" else DEFAULTS["steps"]
     if a.out:
-        build(a.out, steps=a.steps, seed=a.seed)
+        build(a.out, steps=steps, seed=a.seed, env=a.env)
         print(a.out)
     else:
-        print(build_cached(steps=a.steps, seed=a.seed))
+        print(build_cached(steps=steps, seed=a.seed, env=a.env))
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ PAPER = dict(rounds="18", eval_every="6", engine="vllm", server="", gpus="", tp=
              n="8", mini_batch="8", lr="", kl="0.001", temp="1.0", max_steps="20", max_len="16384",
              max_new="1024", train_limit="", eval_limit="", keep="evaluated", tasks="data/train.jsonl", seed="0",
              ood="", ood_limit="", prompts="bfcl", eval_len="", eval_new="", thinking="", report_to="none",
-             bfcl_model="", call_format="", env="bfcl")
+             bfcl_model="", call_format="", env="bfcl", tau_k="1")
 FOUR_GPUS = dict(nproc="4", dp="4", accel_config="configs/accelerate/fsdp_4gpu.yaml", gpu_mem_gib="79",
                  extra_train="--gradient-checkpointing")
 EXPECTED = {
@@ -260,7 +260,14 @@ def test_env_tau2_plays_a_domains_train_split_and_checks_its_user():
     assert presets.resolve("tiny", ["ENV=tau2:airline"]).tasks == "tau2:airline:train"
     assert presets.resolve("tiny", ["ENV=tau2:airline", "TASKS=tau2:airline:test"]).tasks == "tau2:airline:test"
     assert presets.resolve("tiny").env == "bfcl" and presets.resolve("tiny").tasks == "data/tiny.jsonl"
+    # tiny on τ²: the tasks its model's warm start learnt (common/tiny.py) and room for a τ² call
+    tiny = presets.resolve("tiny", ["ENV=tau2:airline"])
+    assert (tiny.train_limit, tiny.max_new) == (str(presets.TINY_TAU2_TASKS), str(presets.TINY_TAU2_MAX_NEW))
+    assert presets.resolve("tiny", ["ENV=tau2:airline", "TRAIN_LIMIT=3", "MAX_NEW=64"]).train_limit == "3"
+    assert presets.resolve("qwen3-4b", ["ENV=tau2:airline", "GPUS=4", "USER_BASE_URL=http://h/v1",
+                                        "USER_MODEL_NAME=u"]).train_limit == ""
     for sets, message in [(["ENV=tau2"], "use bfcl or tau2:DOMAIN"),
+                          (["ENV=tau2:airline", "TAU_K=0"], "TAU_K=0: τ²'s trials per task"),
                           (["ENV=tau2:airline", "OOD=bfcl-memory tau2"], "OOD=tau2 scores the τ² domains"),
                           (["ENV=tau2:airline", "USER_BASE_URL=http://h/v1"], "go together"),
                           (["OOD=bfcl-heldin"], "OOD=bfcl-heldin is a τ²-trained run's"),

@@ -224,3 +224,34 @@ def test_near_misses_fail_where_the_ground_truth_passes():
         assert bfcl.official_verdict(task, [[[C.render(c) for c in gt]]])["valid"], task["id"]
         assert not bfcl.official_verdict(task, [[[C.render(c) for c in calls]]])["valid"], task["id"]
     assert tiny.near_miss([{"name": "f", "arguments": {"n": 1}}]) is None
+
+
+def test_tau2_build_learns_the_episodes_its_loop_plays(tok):
+    """A τ² build (loop.sh tiny --set ENV=tau2:DOMAIN) learns the oracle's episodes of the tasks its
+    loop plays, against the same scripted user: τ²'s evaluator scores them 1, and their near misses
+    (the last write's string argument suffixed, or the closing message without what the user must be
+    told) 0, so sampled groups can be mixed. Its examples train only on what the rollouts' own
+    policy generated: the script's messages and their closing <|im_end|>, nothing the user or a tool said."""
+    from common.presets import TINY_TAU2_TASKS
+    scripts = tiny.tau2_scripts("tau2:airline", True)
+    assert len(scripts) == TINY_TAU2_TASKS
+    misses = {}
+    for env, task, make in scripts:
+        assert tiny.tau2_play(env, task, make(False))[0]["reward"] == 1.0, task.id
+        if make(True) is not None:
+            row, _ = tiny.tau2_play(env, task, make(True))
+            misses[task.id] = row["reward"]
+            sent = [c for m in row["transcript"] if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+            if any(c["arguments"] != a.arguments for c, a in zip(sent, task.evaluation_criteria.actions, strict=False)):
+                assert any(str(v).endswith(tiny.NEAR_MISS_SUFFIX) for c in sent for v in c["arguments"].values())
+    # airline's first tasks: 7 and 9 write (cancel_reservation), 3 only reads and must tell a figure
+    assert misses == {"3": 0.0, "7": 0.0, "9": 0.0}
+    env, task, make = next(s for s in scripts if s[1].id == "9")
+    examples, weights = tiny.tau2_examples("tau2:airline", [(env, task, make)], tok, 256, 0.4)
+    script, texts = make(False), []
+    while not script.told:
+        texts.append(script.agent_text(None, None))
+    targets = [tok.decode([int(x[p + 1]) for p in pos]) for x, pos, _ in examples]
+    assert targets[:len(texts)] == [t + tiny.EOS for t in texts]  # plain view, the right episode first
+    assert len(examples) == 2 * (len(texts) + len(texts)) and sorted(set(weights)) == [0.4, 0.6]
+    assert all(len(x) <= 256 + tiny.MAX_TARGET for x, _, _ in examples)
