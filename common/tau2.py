@@ -271,26 +271,32 @@ def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
     class ScenarioUser(ScriptedUser):
         """A scripted user for runs without a user model (the tiny preset on CPU): it opens with the
         task's reason for calling and what it knows, performs the next gold user action when the
-        agent's message names its tool, answers anything else with a fixed reply, and ends the
-        episode after `turns` agent messages or when the agent says the request is complete."""
+        agent's message names its tool (and, after its result, the next one if that message names
+        it too), answers anything else with a fixed reply, and ends the episode after `turns` agent
+        messages or when the agent says the request is complete."""
 
         def __init__(self, task, turns=4):
             super().__init__(OracleScript(task, "json"))
+            # its own script holds the user's actions alone (the agent's are not its to wait for)
+            self.script.actions = [a for a in self.script.actions if a.requestor == "user"]
             ins = task.user_scenario.instructions
             self.opening = (f"{ins.reason_for_call.strip()} {(ins.known_info or '').strip()}".strip()
                             if hasattr(ins, "reason_for_call") else str(ins))
             self.turns = turns
 
         def generate_next_message(self, message, state):
-            state["agent_messages"] = state.get("agent_messages", 0) + 1
             if not self.script.hello:
                 self.script.hello = True
                 return msg.UserMessage(role="user", content=self.opening), state
-            text = (message.content or "") if isinstance(message, msg.AssistantMessage) else ""
+            if isinstance(message, msg.AssistantMessage):
+                state["agent_messages"] = state.get("agent_messages", 0) + 1
+                state["text"] = message.content or ""
+            # after the result of one action it was asked for, the next one the same message names
+            text = state.get("text", "")
             pending = self.script.next_user_action() if self.script.asked(text) else None
             if pending is not None:
                 return self.perform(pending), state
-            if state["agent_messages"] > self.turns or "request is complete" in text.lower():
+            if state.get("agent_messages", 0) >= self.turns or "request is complete" in text.lower():
                 return msg.UserMessage(role="user", content="###STOP###"), state
             return msg.UserMessage(role="user", content=SCENARIO_REPLY), state
 
@@ -727,13 +733,15 @@ class ModelPolicy:
 
 
 class OracleScript:
-    """The gold actions of a task in order, shared by the scripted agent and the scripted user."""
+    """The gold actions of a task in order, shared by the scripted agent and the scripted user (the
+    user moves the cursor past the user actions it performs); with `shared` False the agent's own,
+    which moves past the user actions once it has asked for them (an agent facing the ScenarioUser)."""
 
-    def __init__(self, task, fmt):
+    def __init__(self, task, fmt, shared=True):
         crit = task.evaluation_criteria
         self.actions = list(crit.actions or []) if crit else []
         self.info = list(crit.communicate_info or []) if crit else []
-        self.fmt, self.cursor, self.told, self.hello = fmt, 0, False, False
+        self.fmt, self.cursor, self.told, self.hello, self.shared = fmt, 0, False, False, shared
 
     @property
     def finished(self):
@@ -764,6 +772,8 @@ class OracleScript:
                 if a.requestor != "user":
                     break
                 asks.append(a.get_func_format())
+            if not self.shared:
+                self.cursor += len(asks)
             return f"Please do this on your side: {'; then '.join(asks)}."
         self.told = True
         return "\n".join([*self.info, "Your request is complete."])
@@ -860,15 +870,16 @@ def check_endpoint(url, name, timeout=10):
 
 @contextlib.contextmanager
 def user_simulator(user, log):
-    """The settings of `user`'s simulator (a User; None: the scripted ScenarioUser, SCENARIO): a
-    local model is served for the block (its log at `log`), an endpoint must answer first."""
+    """(settings, ready) of `user`'s simulator (a User; None: the scripted ScenarioUser, SCENARIO):
+    a local model is served for the block (its log at `log`), and ready() waits until it answers,
+    so that the agent's engine can start while it loads; an endpoint must answer first."""
     if user is None:
-        yield SCENARIO
+        yield SCENARIO, lambda: None
         return
     with contextlib.ExitStack() as stack:
+        ready = lambda: None  # noqa: E731
         if user.model:
             state, ready = stack.enter_context(serve_user(user, log))
-            ready()
             url, name = state["url"] + "/v1", state["settings"]["served_name"]
             user_sim = {"kind": "vllm OpenAI server", "model": os.path.abspath(user.model), "name": name,
                         "base_url": url}
@@ -876,7 +887,7 @@ def user_simulator(user, log):
             url, name = user.base_url.rstrip("/"), user.name
             check_endpoint(url, name)
             user_sim = {"kind": "endpoint", "name": name, "base_url": url}
-        yield user_sim | {"llm_args": user_llm_args(user.max_tokens, url)}
+        yield user_sim | {"llm_args": user_llm_args(user.max_tokens, url)}, ready
 
 
 def user_server_args(user):

@@ -475,7 +475,7 @@ def tau2_scripts(env_name, with_misses):
     out = []
     for task in [t["tau2"] for t in env.tasks.values()][:TINY_TAU2_TASKS]:
         def make(miss, task=task):
-            script = tau2.OracleScript(task, "json")
+            script = tau2.OracleScript(task, "json", shared=False)
             if not miss:
                 return script
             writes = [i for i, a in enumerate(script.actions) if a.requestor == "assistant"

@@ -277,8 +277,10 @@ def test_the_loop_trains_on_a_users_domain(tmp_path, tiny_model):
     """bash loop.sh tiny --set ENV=tau2:shop: one round of rollouts on the domain's train split
     against the scripted user, diagnosis, Ω's next version, training, and evaluation on its test
     split by τ²'s evaluator, with the report and viewer (the same stages as BFCL's loop); BFCL
-    held-in is its out-of-distribution score."""
+    held-in is its out-of-distribution score. The model is the BFCL tiny build, named with MODEL:
+    the domain's own build (loop.sh's default for tiny on τ²) is tested in tests/test_tiny.py."""
     res = subprocess.run(["bash", "loop.sh", "tiny", "--rounds", "1", "--set", "ENV=tau2:shop", "--set", "N=2",
+                          "--set", f"MODEL={tiny_model}",
                           "--set", "MAX_NEW=32", "--set", "OOD=bfcl-heldin", "--set", "EVAL_NEW=32",
                           "--runs", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "SEAL_TAU2_DOMAINS": SHOP}, timeout=900)
@@ -310,6 +312,30 @@ def test_the_loop_trains_on_a_users_domain(tmp_path, tiny_model):
     assert "BFCL held-in" in res.stdout
     for folder in (tmp_path / "base-tiny-tau2-shop" / "ood", run / "ood" / "round_000"):
         assert json.loads((folder / "bfcl-heldin" / "scores.json").read_text())["average"] >= 0
+
+
+def test_the_scripted_user_acts_after_the_agents_own_actions(tau2):
+    """Telecom's gold actions mix the agent's and the user's (refuel_data by the agent, then
+    toggle_roaming on the user's phone): the ScenarioUser performs its action when asked, after
+    the agent's; two actions asked for in one message are both performed, one after the other's
+    result; τ²'s environment assertions pass."""
+    def performed(record):
+        return [c["name"] for m in record["transcript"] if m["role"] == "user" for c in m.get("tool_calls") or []]
+
+    task_id = "[mobile_data_issue]data_usage_exceeded|user_abroad_roaming_enabled_off[PERSONA:Easy]"
+    task = next(t for t in tau2.tasks("telecom") if t.id == task_id)
+    agent, user = task.evaluation_criteria.actions
+    assert (agent.requestor, user.requestor) == ("assistant", "user")
+    record, diagnosis = scripted(tau2, "telecom", task_id, [
+        call(agent.name, **agent.arguments), f"Please do this on your side: {user.get_func_format()}.", DONE])
+    assert diagnosis["reward"] == 1.0 and performed(record) == [user.name], diagnosis
+    task_id = "[mobile_data_issue]airplane_mode_on|user_abroad_roaming_enabled_off[PERSONA:None]"
+    task = next(t for t in tau2.tasks("telecom") if t.id == task_id)
+    first, second = task.evaluation_criteria.actions
+    assert (first.requestor, second.requestor) == ("user", "user")
+    record, diagnosis = scripted(tau2, "telecom", task_id, [
+        f"Please do this on your side: {first.get_func_format()}; then {second.get_func_format()}.", DONE])
+    assert diagnosis["reward"] == 1.0 and performed(record) == [first.name, second.name], diagnosis
 
 
 def test_an_episode_the_agent_never_spoke_in_has_its_prompt(tau2, tokenizer):
