@@ -72,7 +72,8 @@ class Tau2Env:
         from common import tau2
         if self.user is None:
             raise RecordError(f"{self.source}: no user simulator given (a tau2.User, or 'scripted')")
-        with tau2.user_simulator(None if self.user == "scripted" else self.user, self.user_log) as user_sim:
+        with tau2.user_simulator(None if self.user == "scripted" else self.user, self.user_log) as (user_sim, ready):
+            ready()
             return tau2.rollouts(self.tau2, self.domain, [t["tau2"] for t in tasks], n, engine, spec, user_sim,
                                  round_=round_, policy=policy, max_steps=self.max_steps)
 

@@ -44,17 +44,14 @@ from common.play import TrajectoryFailed
 from common.scores import mean, percent_by_group
 from common.tau2 import (  # noqa: F401 - OracleScript and to_assistant_message: tests patch them here
     DOMAINS,
-    SCENARIO,
     Batcher,
     OracleScript,
     User,
-    check_endpoint,
     import_tau2,
     playable,
-    serve_user,
     to_assistant_message,
     user_label,
-    user_llm_args,
+    user_simulator,
 )
 
 parser = argparse.ArgumentParser(prog="python -m ood.tau", description=__doc__.split("\n\n")[0])
@@ -106,8 +103,6 @@ def main(argv=None):
         from common.models import resolve_model
         if resolve_model(args.user_model)[1]:
             parser.error("--user-model must be a full model folder (a LoRA adapter is not served here)")
-    elif remote:
-        check_endpoint(args.user_base_url.rstrip("/"), args.user_model_name)
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be at least 1")
     if args.concurrency < 1 or args.trials < 1:
@@ -140,17 +135,8 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
         if oracle:
             user_sim, players = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, tau2.oracle
         else:
-            if user == "scripted":
-                user_sim = SCENARIO
-            elif user.model:
-                state, user_ready = stack.enter_context(serve_user(user, os.path.join(out, "user-server.log")))
-                url, name = state["url"] + "/v1", state["settings"]["served_name"]
-                user_sim = {"kind": "vllm OpenAI server (started by ood/tau.py)",
-                            "model": os.path.abspath(user.model), "name": name, "base_url": url,
-                            "llm_args": user_llm_args(user.max_tokens, url)}
-            else:
-                user_sim = {"kind": "endpoint", "name": user.name, "base_url": user.base_url,
-                            "llm_args": user_llm_args(user.max_tokens, user.base_url)}
+            user_sim, user_ready = stack.enter_context(
+                user_simulator(None if user == "scripted" else user, os.path.join(out, "user-server.log")))
             # the agent's engine starts while the user's server loads
             agent = stack.enter_context(engine())
             if concurrency > 1:
@@ -158,7 +144,7 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
             if user_sim.get("model"):
                 t0 = time.perf_counter()
                 user_ready()
-                print(f"user simulator: {user_sim['model']} at {url} as {name!r} "
+                print(f"user simulator: {user_sim['model']} at {user_sim['base_url']} as {user_sim['name']!r} "
                       f"(ready {time.perf_counter() - t0:.0f} s after the agent's engine)", file=sys.stderr)
             players = tau2.model_players(agent, spec, user_sim)
         started = time.perf_counter()

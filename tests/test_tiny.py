@@ -255,3 +255,21 @@ def test_tau2_build_learns_the_episodes_its_loop_plays(tok):
     assert targets[:len(texts)] == [t + tiny.EOS for t in texts]  # plain view, the right episode first
     assert len(examples) == 2 * (len(texts) + len(texts)) and sorted(set(weights)) == [0.4, 0.6]
     assert all(len(x) <= 256 + tiny.MAX_TARGET for x, _, _ in examples)
+
+
+def test_tau2_build_is_a_model_folder(tmp_path, monkeypatch):
+    """A τ² build (here a user's own domain, two warm-start steps) is a model folder as the BFCL build
+    is: transformers loads it, its tokenizer is the BPE it trained on the domain's texts, and
+    build_info names the environment and the split it learnt."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    monkeypatch.setenv("SEAL_TAU2_DOMAINS", os.path.join(tiny.REPO, "docs", "examples", "shop_domain.py"))
+    info = tiny.build(str(tmp_path / "m"), env="tau2:shop", steps=2)
+    assert info["tasks"] == "tau2:shop:train" and info["args"]["env"] == "tau2:shop" and info["preset_tasks"] is None
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    bpe = Tokenizer.from_file(str(tmp_path / "m" / "bpe_tokenizer.json"))
+    text = "<|im_start|>user\nI want to order 2 mugs (item i1).<|im_end|>\n"
+    assert tok(text)["input_ids"] == bpe.encode(text).ids
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert model.config.sliding_window == tiny.DEFAULTS["sliding_window"]
+    assert tiny.build_key(env="tau2:shop") != tiny.build_key()  # its own cache folder
