@@ -510,6 +510,18 @@ def tau2_play(env, task, script, engine=None, omega=None):
     return row, made[0]
 
 
+def tau2_fingerprint(env_name):
+    """What a τ² build learns from: its tasks, the domain's policy, tool schemas and database hash."""
+    from common import envs
+    from common.presets import TINY_TAU2_TASKS
+
+    env = envs.load(f"{env_name}:train", user="scripted")
+    domain = env.tau2.registry.get_env_constructor(env.domain)()
+    tasks = [t["tau2"].model_dump(mode="json") for t in env.tasks.values()][:TINY_TAU2_TASKS]
+    return json.dumps([tasks, domain.get_policy(), env.tau2.schemas(env.domain), domain.get_db_hash()],
+                      sort_keys=True, default=str).encode()
+
+
 def tau2_texts(scripts):
     """The BPE's training text: the domain's policy and tool schemas, the episodes' messages."""
     texts, seen = [CHAT_TEMPLATE], set()
@@ -732,11 +744,14 @@ def warm_start(model, examples, args, weights, on_step=None):
 
 
 def build_key(tasks_path=DEFAULT_TASKS, preset_path=PRESET_TASKS, **overrides):
-    """Hash of this file's source, the build arguments and the task files."""
+    """Hash of this file's source, the build arguments and the task files (a τ² build: the tasks,
+    policy, tool schemas and database it learns from, as a user's own domain may change)."""
     h = hashlib.sha256()
     with open(os.path.abspath(__file__), "rb") as f:
         h.update(f.read())
     h.update(json.dumps({**DEFAULTS, **overrides}, sort_keys=True).encode())
+    if overrides.get("env", "bfcl") != "bfcl":
+        h.update(tau2_fingerprint(overrides["env"]))
     for path in (tasks_path, preset_path):
         if path:
             with open(path, "rb") as f:

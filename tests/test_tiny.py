@@ -260,7 +260,7 @@ def test_tau2_build_learns_the_episodes_its_loop_plays(tok):
 def test_tau2_build_is_a_model_folder(tmp_path, monkeypatch):
     """A τ² build (here a user's own domain, two warm-start steps) is a model folder as the BFCL build
     is: transformers loads it, its tokenizer is the BPE it trained on the domain's texts, and
-    build_info names the environment and the split it learnt."""
+    build_info names the environment and the split it learnt; its cache key follows the domain."""
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
     monkeypatch.setenv("SEAL_TAU2_DOMAINS", os.path.join(tiny.REPO, "docs", "examples", "shop_domain.py"))
@@ -272,4 +272,8 @@ def test_tau2_build_is_a_model_folder(tmp_path, monkeypatch):
     assert tok(text)["input_ids"] == bpe.encode(text).ids
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert model.config.sliding_window == tiny.DEFAULTS["sliding_window"]
-    assert tiny.build_key(env="tau2:shop") != tiny.build_key()  # its own cache folder
+    key = tiny.build_key(env="tau2:shop")
+    assert key != tiny.build_key()  # its own cache folder, rebuilt when the domain changes
+    from tau2.environment.environment import Environment
+    monkeypatch.setattr(Environment, "get_policy", lambda self: "Sell only teapots.")
+    assert tiny.build_key(env="tau2:shop") != key
