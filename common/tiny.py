@@ -468,10 +468,13 @@ def tau2_scripts(env_name, with_misses):
     """[(τ² task, make_script)] for the tiny τ² tasks: `make_script(miss)` is a fresh OracleScript,
     or with `miss` its near miss (None where the task writes nothing with a string argument)."""
     from common import envs, tau2
+    from common.jsonl import RecordError
     from common.presets import TINY_TAU2_TASKS
 
     env = envs.load(f"{env_name}:train", user="scripted")
     toolkit = env.tau2.registry.get_env_constructor(env.domain)().tools
+    if not env.tasks:
+        raise RecordError(f"{env_name}:train has no task a scripted episode can start")
     out = []
     for task in [t["tau2"] for t in env.tasks.values()][:TINY_TAU2_TASKS]:
         def make(miss, task=task):
@@ -494,9 +497,10 @@ def tau2_scripts(env_name, with_misses):
     return out
 
 
-def tau2_play(env, task, script, engine=None, omega=None):
-    """One scripted episode against the ScenarioUser: τ²'s result row and the agent's policy (the
-    script's text function, or with `engine` the rollouts' ModelPolicy writing through it)."""
+def tau2_play(env, task, script, engine=None, omega=None, evaluate=True):
+    """One scripted episode against the ScenarioUser: τ²'s result row (with `evaluate`, its reward)
+    and the agent's policy (the script's text function, or with `engine` the rollouts' ModelPolicy
+    writing through it)."""
     from common import tau2
     from common.play import PlaySpec
 
@@ -506,7 +510,7 @@ def tau2_play(env, task, script, engine=None, omega=None):
         policy = tau2.ModelPolicy(engine, tools, system, PlaySpec(omega=omega)) if engine else script.agent_text
         made.append(policy)
         return policy, env.tau2.classes[4](task)
-    row = env.tau2.play(env.domain, task, players, env.max_steps, "json")
+    row = env.tau2.play(env.domain, task, players, env.max_steps, "json", evaluate=evaluate)
     return row, made[0]
 
 
@@ -523,40 +527,42 @@ def tau2_fingerprint(env_name):
 
 
 def tau2_texts(scripts):
-    """The BPE's training text: the domain's policy and tool schemas, the episodes' messages."""
-    texts, seen = [CHAT_TEMPLATE], set()
+    """The BPE's training text: the domain's policy and tool schemas, the scripted episodes' messages.
+    Each episode is played once here and τ²'s reward of it logged (right 1, near misses 0)."""
+    env = scripts[0][0]
+    texts = [CHAT_TEMPLATE, env.tau2.registry.get_env_constructor(env.domain)().get_policy(),
+             *(json.dumps(s) for s in env.tau2.schemas(env.domain))]
+    rewards = {False: [], True: []}
     for env, task, make in scripts:
         for miss in (False, True):
             script = make(miss)
             if script is None:
                 continue
             row, _ = tau2_play(env, task, script)
-            if not seen:
-                texts.append(env.tau2.registry.get_env_constructor(env.domain)().get_policy())
-                texts += [json.dumps(s) for s in row["tools"]]
-            seen.add(task.id)
+            rewards[miss].append(row["reward"])
             for m in row["transcript"]:
                 texts.append(m.get("content") or "")
                 texts += [json.dumps({"name": c["name"], "arguments": c["arguments"]}) for c in m.get("tool_calls") or []]
+    _log(f"{env.source}: τ²'s reward of the scripted episodes: {sum(rewards[False]):.0f}/{len(rewards[False])} "
+         f"right, {sum(rewards[True]):.0f}/{len(rewards[True])} near misses")
     return [t for t in texts if t]
 
 
-def tau2_examples(env_name, scripts, tok, context, share):
+def tau2_examples(scripts, tok, context, share):
     """(examples, weights): every agent message of the scripted episodes, in both views of the tools
     (plain, and with Ω_0's schema cue), as `make_examples` cuts them from the rollout's own tokens."""
     import torch
 
     from common import interface as omega_api
 
-    examples, weights, rewards = [], [], {}
+    examples, weights = [], []
     for omega in (None, omega_api.initial()):
         for env, task, make in scripts:
             miss = make(True)
             for script, w in ((make(False), 1.0 - share if miss else 1.0), (miss, share)):
                 if script is None or w <= 0:
                     continue
-                row, policy = tau2_play(env, task, script, ScriptEngine(tok, script), omega)
-                rewards[(task.id, script is miss)] = row["reward"]
+                _, policy = tau2_play(env, task, script, ScriptEngine(tok, script), omega, evaluate=False)
                 ids = policy.prompt_ids + policy.ids
                 spans, start = [], None
                 for i, m in enumerate([0] * len(policy.prompt_ids) + policy.mask + [0]):
@@ -568,10 +574,6 @@ def tau2_examples(env_name, scripts, tok, context, share):
                 for x, pos, first in make_examples(ids, spans, [True] * len(spans), context):
                     examples.append((torch.tensor(x), torch.tensor(pos), first))
                     weights.append(w)
-    right = [r for (_, m), r in rewards.items() if not m]
-    missed = [r for (_, m), r in rewards.items() if m]
-    _log(f"{env_name}: τ²'s reward of the scripted episodes: {sum(right):.0f}/{len(right)} right, "
-         f"{sum(missed):.0f}/{len(missed)} near misses")
     return examples, weights
 
 
@@ -645,7 +647,7 @@ def _build_into(folder, tasks_path, preset_path, args, on_step=None):
     preset = list(bfcl.load_tasks(preset_path).values()) if preset_path and not tau2_env else []
     examples, weights = [], []
     if tau2_env:
-        examples, weights = tau2_examples(tau2_env, scripts, tok, args["context"], args["miss_share"])
+        examples, weights = tau2_examples(scripts, tok, args["context"], args["miss_share"])
     elif preset:
         pairs = [(t, conversation(t, thinking=thinking), conversation(t, miss=True, thinking=thinking))
                  for t in preset]

@@ -129,8 +129,7 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
     User, "scripted", or None with the oracle), and write DIR/results.jsonl and DIR/scores.json."""
     oracle = user is None
     tau2 = import_tau2()
-    playable_tasks = {d: [t for t in tau2.tasks(d, split=split) if playable(t)] for d in domains}
-    tasks = {d: ts[:limit] if limit else ts for d, ts in playable_tasks.items()}
+    tasks = {d: [t for t in tau2.tasks(d, split=split) if playable(t)][:limit] for d in domains}  # limit None: all
     with contextlib.ExitStack() as stack:
         if oracle:
             user_sim, players = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, tau2.oracle
@@ -157,8 +156,8 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
                   file=sys.stderr)
             return row
 
-        jobs = [(d, task) for d in domains for task in tasks[d]]
-        jobs = [(d, task, players, max_episode_steps, spec.fmt, k) for d, task in jobs for k in range(trials)]
+        jobs = [(d, task, players, max_episode_steps, spec.fmt, k) for d in domains for task in tasks[d]
+                for k in range(trials)]
         if concurrency == 1:
             results = [play(job) for job in jobs]
         else:

@@ -247,7 +247,7 @@ def test_tau2_build_learns_the_episodes_its_loop_plays(tok):
     # airline's first tasks: 7 and 9 write (cancel_reservation), 3 only reads and must tell a figure
     assert misses == {"3": 0.0, "7": 0.0, "9": 0.0}
     env, task, make = next(s for s in scripts if s[1].id == "9")
-    examples, weights = tiny.tau2_examples("tau2:airline", [(env, task, make)], tok, 256, 0.4)
+    examples, weights = tiny.tau2_examples([(env, task, make)], tok, 256, 0.4)
     script, texts = make(False), []
     while not script.told:
         texts.append(script.agent_text(None, None))
