@@ -98,7 +98,9 @@ PY=.venv/bin/python
 $PY -m common.tracking --check "$REPORT_TO" || exit 2
 if [ "$MODEL" = offline-tiny ]; then
   # on ENV=tau2:DOMAIN, the build whose warm start played that domain's tiny tasks (common/tiny.py)
-  MODEL=$($PY -c "import sys; from common.tiny import build_cached; print(build_cached(env=sys.argv[1]))" "$ENV")
+  MODEL=$($PY -c "import sys; from common.tiny import build_cached; from common.jsonl import RecordError
+try: print(build_cached(env=sys.argv[1]))
+except RecordError as e: sys.exit(f'loop: ENV={sys.argv[1]}: {e}')" "$ENV") || exit 2
 fi
 # The call format follows the handler's prompts (common/prompts.py HANDLERS): a CALL_FORMAT that contradicts
 # them would mis-decode every output. The stages get, and config.json records, the one used.

@@ -338,6 +338,15 @@ def test_the_scripted_user_acts_after_the_agents_own_actions(tau2):
     assert diagnosis["reward"] == 1.0 and performed(record) == [first.name, second.name], diagnosis
 
 
+def test_the_loop_refuses_an_unknown_domain_before_any_round(tmp_path):
+    """tiny on ENV=tau2:DOMAIN builds the domain's tiny model first: a domain τ²'s registry does not
+    hold stops there, named, with nothing written under the runs folder."""
+    res = subprocess.run(["bash", "loop.sh", "tiny", "--set", "ENV=tau2:nope", "--runs", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert res.returncode == 2 and "loop: ENV=tau2:nope: τ² domain 'nope'" in res.stderr, res.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_episode_the_agent_never_spoke_in_has_its_prompt(tau2, tokenizer):
     """An episode that ends before the agent's first output (its user simulator failed at once)
     still records the prompt the agent would have been shown, so training reads it as any other
