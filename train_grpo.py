@@ -7,6 +7,17 @@ PPO-clipped token-mean loss (verl's dual clip) plus a k3 KL penalty to the initi
 Writes the next policy to --out (with --save-optimizer its optimiser state too) and one
 metrics line per step.
 
+The objective's options (docs/design.md §6, "The objective"; the presets' defaults: common/presets.py):
+
+    --rollout-is token-tis --rollout-is-cap 2   weigh each token's policy loss by min(π_old/μ, 2), μ the
+                                                engine's log-probs in the records (off: the paper's objective)
+    --clip-high 0.28                            DAPO's clip-higher: ratio clipped to [1 − clip, 1.28]
+    --adv-scale none                            Dr. GRPO: A = r − mean, no std division
+    --ratio-level sequence                      GSPO's length-normalised sequence ratio and clip
+    --cut mask --max-model-len 16384 [--eval-len N]   trajectories that ended for a reason that is not
+                                                the policy's failure (common/envs.py cut_stops) leave the
+                                                loss and their group's statistics (keep: they train)
+
     python train_grpo.py --model DIR --rollouts R.jsonl --diagnoses D.jsonl \\
         [--interface interface.json [--adaptive-rho] | --rho rho.json] --out round_001/policy \\
         [--ref-model ROUND0_MODEL] [--save-optimizer] [--optimizer-state round_000/policy/optimizer] [--lora]
@@ -53,17 +64,22 @@ from common.distributed import (
     shared_atomic_dir,
     whole_state_dict,
 )
+from common.envs import cut_stops
 from common.grpo import (
+    ADV_SCALES,
+    RATIO_LEVELS,
+    ROLLOUT_IS,
     accumulate_gradients,
     join_round,
     load_rho,
     mini_batch_slices,
     plan_micro_batches,
+    rollout_correction,
     rollout_temperature,
     score_trajectories,
 )
 from common.jsonl import RecordError, read_json, read_jsonl, write_json, write_jsonl
-from common.models import resolve_model
+from common.models import model_context, resolve_model
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -85,6 +101,24 @@ parser.add_argument("--lr", type=float, help=f"default {presets.LR:g}, or {prese
                     "(common/presets.py)")
 parser.add_argument("--kl-coef", type=float, default=presets.KL_COEF, help="0 disables the KL term and the reference")
 parser.add_argument("--clip", type=float, default=0.2)
+parser.add_argument("--clip-high", type=float, help="the clip's upper ε (DAPO's clip-higher); default --clip")
+parser.add_argument("--rollout-is", choices=ROLLOUT_IS, default=presets.ROLLOUT_IS,
+                    help="rollout correction against the engine's log-probs: truncated (tis) or masked IS, per "
+                         "token or sequence; off: none, the paper's objective")
+parser.add_argument("--rollout-is-cap", type=float, default=presets.ROLLOUT_IS_CAP,
+                    help="C: tis weighs by min(π_old/μ, C), mask drops ratios outside [1/C, C]")
+parser.add_argument("--adv-scale", choices=ADV_SCALES, default=presets.ADV_SCALE,
+                    help="group: (r − mean) / std (the paper's); none: r − mean (Dr. GRPO)")
+parser.add_argument("--ratio-level", choices=RATIO_LEVELS, default=presets.RATIO_LEVEL,
+                    help="token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio")
+parser.add_argument("--cut", choices=("mask", "keep"), default=presets.CUT,
+                    help="trajectories whose end is not the policy's failure (common/envs.py cut_stops): left out "
+                         "of the loss and their group's mean/std (mask), or trained as failures (keep)")
+parser.add_argument("--max-model-len", type=int, default=presets.MAX_MODEL_LEN,
+                    help="the rollouts' context (rollout.py's --max-model-len)")
+parser.add_argument("--eval-len", type=int,
+                    help="evaluation's context (default: the model's own, as bfcl-eval runs it): a rollout that "
+                         "stopped on a shorter --max-model-len's limit is cut")
 parser.add_argument("--clip-ratio-c", type=float, default=3.0,
                     help="dual clip for A < 0 (verl's clip_ratio_c); 0 disables")
 parser.add_argument("--mini-batch-tasks", type=int, default=presets.MINI_BATCH_TASKS, help="tasks (whole groups) per optimiser step, at least")
@@ -126,6 +160,12 @@ def main(argv=None):
         parser.error("--policy-dtype: an adapter is saved in float32 (it is its own master copy)")
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
+    if args.rollout_is_cap <= 1:
+        parser.error("--rollout-is-cap must be above 1 (the band [1/C, C] holds ratio 1)")
+    if args.clip_high is not None and args.clip_high <= 0 or not 0 < args.clip < 1:
+        parser.error("--clip must lie in (0, 1) and --clip-high be positive")
+    if args.max_model_len < 1 or args.eval_len is not None and args.eval_len < 1:
+        parser.error("--max-model-len and --eval-len must be positive")
     if args.adaptive_rho and args.rho:
         parser.error("--adaptive-rho and --rho: --rho fixes the utility table, the adaptive rule computes it "
                      "(it scales the table of --interface, else the default)")
@@ -142,10 +182,13 @@ def train(args):
     rho = load_rho(args.interface, args.rho)
     rollouts = read_jsonl(args.rollouts, required=ROLLOUT_FIELDS)
     diagnoses = read_jsonl(args.diagnoses, required=DIAGNOSIS_FIELDS)
-    trajectories, adapted = join(args, rollouts, diagnoses, rho)
-    temperature, warning = read_temperature(rollouts, args.rollouts)
     policy = read_policy(args.model, args.lora)
+    stops = round_cut_stops(args, rollouts, policy)
+    trajectories, adapted = join(args, rollouts, diagnoses, rho, stops)
+    temperature, warning = read_temperature(rollouts, args.rollouts)
     check_vocabulary(trajectories, rollouts, policy.vocab_size, args.rollouts)
+    if args.rollout_is != "off":
+        check_engine_logprobs(trajectories, rollouts, args.rollouts)
     reference = choose_reference(args.kl_coef, args.ref_model, policy)
     state_info = checkpoint.read_info(args.optimizer_state) if args.optimizer_state else None
 
@@ -166,8 +209,12 @@ def train(args):
     start = start_probe(args, policy, training, state_info, accelerator)
     t0 = time.perf_counter()
     old_logprobs(training.model, reference, mini_batches, temperature, accelerator)
+    for mb in mini_batches:  # against the engine's log-probs, once the old ones are known
+        for seq in (s for micro in mb.mine for s in micro):
+            rollout_correction(seq, args.rollout_is, args.rollout_is_cap)
     # verl's timing_s/ref and timing_s/old_log_prob
-    this_round = Round(zero_var_share, temperature, reference.model, scoring + time.perf_counter() - t0, adapted)
+    this_round = Round(zero_var_share, temperature, reference.model, scoring + time.perf_counter() - t0, adapted,
+                       sum(t.cut for t in trajectories) / len(trajectories), sorted(stops), objective(args))
     # Optimise, then save.
     metrics = optimise(args, training, mini_batches, this_round, accelerator)
     if not metrics:
@@ -215,11 +262,15 @@ class Round:
     ref_model: str | None  # the KL reference's absolute folder; None without KL
     logprob_seconds: float  # the round's reference and old-log-prob passes
     adapted: object = None  # --adaptive-rho: the round's AdaptedRho (common/grpo.py)
+    cut_share: float = 0.0  # of the round's trajectories, those cut (--cut mask)
+    cut_stops: list = dataclasses.field(default_factory=list)  # the stop values that cut (none with --cut keep)
+    objective: dict = dataclasses.field(default_factory=dict)  # the objective's flags (objective())
 
     def recorded(self):
         """The fields every metrics line ends with (a step's before its lr); with --adaptive-rho, the
         round's ρ_t, whether the rule moved it, and each failure label's learnable share s_z."""
-        out = {"temperature": self.temperature, "ref_model": self.ref_model, "logprob_seconds": self.logprob_seconds}
+        out = {"objective": self.objective, "cut_share": self.cut_share, "cut_stops": self.cut_stops,
+               "temperature": self.temperature, "ref_model": self.ref_model, "logprob_seconds": self.logprob_seconds}
         if self.adapted:
             a = self.adapted
             out |= {"rho": a.rho, "rho_adapted": a.kept is None, "rho_learnable": a.learnable, "rho_scale": a.scale}
@@ -235,16 +286,35 @@ class Training(NamedTuple):
     global_step: int
 
 
-def join(args, rollouts, diagnoses, rho):
-    """The rollouts joined with their diagnoses: trajectories with weights and advantages, and with
-    --adaptive-rho the round's AdaptedRho (else None), whose ρ_t the weights then use."""
+def join(args, rollouts, diagnoses, rho, stops=()):
+    """The rollouts joined with their diagnoses: trajectories with weights and advantages (--adv-scale),
+    those whose stop is in `stops` cut, and with --adaptive-rho the round's AdaptedRho (else None),
+    whose ρ_t the weights then use."""
     trajectories, adapted = join_round(
         rollouts, diagnoses, rho, reweight=not args.no_reweight, adaptive=args.adaptive_rho,
-        rollouts_path=args.rollouts, diagnoses_path=args.diagnoses,
+        rollouts_path=args.rollouts, diagnoses_path=args.diagnoses, adv_scale=getattr(args, "adv_scale", "group"),
+        cut=(lambda r: r.get("stop") in stops) if stops else None,
     )  # fmt: skip
     if not trajectories:
         raise RecordError(f"{args.rollouts}: no rollout records")
     return trajectories, adapted
+
+
+def objective(args):
+    """The objective's settings as every metrics line records them (docs/design.md §6)."""
+    return {"rollout_is": args.rollout_is, "rollout_is_cap": args.rollout_is_cap, "clip": args.clip,
+            "clip_high": args.clip if args.clip_high is None else args.clip_high, "clip_ratio_c": args.clip_ratio_c,
+            "adv_scale": args.adv_scale, "ratio_level": args.ratio_level, "cut": args.cut}
+
+
+def round_cut_stops(args, rollouts, policy):
+    """The stop values whose trajectories --cut mask leaves out: those each record's environment names
+    (common/envs.py cut_stops), its context limit among them where the rollouts' context (--max-model-len)
+    is shorter than evaluation's (--eval-len, else the model's own). None with --cut keep."""
+    if args.cut == "keep":
+        return set()
+    short = args.max_model_len < (args.eval_len or model_context(policy.base_path))
+    return set().union(*(cut_stops(r, short) for r in rollouts))
 
 
 def rho_line(adapted):
@@ -286,6 +356,19 @@ def check_vocabulary(trajectories, rollouts, vocab_size, path):
             )
 
 
+def check_engine_logprobs(trajectories, rollouts, path):
+    """Every model token carries the engine's log-prob (the rollout correction's μ): a record without
+    them is refused, not trained uncorrected (names the rollout's line)."""
+    lines = {(r["task_id"], r["sample_index"]): r["_line"] for r in rollouts}
+    for t in (seq for traj in trajectories for seq in traj.sequences()):
+        missing = sum(1 for e, m in zip(t.engine_logprobs, t.mask, strict=True) if m and e is None)
+        if missing:
+            raise RecordError(
+                f"{path}:{lines[t.task_id, t.sample_index]}: {missing} model token(s) without the engine's log-prob "
+                "(tokens.logprobs null): the rollout correction needs them (--rollout-is off trains without it)"
+            )
+
+
 def choose_reference(kl_coef, ref_model, policy):
     """The KL reference (the paper's: the initial policy): --ref-model, else the input policy;
     with LoRA the base with the adapter disabled (a fresh adapter starts out as the base)."""
@@ -322,11 +405,12 @@ def plan_mini_batches(args, trajectories, accelerator):
         by_task.setdefault(t.task_id, []).append(t)
     live = [tid for tid, ts in by_task.items() if any(t.advantage != 0.0 for t in ts)]
     zero_var_share = 1 - len(live) / len(by_task) if by_task else 0.0
-    tasks = live if args.zero_variance == "drop" else list(by_task)
+    tasks = live if args.zero_variance == "drop" else [tid for tid, ts in by_task.items() if not all(t.cut for t in ts)]
     random.Random(args.seed).shuffle(tasks)
     mini_batches = []
     for start, stop in mini_batch_slices(len(tasks), args.mini_batch_tasks):
-        trajs = [t for tid in tasks[start:stop] for t in by_task[tid]]
+        # a cut trajectory is in no loss: its tokens count in no token-mean, its KL pulls nothing
+        trajs = [t for tid in tasks[start:stop] for t in by_task[tid] if not t.cut]
         seqs = [s for t in trajs for s in t.sequences()]  # each segment is scored as its own sequence
         plan = plan_micro_batches(
             [s.length for s in seqs], accelerator.num_processes, args.max_tokens_per_micro_batch
@@ -469,7 +553,7 @@ def optimise(args, training, mini_batches, this_round, accelerator):
             t0 = time.perf_counter()
             sums = accumulate_gradients(
                 model, accelerator, mb.mine, mb.norm, args.clip, args.kl_coef, args.clip_ratio_c,
-                this_round.temperature,
+                this_round.temperature, args.clip_high, args.ratio_level,
             )  # fmt: skip
             grad_norm = accelerator.clip_grad_norm_(params, max_norm)
             optimizer.step()
@@ -528,10 +612,13 @@ def logprob_mismatch(mb):
 
 
 def step_metrics(kl_coef, mb, sums, grad_norm, seconds, this_round, accelerator):
-    keys = ("pg_sum", "kl_sum", "clip_count", "dual_clip_count", "tokens")
+    keys = ("pg_sum", "kl_sum", "clip_count", "dual_clip_count", "tokens", "entropy_sum")
     mm_sum, mm_count, ratio_sum, ratio_max = logprob_mismatch(mb)
-    local = [sums[k] for k in keys] + [mm_sum, mm_count, ratio_sum]
-    pg, kl, clipped, dual, tokens, mm_sum, mm_count, ratio_sum = accelerator.reduce(
+    seqs = [s for micro in mb.mine for s in micro]
+    # the rollout correction's truncated or masked tokens and sequences (rollout_correction)
+    is_hits = [sum(s.is_hits for s in seqs), sum(s.is_hits > 0 for s in seqs), len(seqs)]
+    local = [sums.get(k, 0.0) for k in keys] + [mm_sum, mm_count, ratio_sum] + is_hits
+    pg, kl, clipped, dual, tokens, ent, mm_sum, mm_count, ratio_sum, hit_tokens, hit_seqs, n_seqs = accelerator.reduce(
         torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum"
     ).tolist()
     ratio_max = accelerator.gather(torch.tensor([ratio_max], dtype=torch.float64, device=accelerator.device))
@@ -544,6 +631,9 @@ def step_metrics(kl_coef, mb, sums, grad_norm, seconds, this_round, accelerator)
         "kl": kl / tokens,
         "clip_frac": clipped / tokens,
         "dual_clip_frac": dual / tokens,
+        "entropy": ent / tokens,
+        "rollout_is_frac": hit_tokens / tokens,  # of model tokens: truncated (tis) or masked (mask)
+        "rollout_is_seq_frac": hit_seqs / n_seqs if n_seqs else 0.0,  # of sequences: with such a token
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         **weight_stats(mb.trajs),
         "wa_mean": sum(t.weight * t.advantage for t in mb.trajs) / len(mb.trajs),

@@ -2,6 +2,7 @@
 
     python bench/update_throughput.py [--config qwen2.5-3b] [--seqs 8] [--seq-len 8192] [--steps 2]
     python bench/update_throughput.py --cpu --config small --seqs 2 --seq-len 512      # dry run
+    python bench/update_throughput.py --compare-objective [...]   # the paper's loss vs entropy + correction
 
 A randomly initialised Qwen2 with Qwen2.5-3B-Instruct's configuration (no hub: the numbers are
 written below), float32 master weights, bf16 autocast on GPU (train_grpo.py's precision), gradient
@@ -12,6 +13,10 @@ tokens/s, seconds per step, peak GPU memory, and MFU against `--peak-tflops` (98
 dense bf16). Model FLOPs per token follow PaLM (appendix B): 6·N (non-embedding parameters)
 + 6·L·s·d for causal attention, without gradient checkpointing's recomputation (so MFU is the
 usual model-FLOPs utilisation, not hardware utilisation).
+
+--compare-objective times the paper's objective (no entropy, no rollout correction) and the default
+one (the entropy of the log-prob pass, token-tis weights against engine log-probs a little off the
+trainer's) step for step, alternating, and prints both and their ratio (docs/benchmarks.md §13).
 """
 
 import argparse
@@ -27,7 +32,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from common.grpo import TrainingSequence, accumulate_gradients, score_trajectories  # noqa: E402
+from common.grpo import TrainingSequence, accumulate_gradients, rollout_correction, score_trajectories  # noqa: E402
 
 # Qwen2.5-3B-Instruct's config.json (architecture fields only).
 CONFIGS = {
@@ -47,6 +52,8 @@ ap.add_argument("--steps", type=int, default=2, help="timed update steps (after 
 ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
 ap.add_argument("--no-gradient-checkpointing", action="store_true")
 ap.add_argument("--cpu", action="store_true", help="dry run on CPU (float32)")
+ap.add_argument("--compare-objective", action="store_true",
+                help="the paper's objective against entropy + token-tis, alternating steps")
 args = ap.parse_args()
 
 
@@ -84,26 +91,37 @@ def main():
         model.eval()
         score_trajectories(model, micro, accelerator.device, "old_logprobs")
         model.train()
+    gen = torch.Generator().manual_seed(0)
     for t in trajs:
         t.ref_logprobs = t.old_logprobs
+        # the engine's log-probs: the trainer's with bf16-sized noise, so that some weights leave 1
+        noisy = t.old_logprobs + 0.05 * torch.randn(len(t.ids), generator=gen)
+        t.engine_logprobs = [lp if m else None for lp, m in zip(noisy.tolist(), t.mask, strict=True)]
 
-    def step():
+    def step(full=True):
+        """One update: the default objective (entropy, token-tis), or the paper's (full False)."""
+        t0 = time.perf_counter()
+        for t in trajs:  # once a round in train_grpo.py, here in every step's time
+            rollout_correction(t, "token-tis" if full else "off", 2.0)
         with accelerator.autocast():
-            accumulate_gradients(model, accelerator, micro, norm, clip=0.2, kl_coef=0.001)
+            accumulate_gradients(model, accelerator, micro, norm, clip=0.2, kl_coef=0.001, entropy=full)
         accelerator.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if on_gpu:
             torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     step()  # warm-up (allocator, kernels, AdamW state)
+    if args.compare_objective:
+        step(full=False)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, paper = [], []
     for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+        if args.compare_objective:  # alternating: machine noise hits both alike
+            paper.append(step(full=False))
+        times.append(step())
     best = min(times)
 
     n_params = sum(p.numel() for p in model.parameters())
@@ -118,6 +136,9 @@ def main():
         "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else None,
         "mfu": round(tok_s * flops_per_token / (args.peak_tflops * 1e12), 4) if on_gpu else None,
     }
+    if args.compare_objective:
+        out |= {"paper_seconds_per_step": round(min(paper), 3), "paper_tokens_per_s": round(tokens / min(paper), 1),
+                "objective_cost": round(best / min(paper), 4)}
     print(json.dumps(out))
 
 

@@ -12,6 +12,9 @@ What the stages need of an environment is four things, and nothing else differs 
     env.diagnose(task, rollout)          a diagnosis record: the environment's own reward, a
                                          label per user turn (common/taxonomy.py), the profile
 
+and, for training, which ends of its episodes are not the policy's failure under evaluation's rules
+(train_grpo.py --cut mask leaves them out of the loss): cut_stops(record, short_context) below.
+
 A new environment is one more class here and the module that plays it; the stages do not change.
 """
 
@@ -36,6 +39,13 @@ def load(tasks, user=None, user_log=None, max_steps=None):
     return BFCL(tasks)
 
 
+def cut_stops(record, short_context):
+    """The `stop` values that cut a rollout record of its environment (a τ² record names it in "env"):
+    ends that are not the policy's failure under evaluation's rules. `short_context`: the rollouts'
+    context is shorter than evaluation's, so that a context limit is training's own, not evaluation's."""
+    return (Tau2Env if is_tau2(record.get("env") or "") else BFCL).cut_stops(short_context)
+
+
 class BFCL:
     """BFCL V3 multi-turn: scripted user turns, bfcl-eval's executable classes, its checker."""
 
@@ -50,6 +60,11 @@ class BFCL:
     def diagnose(self, task, rollout):
         from common import taxonomy
         return taxonomy.diagnose(task, rollout)
+
+    @staticmethod
+    def cut_stops(short_context):
+        from common import play
+        return play.cut_stops(short_context)
 
 
 class Tau2Env:
@@ -72,11 +87,17 @@ class Tau2Env:
         from common import tau2
         if self.user is None:
             raise RecordError(f"{self.source}: no user simulator given (a tau2.User, or 'scripted')")
-        with tau2.user_simulator(None if self.user == "scripted" else self.user, self.user_log) as (user_sim, ready):
-            ready()
+        with tau2.user_simulator(None if self.user == "scripted" else self.user, self.user_log,
+                                 [self.domain]) as (user_sim, ready):
+            ready()  # a served user model is up and, on a domain whose user has tools, calls them
             return tau2.rollouts(self.tau2, self.domain, [t["tau2"] for t in tasks], n, engine, spec, user_sim,
                                  round_=round_, policy=policy, max_steps=self.max_steps)
 
     def diagnose(self, task, rollout):
         from common import tau2
         return tau2.diagnose(self.tau2, self.domain, task["tau2"], rollout)
+
+    @staticmethod
+    def cut_stops(short_context):
+        from common import tau2
+        return tau2.cut_stops(short_context)

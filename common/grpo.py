@@ -15,6 +15,16 @@ and the per-token loss is the PPO clipped surrogate (with verl's dual clip for A
 KL penalty to the reference policy, averaged over all model tokens of the mini-batch
 (token-mean) -> token_loss(). Every log-prob is taken at the rollout's sampling temperature.
 
+Beyond the paper's objective, each a few lines below and a train_grpo.py flag (docs/design.md §6,
+"The objective"): the rollout correction (the engine μ sampled the tokens, not π_old: each token's
+or sequence's policy loss weighted by min(π_old/μ, C), or dropped outside [1/C, C]) ->
+rollout_correction(); an asymmetric clip [1 − ε, 1 + ε_high] (DAPO's clip-higher) and GSPO's
+length-normalised sequence ratio -> policy_ratio(), clipped_surrogate(); advantages without the
+std division (Dr. GRPO) -> group_advantages(scale="none"); trajectories the environment cut
+(an end that is not the policy's failure: common/envs.py cut_stops) left out of the loss and of
+their group's mean and std -> join_trajectories(cut=...). The policy's entropy over model tokens
+is computed in the log-prob pass itself -> token_entropy(), sequence_logprobs(entropy=True).
+
 Token alignment: a trajectory is one sequence `prompt_ids + ids`; the logits at position t
 predict the token at t+1, so the log-probability of ids[i] (sequence position P+i, P the
 prompt length) comes from the logits at position P+i-1. Only ids with mask 1 (tokens the
@@ -43,32 +53,43 @@ from common.taxonomy import RHO
 
 WEIGHT_MIN, WEIGHT_MAX = 0.5, 2.0
 ADV_EPS = 1e-6
+ENTROPY_ROWS = 256  # positions whose entropy is computed at once (token_entropy)
+# the choices of train_grpo.py's objective flags (common/presets.py holds the defaults the loop runs)
+ROLLOUT_IS = ("off", "token-tis", "token-mask", "seq-tis", "seq-mask")
+ADV_SCALES = ("group", "none")
+RATIO_LEVELS = ("token", "sequence")
 
 
 # ---------------------------------------------------------------- advantages and weights
 
 
-def group_advantages(group_ids, rewards, eps=ADV_EPS):
+def group_advantages(group_ids, rewards, eps=ADV_EPS, scale="group", cut=None):
     """A_j = (r_j - mean) / (std + eps) within each group; returns (advantages, zero-variance group ids).
 
     std is the population standard deviation (divide by n, not n-1). verl's GRPO uses the
     unbiased one; the two differ by a constant sqrt(n/(n-1)) per group size (1.07 for n=8).
     Groups whose rewards are all equal get A = 0 exactly: they carry no learning signal.
+    scale "none": A_j = r_j - mean, without the std division (Dr. GRPO: the division up-weights
+    groups whose rewards barely differ). `cut` (one bool per j): trajectories left out of their
+    group's mean and std, with A = 0 (an end that was not the policy's failure says nothing of it).
     """
+    if scale not in ADV_SCALES:
+        raise ValueError(f"advantage scale {scale!r}: use {' or '.join(ADV_SCALES)}")
     groups = {}
     for j, g in enumerate(group_ids):
-        groups.setdefault(g, []).append(j)
+        if not (cut and cut[j]):
+            groups.setdefault(g, []).append(j)
     adv = [0.0] * len(rewards)
-    zero_var = []
+    zero_var = sorted(set(group_ids) - set(groups), key=list(group_ids).index)  # every member cut
     for g, members in groups.items():
         rs = [float(rewards[j]) for j in members]
         if max(rs) == min(rs):
             zero_var.append(g)
             continue
         mean = sum(rs) / len(rs)
-        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs))
+        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs)) if scale == "group" else 0.0
         for j, r in zip(members, rs, strict=True):
-            adv[j] = (r - mean) / (std + eps)
+            adv[j] = (r - mean) / (std + eps) if scale == "group" else r - mean
     return adv, zero_var
 
 
@@ -182,18 +203,51 @@ def kl_k3(logp, ref_logp):
     return torch.clamp(torch.exp(d) - d - 1, max=10.0)
 
 
-def clipped_surrogate(logp, old_logp, adv, clip=0.2, clip_ratio_c=3.0):
+def token_entropy(logits, temperature=1.0):
+    """Entropy of softmax(logits / temperature) at each position (the policy's, at the rollout's
+    temperature, as verl and TRL log it): logsumexp(z) − Σ p·z. Logged, never trained: no gradient."""
+    with torch.no_grad():
+        out = []
+        # ENTROPY_ROWS positions at a time: its float32 buffers (z, p·z) hold a quarter of a full
+        # chunk's, so that the forward stays below the chunk's backward, which the memory plan
+        # counts (common/memplan.py chunk_bytes); smaller blocks cost time in per-op overhead
+        for rows in logits.flatten(0, -2).split(ENTROPY_ROWS):
+            z = rows.float() / temperature  # a new tensor even at T = 1: the in-place steps keep logits
+            lse = torch.logsumexp(z, -1)
+            out.append(lse - (z - lse[:, None]).exp_().mul_(z).sum(-1))
+        return torch.cat(out).view(logits.shape[:-1])
+
+
+def policy_ratio(logp, old_logp, mask=None, level="token"):
+    """π_θ/π_old of each token. level "sequence" (GSPO): every model token of a row carries the
+    row's length-normalised ratio s = exp(mean over its model tokens of log π_θ − log π_old), with
+    each token's gradient that of its own log-prob (GSPO-token's form, verl's gspo loss): summed
+    over the row, Σ_t s·∇log π_θ(y_t), GSPO's sequence gradient."""
+    if level == "token":
+        # bounded so that a token the policy has moved far from cannot overflow exp
+        return torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    if level != "sequence":
+        raise ValueError(f"ratio level {level!r}: use {' or '.join(RATIO_LEVELS)}")
+    # torch.where: a masked-out position may hold inf/nan (padding)
+    diff = torch.where(mask, logp - old_logp, 0.0).detach()
+    seq = diff.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    live = torch.where(mask, logp, 0.0)
+    return torch.exp(torch.clamp(live - live.detach() + seq, max=20.0))
+
+
+def clipped_surrogate(logp, old_logp, adv, clip=0.2, clip_ratio_c=3.0, clip_high=None, mask=None, level="token"):
     """Per-token PPO loss with verl's dual clip, and where each clip decided it.
 
-    loss = max(-A·r, -A·clip(r, 1-c, 1+c)), and for A < 0 at most -A·clip_ratio_c (verl's
+    loss = max(-A·r, -A·clip(r, 1-c, 1+c_high)) (c_high None: c, the paper's symmetric clip;
+    above it, DAPO's clip-higher), and for A < 0 at most -A·clip_ratio_c (verl's
     compute_policy_loss): without that cap a token whose ratio has grown far above 1 on a
-    negative advantage has an unbounded loss and gradient. clip_ratio_c 0 turns it off.
+    negative advantage has an unbounded loss and gradient. clip_ratio_c 0 turns it off. r is
+    policy_ratio's, per token or (level "sequence", over `mask`'s tokens of a row) GSPO's.
     Returns (loss, PPO-clipped mask, dual-clipped mask); both clips leave no gradient.
     """
-    # the log-ratio is bounded so that a token the policy has moved far from cannot overflow exp
-    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    ratio = policy_ratio(logp, old_logp, mask, level)
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + (clip if clip_high is None else clip_high))
     loss = torch.maximum(unclipped, clipped)
     dual = torch.zeros_like(loss, dtype=torch.bool)
     if clip_ratio_c:
@@ -203,13 +257,20 @@ def clipped_surrogate(logp, old_logp, adv, clip=0.2, clip_ratio_c=3.0):
     return loss, clipped > unclipped, dual
 
 
-def token_loss(logp, old_logp, ref_logp, adv, mask, norm, clip=0.2, kl_coef=0.0, clip_ratio_c=3.0):
-    """Σ over model tokens of (surrogate + kl_coef·k3), divided by `norm`; plus detached sums for logging.
+def token_loss(logp, old_logp, ref_logp, adv, mask, norm, clip=0.2, kl_coef=0.0, clip_ratio_c=3.0,
+               clip_high=None, level="token", is_weight=None):
+    """Σ over model tokens of (is_weight·surrogate + kl_coef·k3), divided by `norm`; plus detached
+    sums for logging. `is_weight`: the rollout correction's detached weight of each token's policy
+    loss (rollout_correction; None: 1, the paper's objective), as verl's rollout_is_weights and
+    TRL's importance_sampling_ratio multiply it; the KL term is not an estimate under the
+    sampling policy's ratio and is left as it is.
 
     `norm` is the model-token count of the whole mini-batch on all processes (token-mean),
     so that summing micro-batch losses reproduces the mini-batch mean whatever the split.
     """
-    pg, clipped, dual = clipped_surrogate(logp, old_logp, adv, clip, clip_ratio_c)
+    pg, clipped, dual = clipped_surrogate(logp, old_logp, adv, clip, clip_ratio_c, clip_high, mask, level)
+    if is_weight is not None:
+        pg = pg * is_weight
     per_token = pg
     kl = None
     if kl_coef > 0:
@@ -225,6 +286,45 @@ def token_loss(logp, old_logp, ref_logp, adv, mask, norm, clip=0.2, kl_coef=0.0,
         "tokens": mask.sum().item(),
     }
     return loss, stats
+
+
+def rollout_correction(seq, mode, cap):
+    """Set seq.is_weight, the detached weight of each of its tokens' policy loss that corrects for
+    who sampled them: the engine (μ, the record's log-probs, bf16 and its own kernels), not the
+    trainer's π_old (float32), whose ratio the PPO clip then takes. With ρ = π_old/μ per model token,
+    or (mode seq-*) the sequence's geometric mean exp(mean log ρ) over its model tokens:
+
+        token-tis, seq-tis     min(ρ, cap)                   truncated IS (TIS; verl's token/sequence
+                                                             rollout_is, TRL's *_truncate)
+        token-mask, seq-mask   1 inside [1/cap, cap], else 0 masked IS (TRL's *_mask, verl's rollout_rs)
+        off                    no weight (is_weight None): the paper's objective
+
+    Sets and returns seq.is_hits, the number of model tokens whose weight was truncated or masked
+    (with seq-*, all of a hit sequence's). A model token without the engine's log-prob cannot be corrected: RecordError
+    (train_grpo.py checks the records before any model loads).
+    """
+    if mode not in ROLLOUT_IS:
+        raise ValueError(f"rollout correction {mode!r}: use {', '.join(ROLLOUT_IS)}")
+    if mode == "off":
+        seq.is_weight, seq.is_hits = None, 0
+        return 0
+    mask = torch.tensor(seq.mask, dtype=torch.bool)
+    if any(e is None for e, m in zip(seq.engine_logprobs, seq.mask, strict=True) if m):
+        raise RecordError(f"task {seq.task_id} sample {seq.sample_index}: a model token has no engine log-prob")
+    engine = torch.tensor([0.0 if e is None else float(e) for e in seq.engine_logprobs])
+    log_ratio = torch.where(mask, seq.old_logprobs.double() - engine.double(), 0.0)
+    if mode.startswith("seq"):
+        log_ratio = torch.full_like(log_ratio, (log_ratio.sum() / max(int(mask.sum()), 1)).item())
+    ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
+    if mode.endswith("tis"):
+        hit = ratio > cap
+        weight = torch.clamp(ratio, max=cap)
+    else:
+        hit = (ratio < 1.0 / cap) | (ratio > cap)
+        weight = (~hit).double()
+    seq.is_weight = torch.where(mask, weight, 1.0).float()
+    seq.is_hits = int((hit & mask).sum())
+    return seq.is_hits
 
 
 # ---------------------------------------------------------------- trajectories
@@ -248,8 +348,12 @@ class TrainingSequence:
     advantage: float = 0.0  # A_j; the trained advantage is weight * advantage
     labelled_turns: int = 0  # turns the diagnosis labelled (every user turn of the task)
     unplayed_turns: int = 0  # of those, turns the rollout never entered (it stopped earlier)
+    stop: str | None = None  # the rollout's end (its record's "stop")
+    cut: bool = False  # an end that is not the policy's failure: out of the loss and the group's statistics
     old_logprobs: torch.Tensor | None = field(default=None, repr=False)  # aligned with ids
     ref_logprobs: torch.Tensor | None = field(default=None, repr=False)
+    is_weight: torch.Tensor | None = field(default=None, repr=False)  # rollout_correction's, aligned with ids
+    is_hits: int = 0  # of its model tokens, those rollout_correction truncated or masked
     segments: list = field(default_factory=list, repr=False)  # the further segments, TrainingSequences
 
     def sequences(self):
@@ -306,10 +410,14 @@ def _key(rec, where):
 
 
 def join_trajectories(
-    rollouts, diagnoses, rho, reweight=True, rollouts_path="rollouts", diagnoses_path="diagnoses"
+    rollouts, diagnoses, rho, reweight=True, rollouts_path="rollouts", diagnoses_path="diagnoses",
+    adv_scale="group", cut=None,
 ):
     """Trajectories from rollout and diagnosis records (as read_jsonl returns them) joined on
-    (task_id, sample_index), with weights and group advantages filled in.
+    (task_id, sample_index), with weights and group advantages (`adv_scale`: group_advantages)
+    filled in. `cut`: a function of a rollout record, true where its end is not the policy's failure
+    (common/envs.py cut_stops); such a trajectory is marked `cut`, gets A = 0 and is left out of its
+    group's mean and std (train_grpo.py leaves it out of the loss). None: nothing is cut.
 
     Every profile label must be in `rho`, also when `reweight` is off (then w = 1, which is
     ρ ≡ 1 for a profile whose fractions sum to one). Raises RecordError naming file:line.
@@ -356,6 +464,8 @@ def join_trajectories(
                 weight=weight,
                 labelled_turns=len(d.get("turn_labels") or []),
                 unplayed_turns=max(0, len(d.get("turn_labels") or []) - len(r.get("turns") or [])),
+                stop=r.get("stop"),
+                cut=bool(cut and cut(r)),
             )
             for t in token_segments(r["tokens"], where)
         ]
@@ -367,22 +477,24 @@ def join_trajectories(
                 f"{diagnoses_path}:{d.get('_line', '?')}: no rollout for task {key[0]} sample {key[1]} in {rollouts_path}"
             )
 
-    adv, _ = group_advantages([t.task_id for t in trajectories], [t.reward for t in trajectories])
+    adv, _ = group_advantages([t.task_id for t in trajectories], [t.reward for t in trajectories],
+                              scale=adv_scale, cut=[t.cut for t in trajectories])
     for t, a in zip(trajectories, adv, strict=True):
         for seq in t.sequences():
             seq.advantage = a
     return trajectories
 
 
-def join_round(rollouts, diagnoses, rho, reweight=True, adaptive=False, **paths):
+def join_round(rollouts, diagnoses, rho, reweight=True, adaptive=False, **kwargs):
     """join_trajectories with the ρ the round trains with: `rho`, or with `adaptive` the round's
     own ρ_t (adaptive_rho, on the records the first join has checked). Returns (trajectories,
-    AdaptedRho or None). train_grpo.py, the viewer and the trackers all weigh a round here."""
-    trajectories = join_trajectories(rollouts, diagnoses, rho, reweight, **paths)
+    AdaptedRho or None). train_grpo.py, the viewer and the trackers all weigh a round here;
+    `kwargs`: join_trajectories' paths, adv_scale and cut."""
+    trajectories = join_trajectories(rollouts, diagnoses, rho, reweight, **kwargs)
     if not adaptive:
         return trajectories, None
     adapted = adaptive_rho(rho, diagnoses)
-    return join_trajectories(rollouts, diagnoses, adapted.rho, reweight, **paths), adapted
+    return join_trajectories(rollouts, diagnoses, adapted.rho, reweight, **kwargs), adapted
 
 
 def rollout_temperature(rollouts, path="rollouts"):
@@ -504,6 +616,7 @@ def collate(trajs, device):
     adv = torch.zeros(B, W)
     old = torch.zeros(B, W)
     ref = torch.zeros(B, W)
+    isw = torch.ones(B, W)
     for b, t in enumerate(trajs):
         P, n = len(t.prompt_ids), len(t.ids)
         input_ids[b, : P + n] = torch.tensor(t.prompt_ids + t.ids)
@@ -515,6 +628,8 @@ def collate(trajs, device):
             old[b, s] = t.old_logprobs
         if t.ref_logprobs is not None:
             ref[b, s] = t.ref_logprobs
+        if t.is_weight is not None:
+            isw[b, s] = t.is_weight
     batch = {
         "input_ids": input_ids,
         "attention_mask": attention,
@@ -522,16 +637,23 @@ def collate(trajs, device):
         "adv": adv,
         "old": old,
         "ref": ref,
+        "isw": isw,
     }
     return {k: v.to(device) for k, v in batch.items()} | {"off": off}
 
 
-def _chunk_logprobs(head, hidden, targets, temperature):
-    return token_logprobs(head.forward(hidden), targets, temperature)
+def _chunk_logprobs(head, hidden, targets, temperature, entropy=None, key=0):
+    logits = head.forward(hidden)
+    if entropy is not None and key not in entropy:  # once: not again where backward recomputes the chunk
+        entropy[key] = token_entropy(logits, temperature)
+    return token_logprobs(logits, targets, temperature)
 
 
-def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, mask=None, chunk=LOGPROB_CHUNK):
-    """log p of each token at positions off..T-1 given its prefix, at `temperature`: shape (B, T - off).
+def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, mask=None, chunk=LOGPROB_CHUNK,
+                      entropy=False):
+    """log p of each token at positions off..T-1 given its prefix, at `temperature`: shape (B, T - off);
+    with `entropy`, (log-probs, the policy's entropy at those positions, detached), both from each
+    chunk's one projection: no second pass.
 
     The hidden state at position t scores the token at t+1. Only the positions where `mask`
     (B, T - off) is set are projected onto the vocabulary (the others are 0): the model's own
@@ -552,6 +674,7 @@ def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, ma
         raise ValueError("sequence_logprobs: models that soft-cap their logits are not supported")
     head = inner.get_output_embeddings()
     hidden = []
+    entropies = {} if entropy else None  # chunk start -> its entropies, filled by the chunk's first run
 
     def keep_hidden(module, args):
         hidden.append(args[0])
@@ -562,14 +685,17 @@ def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, ma
         t = targets[mask]
         # at least one (possibly empty) chunk: a micro-batch without model tokens still
         # connects every weight to the loss (DDP waits for every gradient)
-        parts = []
-        for s in range(0, max(len(t), 1), chunk):
-            piece = (module, h[s : s + chunk], t[s : s + chunk], temperature)
+        parts, starts = [], range(0, max(len(t), 1), chunk)
+        for s in starts:
+            piece = (module, h[s : s + chunk], t[s : s + chunk], temperature, entropies, s)
             if torch.is_grad_enabled():
                 parts.append(checkpoint(_chunk_logprobs, *piece, use_reentrant=False))
             else:
                 parts.append(_chunk_logprobs(*piece))
         vals = torch.cat(parts)
+        if entropies is not None:
+            ent = torch.cat([entropies[s] for s in starts])
+            entropies["all"] = ent.new_zeros(mask.shape).masked_scatter(mask, ent)
         return vals.new_zeros(mask.shape).masked_scatter(mask, vals)
 
     # the post-hook goes first, so that FSDP2's own post-forward hook sees the log-probs as
@@ -582,7 +708,7 @@ def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, ma
     finally:
         for handle in handles:
             handle.remove()
-    return out.logits
+    return (out.logits, entropies["all"]) if entropy else out.logits
 
 
 def _dummy_forward(model, device):
@@ -609,9 +735,14 @@ def score_trajectories(model, micro_batches, device, attr, temperature=1.0):
 
 
 def accumulate_gradients(
-    model, accelerator, micro_batches, norm, clip=0.2, kl_coef=0.0, clip_ratio_c=3.0, temperature=1.0
+    model, accelerator, micro_batches, norm, clip=0.2, kl_coef=0.0, clip_ratio_c=3.0, temperature=1.0,
+    clip_high=None, level="token", entropy=True,
 ):
-    """Forward and backward over this process's micro-batches of one mini-batch; returns summed stats.
+    """Forward and backward over this process's micro-batches of one mini-batch; returns summed stats
+    (with `entropy`, entropy_sum: the policy's entropy summed over model tokens, from the same pass).
+
+    The loss is token_loss's with each sequence's rollout-correction weights (its is_weight, set by
+    rollout_correction; None: none), `clip_high` and the ratio `level`.
 
     `norm` is the model-token count of the whole mini-batch over all processes. The loss is
     multiplied by the process count because DDP/FSDP average gradients over processes:
@@ -623,7 +754,7 @@ def accumulate_gradients(
     gradient (in the float32 reduce dtype) until the last micro-batch, about 28 GiB per GPU
     at 7B. The sum is the same up to float rounding.
     """
-    totals = {"pg_sum": 0.0, "kl_sum": 0.0, "clip_count": 0, "dual_clip_count": 0, "tokens": 0}
+    totals = {"pg_sum": 0.0, "kl_sum": 0.0, "clip_count": 0, "dual_clip_count": 0, "tokens": 0, "entropy_sum": 0.0}
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     for k, mb in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
@@ -634,12 +765,16 @@ def accumulate_gradients(
                 accelerator.backward(_dummy_forward(model, accelerator.device))
                 continue
             b = collate(mb, accelerator.device)
-            logp = sequence_logprobs(
-                model, b["input_ids"], b["attention_mask"], b["off"], temperature, b["mask"]
-            ).float()
-            loss, stats = token_loss(
-                logp, b["old"], b["ref"], b["adv"], b["mask"], max(norm, 1), clip, kl_coef, clip_ratio_c
+            out = sequence_logprobs(
+                model, b["input_ids"], b["attention_mask"], b["off"], temperature, b["mask"], entropy=entropy
             )
+            logp, ent = out if entropy else (out, None)
+            corrected = any(t.is_weight is not None for t in mb)
+            loss, stats = token_loss(
+                logp.float(), b["old"], b["ref"], b["adv"], b["mask"], max(norm, 1), clip, kl_coef, clip_ratio_c,
+                clip_high, level, b["isw"] if corrected else None,
+            )
+            stats["entropy_sum"] = torch.where(b["mask"], ent.float(), 0.0).sum().item() if entropy else 0.0
             accelerator.backward(loss * accelerator.num_processes)
         for key in totals:
             totals[key] += stats[key]

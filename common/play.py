@@ -178,6 +178,14 @@ class HandlerView:
         return self.conv.continuation(results, names, turn_msgs)
 
 
+def cut_stops(short_context):
+    """The stops of a BFCL rollout that are not the policy's failure under evaluation's rules
+    (common/envs.py): bfcl-eval's inference error (the next prompt could not be built), and the
+    context limit where the rollouts' context is shorter than evaluation's. The step limit is
+    bfcl-eval's own: the policy's failure."""
+    return {"inference_error"} | ({"context_limit"} if short_context else set())
+
+
 class Trajectory:
     """One sample of one task, token-in/token-out: its environment, what the model is shown
     (the view of `spec.prompts`), and the record. The generated ids stay in the context and

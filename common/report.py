@@ -46,6 +46,8 @@ def collect(path):
             "omega": omega,
             "rho": rho, "rho_adapted": adapted,
             "w_mean": (sum(m["w_mean"] for m in metrics) / len(metrics)) if metrics else None,
+            # the policy's entropy over model tokens, mean of the round's steps (collapse shows here)
+            "entropy": mean([m.get("entropy") for m in metrics if m["step"] > 0]),
             "steps": sum(m["step"] > 0 for m in metrics),
             "global_step": max((m.get("global_step", 0) for m in metrics), default=0),
             "summary": summary,
@@ -54,6 +56,11 @@ def collect(path):
         rounds.append(row)
     evals = {f"round_{t:03d}": scores for t, scores in run.evals()}
     return rounds, evals, run.base_eval(), run.config
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def eval_columns(env):
@@ -127,21 +134,36 @@ def plots(run, rounds, evals, base, config):
     plt.close(fig)
 
 
+def context_note(s):
+    """A line when training's context (MAX_LEN) is shorter than evaluation's (EVAL_LEN, else the model's)."""
+    from common.memplan import PlanError, load_arch
+    try:
+        train = int(s.get("max_model_len") or 0)
+        evaluation = int(s.get("eval_len") or 0) or load_arch(s["model"]).max_pos
+    except (PlanError, KeyError, OSError, ValueError, TypeError):
+        return []
+    if not train or not evaluation or train >= evaluation:
+        return []
+    return [f"Training context {train:,} tokens (MAX_LEN), evaluation's {evaluation:,}: a rollout that fills "
+            "the training context ends as `context_limit` where evaluation would have gone on.", ""]
+
+
 def markdown(run, rounds, evals, base, config):
     s = config.get("settings", {})
     lines = [f"# SEAL run `{os.path.basename(run.rstrip('/'))}`", "",
              f"preset **{s.get('preset')}**, mode **{s.get('mode')}**, model `{s.get('model')}`, "
-             f"commit `{(config.get('git_commit') or '?')[:10]}`", "", "![curves](curves.png)", "",
+             f"commit `{(config.get('git_commit') or '?')[:10]}`", "", *context_note(s), "![curves](curves.png)", "",
              "## Rounds", "",
-             "| round | reward | w mean | opt. steps (global) | Ω cues | gen tokens | cue tokens | "
+             "| round | reward | w mean | entropy | opt. steps (global) | Ω cues | gen tokens | cue tokens | "
              + " | ".join(f"{x} s" for x in STAGES) + " |",
-             "|" + "---|" * (7 + len(STAGES))]
+             "|" + "---|" * (8 + len(STAGES))]
     def fmt(v):
         return f"{v:.3f}" if isinstance(v, float) else "-"
 
     for r in rounds:
         sm = r["summary"]
-        lines.append(f"| {r['round']} | {fmt(r['reward'])} | {fmt(r['w_mean'])} | {r['steps']} ({r['global_step']}) | "
+        lines.append(f"| {r['round']} | {fmt(r['reward'])} | {fmt(r['w_mean'])} | {fmt(r['entropy'])} | "
+                     f"{r['steps']} ({r['global_step']}) | "
                      f"{cues_text(r['omega'])} | {sm.get('gen_tokens', '-')} | {sm.get('cue_tokens', '-')} | "
                      + " | ".join(f"{r['seconds'][x]:.1f}" for x in STAGES) + " |")
     lines += ["", "## Label mix (share of turns)", "", "| round | " + " | ".join(LABELS) + " |",

@@ -28,7 +28,6 @@ import os
 import sys
 import uuid
 
-from common.bfcl import CATEGORIES
 from common.interface import FAILURE_LABELS
 from common.jsonl import read_json, read_jsonl, write_json
 from common.runs import Run, round_rho
@@ -129,7 +128,7 @@ def reward_figures(diagnoses):
     figs = {"critic/score/mean": _mean([d["reward"] for d in diagnoses]),
             "reward_std": _mean([_std([d["reward"] for d in g]) for g in groups.values()]),
             "frac_reward_zero_std": sum(len({d["reward"] for d in g}) == 1 for g in groups.values()) / len(groups)}
-    for c in CATEGORIES:
+    for c in dict.fromkeys(d["category"] for d in diagnoses):  # BFCL's categories, or a τ² domain
         cat = [g for g in groups.values() if g[0]["category"] == c]
         if cat:
             figs[f"reward/{c}/mean"] = _mean([d["reward"] for g in cat for d in g])
@@ -155,7 +154,13 @@ def train_figures(metrics):
              "wa_mean": "seal/wa/mean", "unplayed_share": "seal/unplayed_share",
              "logprob_mismatch": "sampling/sampling_logp_difference/mean",
              "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
-             "tokens_per_s": "perf/throughput"}
+             "tokens_per_s": "perf/throughput", "entropy": "actor/entropy", "cut_share": "seal/cut_share"}
+    # the rollout correction's shares under verl's names: truncated IS's ratios above the cap, masked IS's drops
+    masked = any(str((m.get("objective") or {}).get("rollout_is", "")).endswith("mask") for m in stepped)
+    names |= {"rollout_is_frac": "rollout_corr/rollout_rs_masked_fraction" if masked
+              else "rollout_corr/rollout_is_ratio_fraction_high",
+              "rollout_is_seq_frac": "rollout_corr/rollout_rs_seq_masked_fraction" if masked
+              else "rollout_corr/rollout_is_seq_fraction_high"}
     for key, name in names.items():
         value = _mean([m.get(key) for m in stepped])
         if value is not None:
@@ -199,22 +204,30 @@ def round_figures(folder, t, seconds, max_new_tokens):
 def trajectory_table(run, folder):
     """Round rows of TABLE_COLUMNS, largest |w·A| first: the prompt is the task's user turns, the
     completion the model's texts; A and w as train_grpo.py computes them (common/grpo.py)."""
-    from common.bfcl import load_tasks
+    from common import envs
     from common.grpo import join_round, load_rho
 
     rollouts = read_jsonl(os.path.join(folder, "rollouts.jsonl"))
     diagnoses = {(d["task_id"], d["sample_index"]): d for d in read_jsonl(os.path.join(folder, "diagnoses.jsonl"))}
+    trained = read_jsonl(os.path.join(folder, "train_metrics.jsonl"))[0]  # the stops it cut, its advantage scale
+    stops = set(trained.get("cut_stops") or [])
     joined, _ = join_round(rollouts, list(diagnoses.values()), load_rho(os.path.join(folder, "interface.json")),
                            reweight=run.settings.get("reweight") != "--no-reweight",
-                           adaptive=bool(run.settings.get("adaptive_rho")))
+                           adaptive=bool(run.settings.get("adaptive_rho")),
+                           adv_scale=(trained.get("objective") or {}).get("adv_scale", "group"),
+                           cut=(lambda r: r.get("stop") in stops) if stops else None)
     path = run.settings.get("tasks") or "data/train.jsonl"
-    tasks = load_tasks(path if os.path.isabs(path) else os.path.join(ROOT, path))
+    tasks = {}
+    if not envs.is_tau2(path):  # a τ² record holds its user's messages (turns[k].user); BFCL's are the task's
+        tasks = envs.load(path if os.path.isabs(path) else os.path.join(ROOT, path)).tasks
     texts = {(r["task_id"], r["sample_index"]): "\n\n".join(s["text"] for t in r["turns"] for s in t["steps"])
+             for r in rollouts}
+    users = {(r["task_id"], r["sample_index"]): "\n\n".join(t["user"] for t in r["turns"] if t.get("user"))
              for r in rollouts}
     rows = []
     for j in sorted(joined, key=lambda j: -abs(j.weight * j.advantage))[:TABLE_ROWS]:
         key, task = (j.task_id, j.sample_index), tasks.get(j.task_id, {})
-        prompt = "\n\n".join(m["content"] for q in task.get("questions", []) for m in q)
+        prompt = users[key] or "\n\n".join(m["content"] for q in task.get("questions", []) for m in q)
         rows.append([j.task_id, j.sample_index, diagnoses[key]["category"], prompt, texts[key], j.reward, j.advantage,
                      j.weight, j.weight * j.advantage, " ".join(diagnoses[key]["turn_labels"])])
     return rows

@@ -118,15 +118,19 @@ def trajectory(rec):
     return out
 
 
-def advantages(rollouts, diagnoses, interface_path, reweight, adaptive, missing, rel):
+def advantages(rollouts, diagnoses, interface_path, reweight, adaptive, missing, rel, trained=None):
     """{(task_id, sample): (A, w)} as train_grpo.py computes them (with `adaptive`, under the round's
-    own ρ_t), or {} with the reason in `missing`."""
+    own ρ_t; `trained`, a line of the round's train metrics: its advantage scale and the stops it cut),
+    or {} with the reason in `missing`."""
     from common.grpo import join_round, load_rho  # torch: imported only where a round is built
 
+    stops = set((trained or {}).get("cut_stops") or [])
     try:
         rho = load_rho(interface_path if os.path.isfile(interface_path) else None)
         joined, _ = join_round(rollouts, diagnoses, rho, reweight=reweight, adaptive=adaptive,
-                               rollouts_path=f"{rel}/rollouts.jsonl", diagnoses_path=f"{rel}/diagnoses.jsonl")
+                               rollouts_path=f"{rel}/rollouts.jsonl", diagnoses_path=f"{rel}/diagnoses.jsonl",
+                               adv_scale=((trained or {}).get("objective") or {}).get("adv_scale", "group"),
+                               cut=(lambda r: r.get("stop") in stops) if stops else None)
     except (RecordError, KeyError, TypeError, ValueError) as e:
         missing.append(f"{rel}: advantages and weights not computed ({e})")
         return {}
@@ -139,11 +143,18 @@ def build_round(folder, rel, tasks, reweight, adaptive=False):
     rollouts = read_records(os.path.join(folder, "rollouts.jsonl"), f"{rel}/rollouts.jsonl", missing)
     diagnoses = read_records(os.path.join(folder, "diagnoses.jsonl"), f"{rel}/diagnoses.jsonl", missing)
     omega = read_object(os.path.join(folder, "interface.json"), f"{rel}/interface.json", missing, required=True)
-    adv = advantages(rollouts, diagnoses, os.path.join(folder, "interface.json"), reweight, adaptive, missing, rel) \
-        if rollouts and diagnoses else {}
+    # the trainer's record of the round (once trained): the stops it cut, its advantage scale
+    metrics = os.path.join(folder, "train_metrics.jsonl")
+    trained = (read_records(metrics, f"{rel}/train_metrics.jsonl", missing) or [None])[0] \
+        if os.path.isfile(metrics) else None
+    adv = advantages(rollouts, diagnoses, os.path.join(folder, "interface.json"), reweight, adaptive, missing, rel,
+                     trained) if rollouts and diagnoses else {}
+    stops = set((trained or {}).get("cut_stops") or [])
     rows, by_key = [], {}
     for r in rollouts:
         row = trajectory(r)
+        if r.get("stop") in stops:
+            row["cut"] = True
         by_key[(r.get("task_id"), r.get("sample_index"))] = row
         rows.append(row)
     for d in diagnoses:

@@ -3,7 +3,10 @@ zero-variance groups), the SEAL weight and its clip, the clipped surrogate, the 
 logits-to-token shift, loss masking (checked through gradients), the chunked log-probs
 against the full-logits computation (values and gradients), token-mean normalisation,
 micro-batch planning, the join of rollouts with diagnoses, and the adaptive ρ's invariants
-(seal-adaptive) on synthetic diagnoses.
+(seal-adaptive) on synthetic diagnoses. The objective beyond the paper's: clip-higher, Dr. GRPO's
+advantages and GSPO's ratio on a two-token two-trajectory example, the entropy of the chunked pass,
+the rollout correction against engine log-probs equal to the trainer's and shifted, and cut
+trajectories out of their group's statistics.
 """
 
 import json
@@ -15,6 +18,8 @@ import torch
 
 from common.grpo import (
     ADV_EPS,
+    ROLLOUT_IS,
+    accumulate_gradients,
     adaptive_rho,
     clipped_surrogate,
     collate,
@@ -27,7 +32,9 @@ from common.grpo import (
     mini_batch_slices,
     padding_share,
     plan_micro_batches,
+    rollout_correction,
     rollout_temperature,
+    score_trajectories,
     sequence_logprobs,
     token_logprobs,
     token_loss,
@@ -693,3 +700,193 @@ def test_token_logprobs_at_a_temperature():
     expect = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None])[..., 0]
     assert torch.allclose(token_logprobs(logits, targets, 0.7), expect, atol=1e-6)
     assert torch.allclose(token_logprobs(logits.bfloat16(), targets, 0.7), expect, atol=0.1)
+
+
+# ---------------------------------------------------------------- the objective beyond the paper's
+
+
+def two_by_two(logp_a, logp_b, adv=(1.0, -1.0)):
+    """Two trajectories of two model tokens each (a third, masked position holding junk), log π_θ of
+    each token given, π_old = 0: the ratios are exp(logp)."""
+    logp = torch.tensor([[*logp_a, 7.0], [*logp_b, float("nan")]], requires_grad=True)
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    adv = torch.tensor([[adv[0]] * 3, [adv[1]] * 3])
+    return logp, torch.zeros(2, 3), adv, mask
+
+
+def test_clip_high_on_two_tokens_of_two_trajectories():
+    """Ratios 1.5, 1.1 on A = +1 and 0.5, 1.3 on A = -1, clip 0.2: the symmetric clip caps 1.5 at 1.2
+    and lifts 0.5 to 0.8; clip-higher 0.28 caps 1.5 at 1.28 and leaves 1.3 < its bound's loss alone."""
+    ln = math.log
+    for clip_high, expect in ((None, (-1.2 - 1.1 + 0.8 + 1.3) / 4), (0.28, (-1.28 - 1.1 + 0.8 + 1.3) / 4)):
+        logp, old, adv, mask = two_by_two((ln(1.5), ln(1.1)), (ln(0.5), ln(1.3)))
+        loss, stats = token_loss(logp, old, old, adv, mask, norm=4, clip=0.2, clip_high=clip_high)
+        assert loss.item() == pytest.approx(expect, rel=1e-6)
+        assert stats["clip_count"] == 2  # 1.5 (A > 0) and 0.5 (A < 0)
+        loss.backward()
+        # d/dlogp of -A·r is -A·r where unclipped, 0 where clipped: 1.1 and 1.3's tokens only
+        assert logp.grad[mask].tolist() == pytest.approx([0, -1.1 / 4, 0, 1.3 / 4], abs=1e-7)
+
+
+def test_dr_grpo_advantages_on_two_trajectories(tmp_path):
+    """Rewards 1 and 0: A = ±1 with the std division (±0.5 / (0.5 + eps)), ±0.5 without (Dr. GRPO);
+    at ratios 1.1, 1.0 and 1.0, 0.9 the token-mean loss is -(1.1 + 1.0 - 1.0 - 0.9)·|A| / 4."""
+    ln = math.log
+    for scale, a in (("group", 0.5 / (0.5 + ADV_EPS)), ("none", 0.5)):
+        rp = write(tmp_path / "r.jsonl", [rollout("t", 0), rollout("t", 1)])
+        dp = write(tmp_path / "d.jsonl", [diagnosis("t", 0, 1), diagnosis("t", 1, 0)])
+        ta, tb = join_trajectories(read_jsonl(rp), read_jsonl(dp), RHO, adv_scale=scale)
+        assert (ta.advantage, tb.advantage) == (pytest.approx(a, rel=1e-9), pytest.approx(-a, rel=1e-9))
+        logp, old, adv, mask = two_by_two((ln(1.1), 0.0), (0.0, ln(0.9)), (ta.advantage, tb.advantage))
+        loss, _ = token_loss(logp, old, old, adv, mask, norm=4)
+        assert loss.item() == pytest.approx(-(1.1 + 1.0 - 1.0 - 0.9) * a / 4, rel=1e-6)
+    with pytest.raises(ValueError, match="advantage scale"):
+        group_advantages(["t"], [1], scale="std")
+
+
+def test_gspo_sequence_ratio_on_two_trajectories():
+    """GSPO: each row's tokens carry s = exp(mean log-ratio over its model tokens) (the masked junk
+    left out): s_a = √(1.5·1.1) = 1.2845 on A = +1 is clipped at 1.2; s_b = √(0.5·1.3) = 0.8062 on
+    A = -1 is inside the band. Each unclipped token's gradient is -A·s / norm (GSPO-token's form)."""
+    ln = math.log
+    logp, old, adv, mask = two_by_two((ln(1.5), ln(1.1)), (ln(0.5), ln(1.3)))
+    loss, stats = token_loss(logp, old, old, adv, mask, norm=4, clip=0.2, level="sequence")
+    s_b = math.sqrt(0.5 * 1.3)
+    assert loss.item() == pytest.approx((-1.2 * 2 + s_b * 2) / 4, rel=1e-6)
+    assert stats["clip_count"] == 2  # both of a's tokens
+    loss.backward()
+    assert logp.grad[mask].tolist() == pytest.approx([0, 0, s_b / 4, s_b / 4], rel=1e-6)
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_token_entropy_in_the_chunked_pass():
+    """The entropy sequence_logprobs returns beside the log-probs (one projection per chunk, kept
+    once where backward recomputes the chunk) is -Σ p log p of softmax(logits / T) at model tokens."""
+    batch = collate(CHUNK_TRAJS, "cpu")
+    mask = batch["mask"]
+    model = small_qwen()
+    T, off = batch["input_ids"].shape[1], batch["off"]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       logits_to_keep=T - off + 1).logits[:, :-1] / 0.7
+        p = torch.softmax(logits, -1)
+        expect = -(p * torch.log(p)).sum(-1)
+    lp, ent = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], off, 0.7, mask, chunk=3,
+                                entropy=True)
+    assert torch.allclose(ent[mask], expect[mask], atol=1e-5) and (ent[~mask] == 0).all()
+    assert not ent.requires_grad and lp.requires_grad
+    lp.sum().backward()  # the chunks' recomputation in backward is the forward's, entropy or not
+    plain = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], off, 0.7, mask, chunk=3)
+    assert torch.equal(plain, lp)
+
+
+def corrected_round(tmp_path, shift=None, missing=False):
+    """Trajectories of two groups (rewards 1, 0, 0 and 0, 1) scored by a small model (π_old), whose
+    engine log-probs are π_old's own, exactly; `shift` (sample key -> Δ) moves one trajectory's
+    engine log-probs by Δ, so that its ratio π_old/μ is exp(-Δ)."""
+    import accelerate
+
+    recs = [rollout("a", 0, ids=(1, 2, 3), mask=(1, 0, 1)), rollout("a", 1, ids=(4, 5), mask=(1, 1)),
+            rollout("a", 2, ids=(6, 7, 8), mask=(1, 1, 1)), rollout("b", 0, ids=(9, 10)),
+            rollout("b", 1, ids=(11, 12, 13, 14), mask=(0, 1, 1, 1))]
+    diags = [diagnosis("a", 0, 1), diagnosis("a", 1, 0), diagnosis("a", 2, 0), diagnosis("b", 0, 0),
+             diagnosis("b", 1, 1)]
+    trajs = join(tmp_path, recs, diags)
+    model = small_qwen().eval()
+    score_trajectories(model, [trajs], "cpu", "old_logprobs")
+    for t in trajs:
+        t.ref_logprobs = t.old_logprobs
+        delta = (shift or {}).get((t.task_id, t.sample_index), 0.0)
+        t.engine_logprobs = [lp + delta if m else None for lp, m in zip(t.old_logprobs.tolist(), t.mask, strict=True)]
+    if missing:
+        trajs[1].engine_logprobs[0] = None
+    return model.train(), trajs, accelerate.Accelerator(cpu=True)
+
+
+def step(model, acc, trajs, mode, cap=2.0, kl_coef=0.0):
+    """rollout_correction then one mini-batch's gradient: (totals, hits per trajectory, gradient)."""
+    hits = [rollout_correction(t, mode, cap) for t in trajs]
+    model.zero_grad(set_to_none=True)
+    totals = accumulate_gradients(model, acc, [trajs[:2], trajs[2:]], sum(t.model_tokens for t in trajs),
+                                  kl_coef=kl_coef)
+    return totals, hits, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_every_correction_changes_nothing_where_the_engine_is_the_trainer(tmp_path):
+    """Engine log-probs equal to the trainer's (float32 both, as on CPU): every ratio π_old/μ is 1,
+    inside every band: each mode's loss and gradient are off's."""
+    model, trajs, acc = corrected_round(tmp_path)
+    off, _, g_off = step(model, acc, trajs, "off", kl_coef=0.1)
+    assert abs(off["pg_sum"]) > 1e-3 and g_off.norm() > 1e-3
+    for mode in ROLLOUT_IS[1:]:
+        totals, hits, g = step(model, acc, trajs, mode, kl_coef=0.1)
+        assert hits == [0] * len(trajs), mode
+        assert totals["pg_sum"] == pytest.approx(off["pg_sum"], rel=1e-6, abs=1e-9), mode
+        assert torch.allclose(g, g_off, rtol=1e-5, atol=1e-8), mode
+        assert totals["entropy_sum"] == pytest.approx(off["entropy_sum"], rel=1e-6) and totals["entropy_sum"] > 0
+
+
+def test_a_shifted_trajectory_is_truncated_or_dropped_exactly(tmp_path):
+    """The engine gave sample a/1 log-probs 1 lower than π_old's (ratio e > cap 2): token-tis weighs
+    exactly its tokens by 2, the update of doubling its advantage; 1 higher (ratio 1/e < 1/2):
+    seq-mask drops exactly that sequence, the update of zeroing its advantage. The counts say so."""
+    for delta, mode, factor in ((-1.0, "token-tis", 2.0), (-1.0, "seq-tis", 2.0), (1.0, "seq-mask", 0.0),
+                                (1.0, "token-mask", 0.0), (1.0, "token-tis", math.exp(-1.0))):
+        model, trajs, acc = corrected_round(tmp_path, shift={("a", 1): delta})
+        totals, hits, g = step(model, acc, trajs, mode)
+        shifted = trajs[1]
+        hit = shifted.model_tokens if mode != "token-tis" or delta < 0 else 0  # 1/e is not above the cap
+        assert hits == [0, hit, 0, 0, 0], mode
+        assert shifted.is_weight.tolist() == pytest.approx([factor] * 2), mode
+        # the same update off, with a/1's advantage scaled by the weight (ratio 1: the surrogate is -A·r)
+        for t in trajs:
+            t.is_weight = None
+        a = shifted.advantage
+        shifted.advantage = a * factor
+        model.zero_grad(set_to_none=True)
+        expect = accumulate_gradients(model, acc, [trajs[:2], trajs[2:]], sum(t.model_tokens for t in trajs))
+        g_expect = torch.cat([p.grad.flatten() for p in model.parameters()])
+        assert totals["pg_sum"] == pytest.approx(expect["pg_sum"], rel=1e-5), mode
+        assert torch.allclose(g, g_expect, rtol=1e-4, atol=1e-8), mode
+    with pytest.raises(ValueError, match="rollout correction"):
+        rollout_correction(trajs[0], "tis", 2.0)
+
+
+def test_a_model_token_without_an_engine_logprob_is_refused_unless_off(tmp_path):
+    model, trajs, acc = corrected_round(tmp_path, missing=True)
+    with pytest.raises(RecordError, match="task a sample 1: a model token has no engine log-prob"):
+        rollout_correction(trajs[1], "token-tis", 2.0)
+    assert rollout_correction(trajs[1], "off", 2.0) == 0 and trajs[1].is_weight is None
+
+
+def test_a_cut_trajectory_leaves_its_groups_statistics(tmp_path):
+    """Group a: rewards 1, 0, 0 with a/2 cut (its stop a context limit training alone imposed): its
+    A is 0 and a/0, a/1 are normalised as a group of two (±1), not of three; without the cut (keep)
+    the three count. A group whose members are all cut has nothing to learn."""
+    recs = [rollout("a", 0), rollout("a", 1), rollout("a", 2) | {"stop": "context_limit"},
+            rollout("b", 0) | {"stop": "context_limit"}, rollout("b", 1) | {"stop": "context_limit"}]
+    diags = [diagnosis("a", 0, 1), diagnosis("a", 1, 0), diagnosis("a", 2, 0), diagnosis("b", 0, 1),
+             diagnosis("b", 1, 0)]
+    rp, dp = write(tmp_path / "r.jsonl", recs), write(tmp_path / "d.jsonl", diags)
+    cut = join_trajectories(read_jsonl(rp), read_jsonl(dp), RHO, cut=lambda r: r.get("stop") == "context_limit")
+    assert [t.cut for t in cut] == [False, False, True, True, True]
+    assert [t.advantage for t in cut] == [pytest.approx(1, rel=1e-5), pytest.approx(-1, rel=1e-5), 0, 0, 0]
+    kept = join_trajectories(read_jsonl(rp), read_jsonl(dp), RHO)
+    std = math.sqrt(2) / 3
+    assert [t.advantage for t in kept][:3] == [pytest.approx(a / (std + ADV_EPS)) for a in (2 / 3, -1 / 3, -1 / 3)]
+    assert not any(t.cut for t in kept)
+    assert group_advantages(["b", "b"], [1, 0], cut=[True, True]) == ([0.0, 0.0], ["b"])
+
+
+def test_each_environment_names_its_cuts():
+    """BFCL: bfcl-eval's inference error, and the context limit only where training's context is
+    shorter than evaluation's; its step limit is the policy's. τ²: the user simulator's error, the
+    same context rule; τ²'s step limit and the agent's errors are the policy's."""
+    from common.envs import cut_stops
+
+    bfcl, tau = {"stop": "x"}, {"stop": "x", "env": "tau2:airline"}
+    assert cut_stops(bfcl, True) == {"inference_error", "context_limit"}
+    assert cut_stops(bfcl, False) == {"inference_error"}
+    assert cut_stops(tau, True) == {"user_error", "context_limit"} and cut_stops(tau, False) == {"user_error"}
+    assert not {"step_limit", "done"} & cut_stops(bfcl, True)
+    assert not {"max_steps", "too_many_errors", "agent_error", "user_stop", "agent_stop"} & cut_stops(tau, True)

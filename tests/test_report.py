@@ -31,8 +31,8 @@ def test_report_of_a_live_run(tmp_path, capsys):
         {"reward": 0, "category": "base", "turn_labels": ["missing_tool_call"]},
         {"reward": 0, "category": "miss_func", "turn_labels": ["pass", "missing_tool_call"]},
         {"reward": 1, "category": "miss_func", "turn_labels": ["pass", "missing_tool_call"]}], lines=True)
-    _write(str(r0 / "train_metrics.jsonl"), [{"w_mean": 1.5, "step": 1, "global_step": 1},
-                                             {"w_mean": 1.0, "step": 2, "global_step": 2}], lines=True)
+    _write(str(r0 / "train_metrics.jsonl"), [{"w_mean": 1.5, "step": 1, "global_step": 1, "entropy": 0.5},
+                                             {"w_mean": 1.0, "step": 2, "global_step": 2, "entropy": 0.25}], lines=True)
     _write(str(r0 / "rollout_summary.json"), {"gen_tokens": 123, "cue_tokens": 7})
     _write(str(run / "round_001" / "interface.json"), {})  # Ω of the next round before its rollouts
     scores = {"base": 50.0, "miss_func": 25.0, "miss_param": 0.0, "long_context": 100.0, "average": 43.75}
@@ -44,13 +44,14 @@ def test_report_of_a_live_run(tmp_path, capsys):
     assert rounds[0]["reward"] == 0.5 and rounds[0]["reward_by_category"] == {"base": 0.5, "miss_func": 0.5}
     assert rounds[0]["label_share"]["missing_tool_call"] == 3 / 7
     assert (rounds[0]["w_mean"], rounds[0]["steps"], rounds[0]["global_step"]) == (1.25, 2, 2)
+    assert rounds[0]["entropy"] == 0.375  # the mean of the round's steps
     assert rounds[0]["seconds"]["rollout"] == 2.5 and rounds[0]["seconds"]["eval"] == 0
     assert evals == {"round_000": scores} and base["average"] == 40.0
 
     report.main(str(run))
     text = (run / "report.md").read_text()
     assert capsys.readouterr().out == text + "\n"
-    assert "| 0 | 0.500 | 1.250 | 2 (2) | schema, cap:missing_tool_call | 123 | 7 |" in text
+    assert "| 0 | 0.500 | 1.250 | 0.375 | 2 (2) | schema, cap:missing_tool_call | 123 | 7 |" in text
     assert "| base | 50.00 | 25.00 | 0.00 | 100.00 | 40.00 |" in text
     assert "| 0 | " + " | ".join(f"{RHO[z]:.3f}" for z in LABELS) + " |" in text  # ρ per label, the table
     assert "| round_000 | 50.00 | 25.00 | 0.00 | 100.00 | 43.75 |" in text

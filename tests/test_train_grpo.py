@@ -7,6 +7,9 @@ on a bf16 base, the optimiser state (torch.distributed.checkpoint) carries acros
 (one process, DDP and FSDP2; a killed round reruns to the same state, bit for bit; a bf16
 policy resumes from the float32 master; a 2-process state loads on one process), the KL
 reference stays the initial policy, and bad input stops with file:line and no output.
+Trajectories cut by training's own limits leave the loss, every step logs the policy's entropy and
+the rollout correction's shares, and a record without engine log-probs is refused unless the
+correction is off.
 A multi-process run past its timeout prints every rank's stack (faulthandler, SIGABRT) and is
 killed with its ranks, which torchrun starts in sessions of their own.
 """
@@ -479,6 +482,60 @@ def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_p
     assert abs(m["is_ratio_mean"] - 1) < 1e-3 and abs(m["is_ratio_max"] - 1) < 1e-2, m
 
 
+def edit_record(path, line, change):
+    """Rewrite line `line` (1-based) of a JSONL file with change(record)."""
+    lines = open(path).read().splitlines()
+    rec = json.loads(lines[line - 1])
+    change(rec)
+    lines[line - 1] = json.dumps(rec)
+    open(path, "w").write("\n".join(lines) + "\n")
+
+
+def test_cut_trajectories_leave_the_loss_and_every_step_logs_the_objective(tiny, tmp_path):
+    """t0's sample 1 stopped on the context limit. Under a training context (128) shorter than
+    evaluation's (the tiny model's own 256) it is cut: out of the loss (its tokens in no token-mean)
+    and the round records its share and the stops that cut; --cut keep, or a context as long as
+    evaluation's, trains it. Every step logs the policy's entropy and the correction's shares."""
+    rollouts, diagnoses = make_data(str(tmp_path / "data"))
+    records = read_jsonl(rollouts)
+    line = next(r["_line"] for r in records if (r["task_id"], r["sample_index"]) == ("t0", 1))
+    edit_record(rollouts, line, lambda r: r.update(stop="context_limit"))
+    tokens = sum(sum(r["tokens"]["mask"]) for r in records if r["task_id"] != "t2")  # t2: equal rewards
+    cut_tokens = sum(records[line - 1]["tokens"]["mask"])
+    one_step = [*COMMON[:2], "--mini-batch-tasks", "4", *COMMON[4:]]
+    for name, extra, share, stops, trained in (
+        ("cut", ["--max-model-len", "128"], 1 / 16, ["context_limit", "inference_error"], tokens - cut_tokens),
+        ("keep", ["--max-model-len", "128", "--cut", "keep"], 0.0, [], tokens),
+        ("long", ["--max-model-len", "256", "--rollout-is", "off"], 0.0, ["inference_error"], tokens),
+    ):
+        out = str(tmp_path / name / "policy")
+        ok(run_train(tiny, rollouts, diagnoses, out, *one_step, *extra))
+        (m,) = metrics_of(out)
+        assert (m["cut_share"], m["cut_stops"], m["model_tokens"]) == (pytest.approx(share), stops, trained), name
+        assert 0 < m["entropy"] <= math.log(512) + 1e-4, name  # a distribution over the 512 ids
+        assert 0 <= m["rollout_is_frac"] <= m["rollout_is_seq_frac"] <= 1, name
+        if "off" in extra:
+            assert m["rollout_is_frac"] == m["rollout_is_seq_frac"] == 0
+
+
+def test_a_model_token_without_an_engine_logprob_is_refused(tiny, tmp_path):
+    """The rollout correction needs μ for every model token: a record without one stops the round
+    before any model loads, naming its line; --rollout-is off (the paper's objective) trains on it."""
+    rollouts, diagnoses = make_data(str(tmp_path))
+    edit_record(rollouts, 3, lambda r: r["tokens"]["logprobs"].__setitem__(0, None))  # ids[0] is a model token
+    out = str(tmp_path / "run" / "policy")
+    proc = run_train(tiny, rollouts, diagnoses, out, *COMMON)
+    assert proc.returncode != 0 and not os.path.exists(os.path.dirname(out))
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {rollouts}:3: 1 model token(s) without the engine's log-prob (tokens.logprobs null): the rollout "
+        "correction needs them (--rollout-is off trains without it)")
+    ok(run_train(tiny, rollouts, diagnoses, out, *COMMON, "--rollout-is", "off"))
+    for bad, message in ((["--rollout-is-cap", "1"], "--rollout-is-cap must be above 1"),
+                         (["--clip-high", "0"], "--clip-high be positive")):
+        proc = run_train(tiny, rollouts, diagnoses, str(tmp_path / "bad" / "policy"), *COMMON, *bad)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
 # every file in configs/accelerate/ and the kind of run it asks for (a new file must be added here)
 ACCEL_CONFIGS = {"fsdp_1gpu": "FSDP", "fsdp_2gpu": "FSDP", "fsdp_4gpu": "FSDP", "fsdp_8gpu": "FSDP", "fsdp_cpu": "FSDP",
                  "ddp_cpu2": "MULTI_GPU"}  # fmt: skip
@@ -696,12 +753,13 @@ def test_optimizer_state_carries_across_rounds(tiny, carried, tmp_path):
 
 # A metrics line's fields, in docs/design.md §3's order: an optimiser step's, and the one line
 # of a round with nothing to learn.
-STEP_FIELDS = ["step", "global_step", "epoch", "loss", "pg_loss", "kl", "clip_frac", "dual_clip_frac", "grad_norm",
-               "w_mean", "w_std", "wa_mean", "unplayed_share", "zero_var_share", "reward_mean", "model_tokens",
-               "tokens_per_s", "seconds", "logprob_mismatch", "is_ratio_mean", "is_ratio_max", "temperature",
-               "ref_model", "logprob_seconds", "lr"]
-IDLE_FIELDS = ["step", "global_step", "w_mean", "w_std", "zero_var_share", "reward_mean", "temperature", "ref_model",
-               "logprob_seconds"]
+STEP_FIELDS = ["step", "global_step", "epoch", "loss", "pg_loss", "kl", "clip_frac", "dual_clip_frac", "entropy",
+               "rollout_is_frac", "rollout_is_seq_frac", "grad_norm", "w_mean", "w_std", "wa_mean", "unplayed_share",
+               "zero_var_share", "reward_mean", "model_tokens", "tokens_per_s", "seconds", "logprob_mismatch",
+               "is_ratio_mean", "is_ratio_max", "objective", "cut_share", "cut_stops", "temperature", "ref_model",
+               "logprob_seconds", "lr"]
+IDLE_FIELDS = ["step", "global_step", "w_mean", "w_std", "zero_var_share", "reward_mean", "objective", "cut_share",
+               "cut_stops", "temperature", "ref_model", "logprob_seconds"]
 
 
 def test_round_with_nothing_to_learn_writes_its_input_unchanged(tiny, carried, tmp_path):

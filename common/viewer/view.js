@@ -27,6 +27,9 @@ function load(src) {
   return queue;
 }
 
+// a trajectory train_grpo.py --cut mask left out (its round's train_metrics.jsonl cut_stops)
+const CUT_NOTE = "not the policy's failure under evaluation's rules: left out of the loss and of its group's mean and std";
+
 function h(tag, attrs, ...kids) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
@@ -176,7 +179,8 @@ async function viewRound(t, params) {
     rows.map((r) => h("tr", { class: "traj" },
       h("td", {}, link(`#task/${enc(r.task_id)}`, r.task_id)), num(r.sample_index), h("td", {}, r.category),
       num(r.diagnosis?.reward), num(r.A, 3), num(r.w, 3), num(r.A != null ? r.w * r.A : null, 3),
-      h("td", {}, (r.diagnosis?.turn_labels || []).map(labelChip)), h("td", {}, r.stop ?? "–"),
+      h("td", {}, (r.diagnosis?.turn_labels || []).map(labelChip)),
+      h("td", {}, r.stop ?? "–", r.cut ? h("span", { class: "cut", title: CUT_NOTE }, " cut") : null),
       num(r.tokens?.trained), h("td", { class: "num" }, r.tokens ? `${r.tokens.prompt} + ${r.tokens.ids}` : "–"),
       h("td", {}, link(trajHref(t, r.task_id, r.sample_index), "open")))), { id: "trajectories" }),
   ];
@@ -275,7 +279,8 @@ function trajectoryView(row, task, extra) {
           : `invalid: ${verdict.error_type ?? "?"} at turn ${verdict.turn ?? "?"}`)) : "not diagnosed yet"],
       ["turn labels", (diag.turn_labels || []).map(labelChip)],
       ["stop", [row.stop ?? "–", row.stop === "context_limit" ? " (the prompt was cut at the context limit)" : "",
-        row.inference_error ? ` · inference error: ${row.inference_error}` : ""]],
+        row.inference_error ? ` · inference error: ${row.inference_error}` : "",
+        row.cut ? h("span", { class: "cut" }, ` · cut: ${CUT_NOTE}`) : null]],
       ["decode failure rule", row.decode_failure ?? "–"],
       ["policy", row.policy ?? "–"],
     ].map(([k, v]) => h("tr", {}, h("td", {}, k), h("td", { class: k.replace(/\W/g, "_") }, v))), { class: "kv" }),
