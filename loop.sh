@@ -113,13 +113,13 @@ RECORD=("${RECORD[@]/#call_format=*/call_format=$CALL_FORMAT}")
 # round runs; on CPU a τ² run without one plays against the scripted ScenarioUser (common/tau2.py).
 USER_ARGS=()
 if [ -n "$USER_MODEL" ]; then
-  USER_ARGS=(--user-model "$USER_MODEL")
+  USER_ARGS=(--user-model "$USER_MODEL" --user-tool-parser "$USER_TOOL_PARSER" --user-timeout "$USER_TIMEOUT")
   # on GPUs, beside the policy's server and trainer, in the share the memory plan counts (common/memplan.py)
   if [ -n "$GPU_MEM_GIB" ]; then
     USER_ARGS+=(--user-serve-args "$($PY -c 'import sys; from common.memplan import user_serve_args as a; print(a(sys.argv[1]))' "$MAX_LEN")")
   fi
 elif [ -n "$USER_BASE_URL" ] && [ -n "$USER_MODEL_NAME" ]; then
-  USER_ARGS=(--user-base-url "$USER_BASE_URL" --user-model-name "$USER_MODEL_NAME")
+  USER_ARGS=(--user-base-url "$USER_BASE_URL" --user-model-name "$USER_MODEL_NAME" --user-timeout "$USER_TIMEOUT")
 fi
 DOMAIN=""; [ "$ENV" = bfcl ] || DOMAIN=${ENV#tau2:}
 ENV_USER=("${USER_ARGS[@]+"${USER_ARGS[@]}"}")
@@ -262,7 +262,10 @@ train() {  # train ROUND_DIR POLICY: KL to the round-0 model, one optimiser carr
   "${launch[@]}" train_grpo.py --model "$2" --rollouts "$1/rollouts.jsonl" --diagnoses "$1/diagnoses.jsonl" \
     --interface "$1/interface.json" $REWEIGHT $ADAPTIVE_RHO --lr "$LR" --kl-coef "$KL" --mini-batch-tasks "$MINI_BATCH" \
     --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA ${LORA:+--lora-r "$LORA_RANK"} $EXTRA_TRAIN --seed "$SEED" \
-    --ref-model "$MODEL" --save-optimizer "${state[@]+"${state[@]}"}" --out "$1/policy"
+    --ref-model "$MODEL" --save-optimizer "${state[@]+"${state[@]}"}" --out "$1/policy" \
+    --rollout-is "$ROLLOUT_IS" --rollout-is-cap "$ROLLOUT_IS_CAP" ${CLIP_HIGH:+--clip-high "$CLIP_HIGH"} \
+    --adv-scale "$ADV_SCALE" --ratio-level "$RATIO_LEVEL" --cut "$CUT" --max-model-len "$MAX_LEN" \
+    ${EVAL_LEN:+--eval-len "$EVAL_LEN"}
 }
 
 prune() {  # prune ROUND: what KEEP lets go once round ROUND's policy exists (never the base model)

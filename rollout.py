@@ -5,7 +5,7 @@
         [--seed S] [--max-steps-per-turn 20] [--max-model-len 16384] [--max-new-tokens 1024] \
         [--schedule async|lockstep] [--prompts bfcl|template] [--handler QwenFCHandler] [--server URL[,URL...]]
     python rollout.py --model DIR --tasks tau2:airline:train --out rollouts.jsonl \
-        (--scripted-user | --user-model DIR | --user-base-url URL --user-model-name NAME) [...]
+        (--scripted-user | --user-model DIR | --user-base-url URL --user-model-name NAME) [--user-timeout S] [...]
 
 The defaults of the settings a preset holds (--n, --temperature, lengths, handler, ...) are the
 presets' (common/presets.py): run by hand, the stage plays as the loop plays it.
@@ -34,7 +34,10 @@ tokens served from vLLM's prefix cache.
 common/tau2.py): each episode runs through τ²'s orchestrator against a user simulator (a
 served model, or `--scripted-user`, which needs none), with the model's chat template and
 τ²'s tool schemas, token-in/token-out, and its record holds the same fields plus τ²'s
-transcript, which diagnose.py scores with τ²'s evaluator.
+transcript, which diagnose.py scores with τ²'s evaluator. A user simulator that does not answer a
+request within `--user-timeout` seconds, or still fails after two more tries (a 429, a 5xx), stops
+the stage with a message naming it and writes nothing; on a domain whose user acts through tool
+calls (telecom), one that answers a tool offer with text is refused before any episode plays.
 """
 
 import argparse
@@ -71,9 +74,13 @@ parser.add_argument("--scripted-user", action="store_true",
 parser.add_argument("--user-model", default=None, help="τ² tasks: a user simulator model folder, served here")
 parser.add_argument("--user-base-url", default=None, help="τ² tasks: a user simulator's OpenAI-compatible endpoint")
 parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
+parser.add_argument("--user-tool-parser", default=presets.USER_TOOL_PARSER,
+                    help="vLLM tool-call parser of the served --user-model (hermes for Qwen, llama3_json for Llama 3)")
 parser.add_argument("--user-serve-args", default="", help="extra arguments for the --user-model server, one string")
 parser.add_argument("--user-max-tokens", type=int, default=None,
                     help="cap on each user-simulator message (default: none, as τ²-bench)")
+parser.add_argument("--user-timeout", type=float, default=presets.USER_TIMEOUT,
+                    help="seconds one user-simulator request may wait for its answer; past it the stage stops")
 parser.add_argument("--max-episode-steps", type=int, default=None,
                     help="τ² tasks: orchestrator steps an episode may take (default: τ²'s 200)")
 
@@ -111,10 +118,13 @@ def user_of(args):
                      "--user-model-name NAME")
     if given[2] and not (args.user_base_url and args.user_model_name):
         parser.error("--user-base-url and --user-model-name go together")
+    if not presets.positive(args.user_timeout):
+        parser.error(f"--user-timeout {args.user_timeout:g}: seconds a user-simulator request may wait, above 0")
     if args.scripted_user:
         return "scripted"
     return tau2_env.User(args.user_model, args.user_base_url and args.user_base_url.rstrip("/"), args.user_model_name,
-                         serve_args=args.user_serve_args, max_tokens=args.user_max_tokens)
+                         tool_parser=args.user_tool_parser, serve_args=args.user_serve_args,
+                         max_tokens=args.user_max_tokens, timeout=args.user_timeout)
 
 
 def main(args):

@@ -17,7 +17,7 @@ the compute dtype: 2 (bf16) on GPU, 4 on CPU; T = tokens of the largest micro-ba
 max(MICRO_TOKENS, MAX_LEN), since train_grpo.py puts a longer sequence in a micro-batch alone):
 - rollout server (one vLLM replica per TP GPUs): bf16 weights 2P/TP, the activation peak vLLM
   profiles at its 8192 batched tokens, CUDA context and graphs, and the KV cache, which gets
-  what is left of gpu_memory_utilization (0.9, vLLM's default) and is reported in full contexts
+  what is left of gpu_memory_utilization (0.9, the share loop.sh starts it with) and is reported in full contexts
   of the server's max_model_len (2·layers·kv_heads·head_dim·2 bytes a token). loop.sh serves
   max(MAX_LEN, EVAL_LEN or the model's max_position_embeddings) (server_len): evaluation runs on
   the same server at the model's own context, so the Qwen2.5 presets' server runs at 32,768
@@ -62,7 +62,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
 MARGIN = 0.10  # of GPU memory kept free: fragmentation and what the plan does not count
 OVERHEAD_GIB = 3.0  # CUDA context (~0.5), NCCL buffers (~1), caching-allocator slack
-VLLM_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
+# The policy's server is started with this gpu_memory_utilization (common/serve.py command()), not
+# vLLM's default, which is 0.92 (vllm/config/cache.py, vLLM 0.32 and 0.33).
+VLLM_UTILIZATION = 0.9
+# Each vLLM process's CUDA context: created before vLLM snapshots the GPU's free memory, so it lies
+# outside its gpu_memory_utilization share (vllm/v1/worker/utils.py request_memory: the server
+# refuses to start when less than ceil(total x share) is free at that snapshot).
+VLLM_CUDA_CONTEXT_GIB = 0.5
 VLLM_BATCHED_TOKENS = 8192  # vLLM serve's default max_num_batched_tokens on large GPUs
 VLLM_CONTEXT_GIB = 2.0  # CUDA context and CUDA graphs of a vLLM replica
 # What a vLLM engine asleep at level 2 (loop.sh's train(): weights and KV cache released) still
@@ -76,8 +82,9 @@ VLLM_CONTEXT_GIB = 2.0  # CUDA context and CUDA graphs of a vLLM replica
 # (the server log's line, after `python -m common.serve sleep`), this figure stands.
 VLLM_ASLEEP_GIB = 3.0
 # A τ² user simulator served here (USER_MODEL, with ENV=tau2:DOMAIN or OOD=tau2) runs on the first GPU
-# beside the policy's server, in what that server leaves (1 - 0.9, less slack), and stays awake
-# while the trainer uses the GPU: its whole share counts in every stage's plan. loop.sh starts it
+# beside the policy's server, in what that server leaves (1 - 0.9, less the two CUDA contexts). It
+# lives only inside the stages that play (rollout.py, python -m ood.tau start and stop it), while
+# the policy's server is awake; the trainer and the reference pass never see it. loop.sh starts it
 # with this gpu_memory_utilization and MAX_LEN as its context.
 USER_UTILIZATION = 0.08
 RECOMPUTE = 1.1  # a recomputed layer in backward, over its activations: measured on CPU (tests/test_memplan.py)
@@ -331,8 +338,16 @@ def user_serve_args(max_len):
     return f"--gpu-memory-utilization {USER_UTILIZATION} --max-model-len {max_len}"
 
 
-def USER_TERM(user):  # noqa: N802 - a term, like ASLEEP
-    return ("user simulator's vLLM server, awake (USER_MODEL, its gpu_memory_utilization share)", user.limit, False)
+def first_gpu_plan(gpu_mem):
+    """The first GPU while a stage plays against a USER_MODEL served beside the policy: both servers'
+    shares and their CUDA contexts. The user's server starts second and needs its whole share free
+    at its snapshot, so this must fit the GPU whole (no margin: vLLM's shares are its budgets)."""
+    ctx = VLLM_CUDA_CONTEXT_GIB * GIB
+    return Plan("first GPU while a stage plays: the policy's and the user simulator's vLLM servers", [
+        (f"policy's server: gpu_memory_utilization {VLLM_UTILIZATION}", VLLM_UTILIZATION * gpu_mem, False),
+        (f"user simulator's server: gpu_memory_utilization {USER_UTILIZATION}", USER_UTILIZATION * gpu_mem, False),
+        ("policy's server: CUDA context, outside its share", ctx, False),
+        ("user simulator's server: CUDA context, outside its share", ctx, False)], gpu_mem)
 
 
 def shard(n):
@@ -374,15 +389,16 @@ def settings_plans(p):
     ckpt = "--gradient-checkpointing" in p.extra_train.split()
     lora = "--lora" in p.lora.split()
     tokens, chunk = max(micro, max_len), LOGPROB_CHUNK
-    # a user simulator served here, on the first GPU, awake in every stage
+    # a user simulator served here, on the first GPU beside the policy's server while a stage plays
     user = user_plan(load_arch(p.user_model), gpu_mem, max_len) if served_user(p) else None
-    train = with_user(train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, lora=lora, chunk=chunk), user)
+    train = train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, lora=lora, chunk=chunk)
     return arch, {
         "rollout": rollout_plan(arch, tp, gpu_mem, serve, max_len),
-        "reference": with_user(reference_plan(arch, tokens, gpu_mem, chunk=chunk), user),
+        "reference": reference_plan(arch, tokens, gpu_mem, chunk=chunk),
         "train": train,
-        "full": with_user(train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, chunk=chunk), user) if lora else train,
+        "full": train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, chunk=chunk) if lora else train,
         "user": user,
+        "first_gpu": first_gpu_plan(gpu_mem) if user else None,
     }, dict(nproc=nproc, sharded=sharded, ckpt=ckpt, lora=lora, gpu_mem=gpu_mem, max_len=max_len,
             micro=micro, chunk=chunk, serve=serve, eval_len=eval_len)
 
@@ -390,10 +406,6 @@ def settings_plans(p):
 def served_user(p):
     """Whether loop.sh serves a τ² user simulator here: USER_MODEL, for ENV=tau2:DOMAIN or OOD=tau2."""
     return bool(p.user_model) and (p.env != "bfcl" or "tau2" in p.ood.split())
-
-
-def with_user(plan, user):
-    return plan if user is None else dataclasses.replace(plan, terms=sort(plan.terms + [USER_TERM(user)]))
 
 
 def advice(arch, k):
@@ -484,14 +496,19 @@ def main(argv):
         host = host_check(arch, k)
         sys.exit(f"memplan: {host}" if host else 0)
     rollout, reference, train, user = plans["rollout"], plans["reference"], plans["train"], plans["user"]
+    first = plans["first_gpu"]
     ok = rollout.fits and rollout.contexts >= 1 and reference.fits and train.fits and (
-        user is None or (user.fits and user.contexts >= 1))
+        user is None or (user.fits and user.contexts >= 1 and first.fits))
     if not a.brief:
         print(f"memory plan: {a.preset} {p.model} ({arch.params / 1e9:.2f} B parameters, "
               f"{arch.layers} layers), {k['nproc']} GPU{'s' * (k['nproc'] > 1)} x {p.gpu_mem_gib} GiB, rollouts MAX_LEN={k['max_len']},"
               f" server max_model_len={k['serve']} ({served_from(k, arch)}), MICRO_TOKENS={k['micro']},"
               f" log-prob chunk {k['chunk']}, margin {MARGIN:.0%}, {training(p)}")
-        for plan in (rollout, reference, train) + ((user,) if user else ()):
+        if k["max_len"] < k["serve"]:
+            print(f"training context MAX_LEN={k['max_len']} is shorter than evaluation's {k['serve']} "
+                  f"({served_from(k, arch)}): a rollout that fills it ends as context_limit where evaluation "
+                  "would have gone on")
+        for plan in (rollout, reference, train) + ((user, first) if user else ()):
             print(render(plan, k["gpu_mem"]))
         print(f"host memory at load: {k['nproc']} process{'es' * (k['nproc'] > 1)} x "
               f"{host_load_bytes(arch, 1, k['lora']) / GIB:.2f} GiB ({'bf16 base' if k['lora'] else 'float32 policy'}"
@@ -512,6 +529,10 @@ def main(argv):
               f"policy's server, which leaves it {user.limit / GIB:.1f} GiB of the first GPU (gpu_memory_utilization "
               f"{USER_UTILIZATION}): serve it on other GPUs or another node and name it with USER_BASE_URL and "
               f"USER_MODEL_NAME", file=sys.stderr)
+    if first is not None and not first.fits:
+        print(f"memplan: the policy's and the user simulator's vLLM servers need {first.peak / GIB:.1f} GiB of the "
+              f"first GPU with their CUDA contexts, and it has {p.gpu_mem_gib} GiB: serve USER_MODEL on other GPUs "
+              f"or another node and name it with USER_BASE_URL and USER_MODEL_NAME", file=sys.stderr)
     if rollout.contexts < 1:
         print(f"memplan: the rollout server's KV cache holds {rollout.contexts:.2f} contexts of its max_model_len="
               f"{k['serve']} ({served_from(k, arch)}), and vLLM does not start below one: lower "

@@ -65,6 +65,16 @@ class Preset:
     mini_batch: str = "8"  # tasks per optimiser step, at least
     lr: str = ""  # empty: LR_FULL, or LR_LORA with LORA=--lora (what the run records is the value used)
     kl: str = "0.001"
+    # The objective beyond the paper's (train_grpo.py's flags; docs/design.md §6, "The objective"): the
+    # rollout correction and its cap (ROLLOUT_IS=off: the paper's objective exactly), clip-higher (CLIP_HIGH
+    # empty: the symmetric clip), Dr. GRPO's advantages (ADV_SCALE=none), GSPO's ratio (RATIO_LEVEL=sequence),
+    # and trajectories cut by training's own limits left out of the loss (CUT=keep: trained as failures).
+    rollout_is: str = "token-tis"
+    rollout_is_cap: str = "2"
+    clip_high: str = ""
+    adv_scale: str = "group"
+    ratio_level: str = "token"
+    cut: str = "mask"
     temp: str = "1.0"  # rollouts' sampling temperature
     max_steps: str = "20"  # bfcl-eval's step limit: a turn's 21st step with calls force-quits the task
     max_len: str = "16384"  # rollouts' context
@@ -92,6 +102,13 @@ class Preset:
     user_model: str = ""
     user_base_url: str = ""
     user_model_name: str = ""
+    # Seconds one request to the user simulator may wait for its answer (rollouts and τ² evaluation):
+    # one that does not answer in time stops the stage, naming it; a 429, a 5xx or a refused connection
+    # is tried twice more first (common/tau2.py). vLLM's tool-call parser of the USER_MODEL loop.sh
+    # serves (hermes for Qwen, llama3_json for Llama 3): a parser that is not the model's returns its
+    # calls as text, and on telecom, whose user acts through tool calls, the run is refused before round 0.
+    user_timeout: str = "180"
+    user_tool_parser: str = "hermes"
     # τ² evaluations (ENV=tau2:DOMAIN's test split, the tau2 OOD bench): episodes per task; K > 1 adds
     # pass^1..pass^K to scores.json (τ²'s own pass^k; greedy agent and temperature-0 user, as τ² runs them)
     tau_k: str = "1"
@@ -133,7 +150,10 @@ class Preset:
 
 
 # The values a setting takes, where it takes few.
-CHOICES = {"keep": ("evaluated", "latest", "all"), "prompts": ("bfcl", "template"), "thinking": ("", "1")}
+CHOICES = {"keep": ("evaluated", "latest", "all"), "prompts": ("bfcl", "template"), "thinking": ("", "1"),
+           # train_grpo.py's (common/grpo.py ROLLOUT_IS, ADV_SCALES, RATIO_LEVELS)
+           "rollout_is": ("off", "token-tis", "token-mask", "seq-tis", "seq-mask"), "adv_scale": ("group", "none"),
+           "ratio_level": ("token", "sequence"), "cut": ("mask", "keep")}
 GPU_COUNTS = ("1", "2", "4", "8")  # GPUS: the node sizes configs/accelerate/ has an FSDP file for
 # config.json's keys for the fields whose key is not the field's name: what earlier runs recorded,
 # what a resume compares and what readers of config.json use.
@@ -142,7 +162,7 @@ RECORDED_AS = {"accel_config": "accelerate_config", "temp": "temperature", "max_
 # Settings a rerun may change, and config.json follows: they do not change the loop's results
 # (what stays on disk, which OOD benches run after the last round, which trackers get the figures).
 MAY_CHANGE = {"server", "keep", "report_to", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name",
-              "gpu_mem_gib"}
+              "user_timeout", "user_tool_parser", "gpu_mem_gib"}
 
 # The GPU presets: one vLLM server, data parallel over 4 GPUs x TP 1, for rollouts (a 3-8B model
 # and its KV cache fit one 80 GB GPU; docs/hardware.md §4), then FSDP full fine-tuning with
@@ -215,6 +235,11 @@ LORA_LR = float(LR_LORA)  # train_grpo.py --lr with --lora
 KL_COEF = float(Preset.kl)  # train_grpo.py --kl-coef
 MINI_BATCH_TASKS = int(Preset.mini_batch)  # train_grpo.py --mini-batch-tasks
 MICRO_TOKENS = int(Preset.micro_tokens)  # train_grpo.py --max-tokens-per-micro-batch
+ROLLOUT_IS = Preset.rollout_is  # train_grpo.py --rollout-is
+ROLLOUT_IS_CAP = float(Preset.rollout_is_cap)  # train_grpo.py --rollout-is-cap
+ADV_SCALE = Preset.adv_scale  # train_grpo.py --adv-scale
+RATIO_LEVEL = Preset.ratio_level  # train_grpo.py --ratio-level
+CUT = Preset.cut  # train_grpo.py --cut
 GROUP_SIZE = int(Preset.n)  # rollout.py --n
 TEMPERATURE = float(Preset.temp)  # rollout.py --temperature
 PROMPTS = Preset.prompts  # rollout.py --prompts
@@ -224,10 +249,17 @@ MAX_NEW_TOKENS = int(Preset.max_new)  # rollout.py --max-new-tokens
 MAX_STEPS_PER_TURN = int(Preset.max_steps)  # --max-steps-per-turn
 HANDLER = Preset.bfcl_handler  # --handler
 ENGINE = Preset.engine  # --engine
+USER_TIMEOUT = float(Preset.user_timeout)  # --user-timeout (τ² tasks)
+USER_TOOL_PARSER = Preset.user_tool_parser  # --user-tool-parser (τ² tasks)
 # The tiny preset on ENV=tau2:DOMAIN: the first K tasks of the domain's train split (TRAIN_LIMIT), the
 # ones its model's warm start learnt (common/tiny.py tau2_examples), as data/tiny.jsonl's 8 are on BFCL,
 # and room for a τ² call in MAX_NEW (airline's update_reservation_flights is 100 of the tiny model's tokens).
 TINY_TAU2_TASKS, TINY_TAU2_MAX_NEW = 8, 160
+# A GPU preset's rollout context on ENV=tau2:DOMAIN. The oracle's episodes reach 12.4k tokens (airline,
+# retail; telecom 7.8k) of which the opening prompt is 5.1-7.4k (bench/tau2_context.py with Qwen's
+# tokenizer, docs/benchmarks.md): 16k would leave a served user simulator's longer messages and a
+# policy that explores 1.3x the oracle's longest episode; 32k leaves 2.6x.
+TAU2_MAX_LEN = 32768
 LORA_RANK = 16  # train_grpo.py --lora-r, and the rank the vLLM server is started for
 # Positions projected onto the vocabulary at once (common/grpo.py sequence_logprobs; the memory plan
 # counts one chunk). The log-prob pass peaks at about LOGPROB_CHUNK x vocabulary x 14 bytes in
@@ -260,6 +292,12 @@ def resolve(name, sets=(), found=0):
             raise PresetError(f"{field.upper()}={value}: use {', '.join(words[:-1])} or {words[-1]}")
     if not (preset.tau_k.isdigit() and int(preset.tau_k) >= 1):
         raise PresetError(f"TAU_K={preset.tau_k}: τ²'s trials per task, a whole number from 1")
+    if not positive(preset.user_timeout):
+        raise PresetError(f"USER_TIMEOUT={preset.user_timeout}: seconds a user-simulator request may wait, above 0")
+    if not _number(preset.rollout_is_cap, above=1):
+        raise PresetError(f"ROLLOUT_IS_CAP={preset.rollout_is_cap}: the rollout correction's cap, a number above 1")
+    if preset.clip_high and not _number(preset.clip_high, above=0):
+        raise PresetError(f"CLIP_HIGH={preset.clip_high}: the clip's upper ε, a positive number (empty: CLIP's)")
     if preset.env != "bfcl":
         preset = tau2_env(preset, changes)
     elif "bfcl-heldin" in preset.ood.split():
@@ -269,6 +307,21 @@ def resolve(name, sets=(), found=0):
     if not preset.lr:
         preset = dataclasses.replace(preset, lr=LR_LORA if preset.lora else LR_FULL)
     return preset
+
+
+def _number(text, above):
+    try:
+        return float(text) > above
+    except ValueError:
+        return False
+
+
+def positive(text):
+    """Whether `text` is a number above 0 (finite)."""
+    try:
+        return 0 < float(text) < float("inf")
+    except ValueError:
+        return False
 
 
 def tau2_env(preset, changes):
@@ -289,6 +342,8 @@ def tau2_env(preset, changes):
                           "them: use --set OOD=\"bfcl-heldin bfcl-memory\" (BFCL held-in out of distribution)")
     tiny = {"train_limit": str(TINY_TAU2_TASKS), "max_new": str(TINY_TAU2_MAX_NEW)} \
         if preset.model == "offline-tiny" else {}
+    if preset.gpu_mem_gib and int(preset.max_len) < TAU2_MAX_LEN:
+        tiny["max_len"] = str(TAU2_MAX_LEN)
     return dataclasses.replace(preset, tasks=preset.tasks if "tasks" in changes else f"{preset.env}:train",
                                **{f: v for f, v in tiny.items() if f not in changes})
 
@@ -359,3 +414,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+

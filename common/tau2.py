@@ -30,7 +30,7 @@ import urllib.request
 from concurrent.futures import Future
 
 from common import calls as calls_api
-from common import serve
+from common import presets, serve
 from common.chat import after_stop, kept_output
 from common.jsonl import RecordError
 from common.play import decode
@@ -57,10 +57,11 @@ class User:
     model: str | None = None
     base_url: str | None = None
     name: str | None = None
-    tool_parser: str = "hermes"
+    tool_parser: str = presets.USER_TOOL_PARSER  # vLLM's tool-call parser for the served `model`
     serve_args: str = ""
     start_timeout: int = 900
     max_tokens: int | None = None
+    timeout: float = presets.USER_TIMEOUT  # seconds one request to the simulator may wait for its answer
 
 # ----------------------------------------------------------------------------- τ²-bench
 
@@ -69,6 +70,8 @@ def import_tau2():
     """τ²-bench's modules, imported quietly and without network (the module object is `Tau2`)."""
     # litellm fetches its cost map from the network at import unless told not to.
     os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    import litellm
+    litellm.suppress_debug_info = True  # its "Give Feedback" banner on every failed request
     from loguru import logger
     logger.remove()  # τ²'s registry logs its whole registry at import; keep errors only
     logger.add(sys.stderr, level="ERROR")
@@ -214,25 +217,36 @@ def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
             return out, state
 
     class Simulator(tau2.UserSimulator):
-        """τ²'s user simulator; an output τ²'s orchestrator would raise on ends the episode as USER_ERROR
-        (a simulator that does not answer at all still stops the stage)."""
+        """τ²'s user simulator; an output τ²'s orchestrator would raise on ends the episode as USER_ERROR.
+        Each request waits `llm_args["timeout"]` seconds at most (user_llm_args); a transient failure
+        (a 429, a 5xx, a refused connection) is tried again USER_RETRIES times, an empty answer
+        τ²'s DEFAULT_MAX_RETRIES times as τ²'s own generate() does; an endpoint that still fails,
+        or does not answer in time, stops the stage (RecordError): no score from absent users."""
 
         def generate_next_message(self, message, state):
             import litellm
-            try:
-                out, state = super().generate_next_message(message, state)
-            except (ValueError, TypeError, litellm.BadRequestError) as e:
-                # arguments that are not JSON, a conversation longer than its context: this
-                # episode's simulator failed, the episode ends
-                raise UserError(f"user simulator failed: {type(e).__name__}: {e}") from None
-            except (litellm.APIConnectionError, litellm.Timeout, litellm.ServiceUnavailableError,
-                    litellm.InternalServerError, litellm.NotFoundError, litellm.AuthenticationError) as e:
-                # an endpoint that stopped answering fails the stage: no score from absent users
-                raise RecordError(f"user simulator {self.llm} at {self.llm_args.get('api_base')} "
-                                  f"failed: {type(e).__name__}: {str(e)[:300]}") from None
-            if not (out.has_text_content() or out.is_tool_call()):
-                raise UserError("the user simulator's message is empty")
-            return out, state
+            import openai
+            where = f"user simulator {self.llm} at {self.llm_args.get('api_base')}"
+            kept, failures, empties = len(state.messages), 0, 0
+            while True:
+                del state.messages[kept:]  # τ²'s simulator appends `message` before it asks
+                try:
+                    out, state = super().generate_next_message(message, state)
+                except (ValueError, TypeError, litellm.BadRequestError) as e:
+                    # arguments that are not JSON, a conversation longer than its context: this
+                    # episode's simulator failed, the episode ends
+                    raise UserError(f"user simulator failed: {type(e).__name__}: {e}") from None
+                except openai.OpenAIError as e:  # every error litellm raises, a timeout included
+                    if transient(e) and failures < USER_RETRIES:
+                        time.sleep(retry_wait(failures))
+                        failures += 1
+                        continue
+                    raise RecordError(request_failure(where, e, self.llm_args.get("timeout"), failures)) from None
+                if out.has_text_content() or out.is_tool_call():
+                    return out, state
+                if empties >= tau2.config.DEFAULT_MAX_RETRIES:
+                    raise UserError("the user simulator's message is empty")
+                empties += 1
 
     class ScriptedUser(BaseUser):
         """The oracle's user: performs the gold user actions it is told about, then ends the episode."""
@@ -321,6 +335,14 @@ def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
 
 
 # ----------------------------------------------------------------------------- training rollouts
+
+
+def cut_stops(short_context):
+    """The stops of a τ² rollout that are not the policy's failure under evaluation's rules
+    (common/envs.py): the user simulator's error (USER_ERROR), and the context limit where the
+    rollouts' context is shorter than evaluation's. τ²'s step and error limits and the agent's
+    own errors are evaluation's too: the policy's failures."""
+    return {"user_error"} | ({"context_limit"} if short_context else set())
 
 
 def playable(task):
@@ -415,7 +437,7 @@ def episode_record(row, tokens, sample_index, round_, policy, user, seconds):
         turns[-1]["end"] = stop
     return {"task_id": row["task_id"], "category": row["domain"], "sample_index": sample_index, "round": round_,
             "policy": policy, "interface_version": None, "turns": turns, "stop": stop, "decode_failure": "end_turn",
-            "tokens": tokens, "stats": {"gen_tokens": sum(tokens["mask"]), "cue_tokens": 0, "seconds": round(seconds, 3)},
+            "tokens": tokens, "stats": {"gen_tokens": sum(sum(seg["mask"]) for seg in [tokens, *tokens.get("segments", [])]), "cue_tokens": 0, "seconds": round(seconds, 3)},
             "env": f"tau2:{row['domain']}", "user_simulator": user, "termination": row["termination"],
             "error": row["error"], "transcript": row["transcript"]}
 
@@ -607,6 +629,9 @@ def to_assistant_message(msg, text, fmt, index):
     """
     calls, error = calls_api.parse(text, fmt)
     step = {"text": text, "calls": calls, "parse_error": error}
+    # a thinking model's reasoning is not said to the user (a served model's reasoning parser keeps it
+    # out of the message too); the context keeps it, as the model wrote it
+    text = text.split("</think>")[-1] if "</think>" in text else text
     if calls:
         head = text.split("<tool_call>")[0] if fmt == "json" else ""
         tool_calls = [msg.ToolCall(id=f"call_{index}_{i}", name=c["name"], arguments=c["arguments"])
@@ -649,7 +674,8 @@ class ModelPolicy:
         self.max_model_len, self.max_new_tokens, self.temperature = spec.max_model_len, spec.max_new_tokens, \
             spec.temperature
         self.prompt_ids, self.history, self.last = None, [], None  # last: (history before it, text, stop text kept)
-        self.ids, self.mask, self.logprobs = [], [], []
+        self.ids, self.mask, self.logprobs = [], [], []  # of the current segment
+        self.segments, self.segment_turn = [], 0  # the finished segments (a thinking model's), the turn this one starts at
         self.feedback = []  # per output: the hints appended to what came back from its calls
         self.cue_tokens, self.engine_seconds = 0, 0.0
         self.counts = {"prompt_tokens": 0, "generated_tokens": 0, "generations": 0}
@@ -667,9 +693,18 @@ class ModelPolicy:
         else:
             before, text, stop_text = self.last
             more = self._with_hints(new, text)
-            ids = self.renderer.ids(after_stop(self.renderer.continuation_text(before, text, more), stop_text))
-            self._append(ids, 0, [None] * len(ids))
-            self.history += more
+            try:
+                ids = self.renderer.ids(after_stop(self.renderer.continuation_text(before, text, more), stop_text))
+            except ValueError:
+                # A thinking model's template (Qwen3's) drops the reasoning of earlier assistant
+                # messages once a new user message follows: what the model sees next is no extension
+                # of what it generated. Go on from the template's rendering, in a new segment that
+                # the trainer scores in its own context (docs/design.md §3, as on BFCL).
+                self.history += more
+                self._new_segment(self.renderer.prompt(self.history))
+            else:
+                self._append(ids, 0, [None] * len(ids))
+                self.history += more
         room = self.max_model_len - self.context_len()
         if room <= 0:
             raise GiveUp(f"the conversation fills the context ({self.context_len()} of {self.max_model_len} tokens)")
@@ -717,14 +752,27 @@ class ModelPolicy:
             self.feedback[-1] = "\n".join(hints)
         return msgs
 
+    def _new_segment(self, prompt_ids):
+        """Close the current token segment and start one at `prompt_ids` (at the current user turn)."""
+        self.segments.append(self._segment())
+        turn = sum(1 for m in self.history if m["role"] == "user" and m["content"].strip() and not stops(m["content"]))
+        self.prompt_ids, self.ids, self.mask, self.logprobs = prompt_ids, [], [], []
+        self.segment_turn = max(turn - 1, 0)
+
+    def _segment(self):
+        seg = {"turn": self.segment_turn} if self.segment_turn else {}  # the first starts the episode
+        return seg | {"prompt_ids": self.prompt_ids, "ids": self.ids, "mask": self.mask, "logprobs": self.logprobs}
+
     def tokens(self, transcript):
-        """The record's tokens. An episode that ended before the agent's first output (its user
+        """The record's tokens: the first segment, and `segments` after it when a thinking model's
+        context was re-rendered. An episode that ended before the agent's first output (its user
         simulator failed at once) gets the prompt it would have been shown and nothing generated:
         a sequence the trainer scores as any other, with no token to train."""
         if self.prompt_ids is None:
             self.prompt_ids = self.renderer.prompt([{"role": m["role"], "content": m.get("content") or ""}
                                                     for m in transcript])
-        return {"prompt_ids": self.prompt_ids, "ids": self.ids, "mask": self.mask, "logprobs": self.logprobs}
+        first, *more = self.segments + [self._segment()]
+        return first | ({"segments": more} if more else {})
 
     def _append(self, ids, mask, logprobs):
         self.ids += ids
@@ -840,9 +888,54 @@ class Batcher:
                     job[3].set_exception(RuntimeError("the engine is closed"))
 
 
-def user_llm_args(max_tokens, url):
-    """litellm arguments of the user simulator: τ²'s defaults (temperature 0, 3 retries), plus ours."""
-    out = {"temperature": 0.0, "num_retries": 3, "api_base": url, "api_key": "EMPTY"}
+# A request to the user simulator that fails for a passing reason (a refused or dropped connection, a
+# 429, a 5xx) is tried again this many times, 1 s and then 4 s later; one that times out is not.
+USER_RETRIES = 2
+TOOL_PARSERS = "hermes for Qwen, llama3_json for Llama 3"
+TOOL_CHECK = ("You are checking a tool-calling setup. Call the tool you are asked to call through the "
+              "function-calling interface, with no other text.")
+
+
+def retry_wait(failures):
+    return 4 ** failures
+
+
+def timed_out(e):
+    import openai
+    return isinstance(e, (openai.APITimeoutError, TimeoutError)) or isinstance(getattr(e, "reason", None), TimeoutError)
+
+
+def transient(e):
+    """Whether a user-simulator request that failed with `e` (litellm's, or urllib's) is worth another
+    try: a refused or dropped connection, a 408, 409, 429 or 5xx; not a timeout (the endpoint had its
+    whole timeout), not a refusal of the request itself."""
+    import openai
+    if timed_out(e):
+        return False
+    if isinstance(e, urllib.error.HTTPError):
+        status = e.code
+    elif isinstance(e, (openai.APIConnectionError, urllib.error.URLError, ConnectionError)):
+        return True
+    else:
+        status = getattr(e, "status_code", None)
+    return isinstance(status, int) and (status in (408, 409, 429) or status >= 500)
+
+
+def request_failure(where, e, timeout, failures):
+    """The stage's error for a request to the user simulator `where` that failed for good."""
+    if timed_out(e):
+        return f"{where} did not answer within {timeout:g} s (--user-timeout, USER_TIMEOUT)"
+    tries = f" after {failures + 1} tries" if failures else ""
+    if isinstance(e, urllib.error.HTTPError):
+        return f"{where} failed{tries}: HTTP {e.code} ({_error_text(e)[:300]})"
+    text = " ".join(str(e).split())
+    return f"{where} failed{tries}: {text if type(e).__name__ in text else f'{type(e).__name__}: {text}'}"[:500]
+
+
+def user_llm_args(max_tokens, url, timeout=presets.USER_TIMEOUT):
+    """litellm arguments of the user simulator: τ²'s temperature 0, `timeout` seconds a request, and
+    no retries of litellm's own (the Simulator retries, common/tau2.py _classes)."""
+    out = {"temperature": 0.0, "num_retries": 0, "timeout": timeout, "api_base": url, "api_key": "EMPTY"}
     if max_tokens:
         out["max_tokens"] = max_tokens
     return out
@@ -853,12 +946,36 @@ def _get(url, timeout):
         return r.status, r.read()
 
 
+def _post(url, body, timeout):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": "Bearer EMPTY"})
+    with urllib.request.urlopen(request, timeout=timeout) as r:  # noqa: S310 - localhost or the user's own URL
+        return r.read()
+
+
+def _error_text(e):
+    """An HTTPError's message: the OpenAI error body's, else its reason (read once, then kept on `e`)."""
+    if not hasattr(e, "seal_text"):
+        try:
+            body = json.loads(e.read())
+            text = body["error"]["message"] if isinstance(body.get("error"), dict) else \
+                body.get("message") or body["error"]
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):
+            text = e.reason
+        e.seal_text = " ".join(str(text).split())
+    return e.seal_text
+
+
 def check_endpoint(url, name, timeout=10):
     """The endpoint answers /models within `timeout` seconds and serves `name`; RecordError otherwise."""
     try:
         status, body = _get(f"{url}/models", timeout)
+    except urllib.error.HTTPError as e:
+        raise RecordError(f"user simulator at {url} answers /models with HTTP {e.code} ({_error_text(e)[:300]}); "
+                          f"is it an OpenAI-compatible base URL ending in /v1?") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise RecordError(f"user simulator at {url} does not answer ({getattr(e, 'reason', e)}); "
+        why = f"within {timeout:g} s" if timed_out(e) else f"({getattr(e, 'reason', e)})"
+        raise RecordError(f"user simulator at {url} does not answer {why}; "
                           f"is it an OpenAI-compatible base URL ending in /v1?") from None
     try:
         served = [m["id"] for m in json.loads(body)["data"]]
@@ -868,26 +985,84 @@ def check_endpoint(url, name, timeout=10):
         raise RecordError(f"user simulator at {url} does not serve {name!r} (it serves {', '.join(served)})")
 
 
+def user_tools(domain):
+    """The tools τ²'s `domain` gives its user (telecom's act on the phone), or [] (airline, retail)."""
+    from tau2.registry import registry
+    try:
+        return registry.get_env_constructor(domain)().get_user_tools()
+    except ValueError:  # τ²'s "User tools not available"
+        return []
+
+
+def check_tool_calls(url, name, domain, tools, timeout, parser=None):
+    """The user simulator at `url` answers a tool offer (`tools`, the user tools of `domain`, offered
+    as τ²'s simulator offers them: tool_choice auto) with a tool call, or RecordError naming what to
+    set: a vLLM server without --enable-auto-tool-choice refuses the offer, and one whose tool-call
+    parser is not the model's returns the calls as text, which would score every episode 0.
+    `parser`: the one of a model served here (User.tool_parser), else None (an endpoint)."""
+    schemas = [t.openai_schema for t in tools]
+    asked = next((s for s in schemas if not s["function"]["parameters"].get("required")), schemas[0])["function"]
+    body = {"model": name, "tools": schemas, "tool_choice": "auto", "temperature": 0.0, "max_tokens": 1024,
+            "messages": [{"role": "system", "content": TOOL_CHECK},
+                         {"role": "user", "content": f"Call the tool {asked['name']} now."}]}
+    where = f"user simulator {name} at {url}"
+    why = f"τ²'s {domain} user acts through tool calls; without them every {domain} episode scores 0"
+    fix = (f"set --user-tool-parser (USER_TOOL_PARSER) to the model's vLLM tool-call parser ({TOOL_PARSERS}; "
+           f"it is served with --enable-auto-tool-choice --tool-call-parser {parser}); a model that does not "
+           f"call tools cannot play the {domain} user") if parser else \
+        f"start its vLLM server with --enable-auto-tool-choice and the model's --tool-call-parser ({TOOL_PARSERS})"
+    failures = 0
+    while True:
+        try:
+            answer = _post(f"{url}/chat/completions", body, timeout)
+            break
+        except (urllib.error.URLError, OSError) as e:
+            if transient(e) and failures < USER_RETRIES:
+                time.sleep(retry_wait(failures))
+                failures += 1
+                continue
+            if isinstance(e, urllib.error.HTTPError) and e.code == 400 and "tool" in (text := _error_text(e)).lower():
+                raise RecordError(f"{where} refuses a tool offer (HTTP 400: {text[:300]}): {why}; {fix}") from None
+            raise RecordError(request_failure(where, e, timeout, failures)) from None
+    try:
+        message = json.loads(answer)["choices"][0]["message"]
+        calls, said = message.get("tool_calls"), " ".join(str(message.get("content") or "").split())
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise RecordError(f"{where}: its answer to a chat request is not an OpenAI chat completion") from None
+    if not calls:
+        raise RecordError(f"{where} answers a tool offer with text, not a tool call ({said[:200]!r}): {why}; {fix}")
+
+
 @contextlib.contextmanager
-def user_simulator(user, log):
-    """(settings, ready) of `user`'s simulator (a User; None: the scripted ScenarioUser, SCENARIO):
-    a local model is served for the block (its log at `log`), and ready() waits until it answers,
-    so that the agent's engine can start while it loads; an endpoint must answer first."""
+def user_simulator(user, log, domains=()):
+    """(settings, ready) of `user`'s simulator (a User; None: the scripted ScenarioUser, SCENARIO)
+    for episodes of `domains`: a local model is served for the block (its log at `log`), and ready()
+    waits until it answers, so that the agent's engine can start while it loads; an endpoint must
+    answer first. Where a domain's user has tools (telecom), the simulator must answer a tool offer
+    with a tool call (check_tool_calls): an endpoint before the block, a served model in ready()."""
     if user is None:
         yield SCENARIO, lambda: None
         return
+    acting = next(((d, tools) for d in domains if (tools := user_tools(d))), None)
     with contextlib.ExitStack() as stack:
-        ready = lambda: None  # noqa: E731
         if user.model:
-            state, ready = stack.enter_context(serve_user(user, log))
+            state, wait = stack.enter_context(serve_user(user, log))
             url, name = state["url"] + "/v1", state["settings"]["served_name"]
             user_sim = {"kind": "vllm OpenAI server", "model": os.path.abspath(user.model), "name": name,
                         "base_url": url}
+
+            def ready():
+                wait()
+                if acting:
+                    check_tool_calls(url, name, *acting, user.timeout, parser=user.tool_parser)
         else:
             url, name = user.base_url.rstrip("/"), user.name
-            check_endpoint(url, name)
+            check_endpoint(url, name, user.timeout)
+            if acting:
+                check_tool_calls(url, name, *acting, user.timeout)
             user_sim = {"kind": "endpoint", "name": name, "base_url": url}
-        yield user_sim | {"llm_args": user_llm_args(user.max_tokens, url)}, ready
+            ready = lambda: None  # noqa: E731
+        yield user_sim | {"llm_args": user_llm_args(user.max_tokens, url, user.timeout)}, ready
 
 
 def user_server_args(user):

@@ -22,7 +22,10 @@ The user simulator is a real model reached through litellm as an OpenAI-compatib
 endpoint: one the user runs (`--user-base-url`), or `--user-model DIR` served here by
 vLLM's OpenAI server on a free localhost port with tool calling on (telecom's user
 has tools), stopped however the run ends. Its name goes into scores.json and next
-to every printed score. `--policy oracle` needs none: a scripted agent replays the
+to every printed score. A request it does not answer within `--user-timeout` seconds, or that
+still fails after two more tries (a 429, a 5xx), stops the run with a message naming it, and
+nothing is written; where a domain's user has tools (telecom), a simulator that answers a tool
+offer with text is refused before any episode plays (docs/ood.md §4). `--policy oracle` needs none: a scripted agent replays the
 task's gold assistant actions (as model text, through the same decoder) and tells
 the user about each gold user action, which a scripted user performs with its own
 tools; the agent then writes the task's communicate_info, and the user ends the
@@ -38,7 +41,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from common import playargs
+from common import playargs, presets
 from common.jsonl import RecordError, write_json, write_jsonl
 from common.play import TrajectoryFailed
 from common.scores import mean, percent_by_group
@@ -58,7 +61,8 @@ parser = argparse.ArgumentParser(prog="python -m ood.tau", description=__doc__.s
 parser.add_argument("--policy", required=True, help="policy folder, or 'oracle' (the gold actions, a scripted user)")
 parser.add_argument("--out", required=True, help="output folder")
 parser.add_argument("--domain", default=None,
-                    help="τ²-bench domain: one of its registry (default: retail, airline and telecom)")
+                    help="τ²-bench domain: one of its registry, or several, comma-separated (default: retail, "
+                         "airline and telecom)")
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per domain")
 parser.add_argument("--split", default=None, choices=["train", "test", "base"],
                     help="τ²'s own task split (default: the paper's set: base for telecom, every task otherwise)")
@@ -68,12 +72,14 @@ parser.add_argument("--scripted-user", action="store_true",
 parser.add_argument("--user-model", default=None, help="user simulator: a local model folder, served with vllm serve")
 parser.add_argument("--user-base-url", default=None, help="user simulator: an OpenAI-compatible endpoint")
 parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
-parser.add_argument("--user-tool-parser", default="hermes",
-                    help="vLLM tool-call parser of the served --user-model (hermes for Qwen, llama3_json for Llama)")
+parser.add_argument("--user-tool-parser", default=presets.USER_TOOL_PARSER,
+                    help="vLLM tool-call parser of the served --user-model (hermes for Qwen, llama3_json for Llama 3)")
 parser.add_argument("--user-serve-args", default="", help="extra arguments for the --user-model server, one string")
 parser.add_argument("--user-start-timeout", type=int, default=900, help="seconds to wait for the user server")
 parser.add_argument("--user-max-tokens", type=int, default=None,
                     help="cap on each user-simulator message (default: none, as τ²-bench)")
+parser.add_argument("--user-timeout", type=float, default=presets.USER_TIMEOUT,
+                    help="seconds one user-simulator request may wait for its answer; past it the run stops")
 parser.add_argument("--max-episode-steps", type=int, default=200, help="orchestrator steps per task (τ²'s default)")
 parser.add_argument("--trials", type=int, default=1,
                     help="episodes per task (τ²'s num_trials): scores.json gets pass^1..pass^K")
@@ -107,8 +113,14 @@ def main(argv=None):
         parser.error("--limit must be at least 1")
     if args.concurrency < 1 or args.trials < 1:
         parser.error("--concurrency and --trials must be at least 1")
+    if not presets.positive(args.user_timeout):
+        parser.error(f"--user-timeout {args.user_timeout:g}: seconds a user-simulator request may wait, above 0")
+    domains = args.domain.split(",") if args.domain else list(DOMAINS)
+    if not all(domains) or len(set(domains)) < len(domains):
+        parser.error(f"--domain {args.domain}: τ² domains, comma-separated, each once")
     user = User(args.user_model, args.user_base_url and args.user_base_url.rstrip("/"), args.user_model_name,
-                args.user_tool_parser, args.user_serve_args, args.user_start_timeout, args.user_max_tokens)
+                args.user_tool_parser, args.user_serve_args, args.user_start_timeout, args.user_max_tokens,
+                args.user_timeout)
 
     def engine():
         return playargs.open_engine(args, args.policy, max_model_len=spec.max_model_len, seed=0,
@@ -117,7 +129,7 @@ def main(argv=None):
     if args.scripted_user:
         user = "scripted"
     return evaluate(args.out, args.policy, spec, None if oracle else user, None if oracle else engine,
-                    domains=[args.domain] if args.domain else list(DOMAINS), limit=args.limit,
+                    domains=domains, limit=args.limit,
                     concurrency=args.concurrency, max_episode_steps=args.max_episode_steps, split=args.split,
                     trials=args.trials)
 
@@ -135,7 +147,7 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
             user_sim, players = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, tau2.oracle
         else:
             user_sim, user_ready = stack.enter_context(
-                user_simulator(None if user == "scripted" else user, os.path.join(out, "user-server.log")))
+                user_simulator(None if user == "scripted" else user, os.path.join(out, "user-server.log"), domains))
             # the agent's engine starts while the user's server loads
             agent = stack.enter_context(engine())
             if concurrency > 1:

@@ -340,18 +340,49 @@ def test_a_user_model_served_beside_the_policy_is_planned(tmp_path):
         "tie_word_embeddings": True, "max_position_embeddings": 32768}))
     res = loop("qwen7b", "--plan", "--set", "ENV=tau2:retail", "--set", f"USER_MODEL={small}")
     assert res.returncode == 0 and "user simulator server (vLLM, USER_MODEL, gpu_memory_utilization 0.08)" in res.stdout
-    awake = "user simulator's vLLM server, awake"
-    assert train_terms(res.stdout).count(awake) == 1
-    assert f"{memplan.USER_UTILIZATION * 79:.2f} GiB  {awake}" in res.stdout
-    without = loop("qwen7b", "--plan")
-    peak = re.findall(r"([\d.]+) GiB  peak", train_terms(res.stdout))[0]
-    peak_without = re.findall(r"([\d.]+) GiB  peak", train_terms(without.stdout))[0]
-    assert abs(float(peak) - float(peak_without) - memplan.USER_UTILIZATION * 79) < 0.02
+    # it lives only inside the stages that play: the train stage and the reference pass are as without it
+    without = loop("qwen7b", "--plan", "--set", "ENV=tau2:retail", "--set", "USER_BASE_URL=http://h/v1",
+                   "--set", "USER_MODEL_NAME=u")
+    assert "user simulator" not in train_terms(res.stdout).split("user simulator server")[0]
+    assert res.stdout.split("train stage")[1].split("user simulator server")[0] == \
+        without.stdout.split("train stage")[1].split("host memory")[0]
+    # the first GPU while a stage plays: both shares and both CUDA contexts, within the GPU
+    first = res.stdout.split("first GPU while a stage plays")[1]
+    assert "71.10 GiB  policy's server: gpu_memory_utilization 0.9" in first
+    assert "6.32 GiB  user simulator's server: gpu_memory_utilization 0.08" in first
+    assert first.count("0.50 GiB") == 2 and "78.42 GiB  peak of 79 GiB (limit 79.0): fits" in first
     res = loop("qwen7b", "--plan", "--set", "ENV=tau2:retail", "--set", "USER_MODEL=Qwen/Qwen2.5-7B-Instruct")
     assert res.returncode == 3 and "serve it on other GPUs or another node" in res.stderr
     assert "USER_BASE_URL and USER_MODEL_NAME" in res.stderr
     res = loop("qwen7b", "--plan", "--set", "ENV=tau2:retail")
     assert res.returncode == 2 and "ENV=tau2:retail needs a user simulator" in res.stderr
+
+
+@pytest.mark.parametrize("sets", [["GPUS=1", "LORA=--lora"], ["GPUS=4"]])
+def test_the_first_gpu_holds_both_servers_and_their_cuda_contexts(tmp_path, sets):
+    """qwen3-4b on τ² retail with a small USER_MODEL, on 1 x 80 GB (LoRA) and 4 x 80 GB: the plan shows
+    the first GPU's total while a stage plays; at vLLM's default share for the policy (0.92) it would
+    not fit, and on a 40 GB GPU the two CUDA contexts do not fit beside the two shares: refused."""
+    small = tmp_path / "user"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
+        "tie_word_embeddings": True, "max_position_embeddings": 32768}))
+    args = ["qwen3-4b", "--plan", "--set", "ENV=tau2:retail", "--set", f"USER_MODEL={small}"]
+    for s in sets:
+        args += ["--set", s]
+    res = loop(*args)
+    first = res.stdout.split("first GPU while a stage plays")[1].split("host memory")[0]
+    assert res.returncode == 0 and "78.42 GiB  peak of 79 GiB (limit 79.0): fits" in first, res.stdout + res.stderr
+    assert memplan.first_gpu_plan(79 * memplan.GIB).fits
+    import dataclasses
+    default = memplan.first_gpu_plan(79 * memplan.GIB)
+    default = dataclasses.replace(default, terms=[(n, 0.92 * 79 * memplan.GIB if "policy's server: gpu" in n else b, t)
+                                                  for n, b, t in default.terms])
+    assert not default.fits  # what vLLM's default would have asked for
+    res = loop(*args, "--set", "GPU_MEM_GIB=40")
+    assert res.returncode == 3 and "need 40.2 GiB of the first GPU with their CUDA contexts" in res.stderr, res.stderr
 
 
 def test_the_user_server_gets_the_share_and_context_its_plan_counts():
@@ -365,5 +396,13 @@ def test_the_user_server_gets_the_share_and_context_its_plan_counts():
                      "0.08", "--max-model-len", "16384"]
     argv, _ = serve.command("/m/Qwen2.5-1.5B-Instruct", port=8123, cpu=False, extra=extra)
     assert argv[-len(extra):] == extra and "--gpu-memory-utilization" not in argv[:-len(extra)]
+    # the policy's server on GPUs: the share the plan counts (0.9), whatever vLLM's default (0.92)
+    argv, _ = serve.command("/m/qwen3-4b", port=8000, cpu=False, max_model_len=16384, sleep_mode=True)
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == str(memplan.VLLM_UTILIZATION) == "0.9"
+    import dataclasses
+
+    from vllm.config.cache import CacheConfig
+    (field,) = [f for f in dataclasses.fields(CacheConfig) if f.name == "gpu_memory_utilization"]
+    assert field.default.default == 0.92  # vLLM's own: what the server took before it was given 0.9
     script = open(os.path.join(ROOT, "loop.sh")).read()
     assert "from common.memplan import user_serve_args" in script

@@ -71,9 +71,19 @@ def test_a_stage_run_by_hand_takes_the_presets_defaults():
         assert (args.engine, args.handler, args.max_steps_per_turn, args.call_format) == (
             d.engine, d.bfcl_handler, int(d.max_steps), d.call_format)
     assert (ev.max_model_len, ev.max_new_tokens) == (None, playargs.BFCL_MAX_NEW_TOKENS)
+    from ood import tau
+    for args in (roll, tau.parser.parse_args(["--policy", "oracle", "--out", "o"])):  # the τ² user simulator's
+        assert (args.user_timeout, args.user_tool_parser) == (float(d.user_timeout), d.user_tool_parser)
     train = train_grpo.parser.parse_args(["--model", "m", "--rollouts", "r", "--diagnoses", "d", "--out", "o"])
     assert (train.kl_coef, train.mini_batch_tasks, train.max_tokens_per_micro_batch, train.lora_r) == (
         float(d.kl), int(d.mini_batch), int(d.micro_tokens), presets.LORA_RANK)
+    # the objective: the presets' values, and the same choices as the trainer's (common/grpo.py)
+    assert (train.rollout_is, train.rollout_is_cap, train.clip_high, train.adv_scale, train.ratio_level, train.cut,
+            train.max_model_len) == (d.rollout_is, float(d.rollout_is_cap), None, d.adv_scale, d.ratio_level, d.cut,
+                                     int(d.max_len))
+    choices = {a.dest: tuple(a.choices) for a in train_grpo.parser._actions if a.choices}
+    for field in ("rollout_is", "adv_scale", "ratio_level", "cut"):
+        assert presets.CHOICES[field] == choices[field], field
 
 
 def test_set_overrides_one_variable_and_refuses_what_is_not_one():
@@ -89,6 +99,10 @@ def test_set_overrides_one_variable_and_refuses_what_is_not_one():
                           (["tiny", "--set", "KEEP=some"], "KEEP=some: use evaluated, latest or all"),
                           (["tiny", "--set", "PROMPTS=chat"], "PROMPTS=chat: use bfcl or template"),
                           (["tiny", "--set", "THINKING=yes"], "THINKING=yes: use '' or 1"),
+                          (["tiny", "--set", "ROLLOUT_IS=tis"], "ROLLOUT_IS=tis: use off, token-tis, token-mask"),
+                          (["tiny", "--set", "ROLLOUT_IS_CAP=1"], "ROLLOUT_IS_CAP=1: the rollout correction's cap"),
+                          (["tiny", "--set", "CLIP_HIGH=x"], "CLIP_HIGH=x: the clip's upper ε"),
+                          (["tiny", "--set", "CUT=drop"], "CUT=drop: use mask or keep"),
                           (["qwen7b", "--set", "GPUS=0"], "GPUS=0: a GPU preset runs on 1, 2, 4 or 8 GPUs; the preset "
                                                           "that runs on CPU is tiny"),
                           (["qwen7b", "--set", "GPUS=3"], "GPUS=3: a GPU preset runs on 1, 2, 4 or 8 GPUs"),
@@ -163,7 +177,12 @@ PAPER = dict(rounds="18", eval_every="6", engine="vllm", server="", gpus="", tp=
              n="8", mini_batch="8", lr="", kl="0.001", temp="1.0", max_steps="20", max_len="16384",
              max_new="1024", train_limit="", eval_limit="", keep="evaluated", tasks="data/train.jsonl", seed="0",
              ood="", ood_limit="", prompts="bfcl", eval_len="", eval_new="", thinking="", report_to="none",
-             bfcl_model="", call_format="", env="bfcl", tau_k="1")
+             bfcl_model="", call_format="", env="bfcl", tau_k="1",
+             # beyond the paper, in every preset: the rollout correction that drops nothing (docs/design.md §6)
+             rollout_is="token-tis", rollout_is_cap="2", clip_high="", adv_scale="group", ratio_level="token",
+             cut="mask",
+             # the τ² user simulator's requests and a served USER_MODEL's tool-call parser
+             user_timeout="180", user_tool_parser="hermes")
 FOUR_GPUS = dict(nproc="4", dp="4", accel_config="configs/accelerate/fsdp_4gpu.yaml", gpu_mem_gib="79",
                  extra_train="--gradient-checkpointing")
 EXPECTED = {
@@ -264,8 +283,17 @@ def test_env_tau2_plays_a_domains_train_split_and_checks_its_user():
     tiny = presets.resolve("tiny", ["ENV=tau2:airline"])
     assert (tiny.train_limit, tiny.max_new) == (str(presets.TINY_TAU2_TASKS), str(presets.TINY_TAU2_MAX_NEW))
     assert presets.resolve("tiny", ["ENV=tau2:airline", "TRAIN_LIMIT=3", "MAX_NEW=64"]).train_limit == "3"
-    assert presets.resolve("qwen3-4b", ["ENV=tau2:airline", "GPUS=4", "USER_BASE_URL=http://h/v1",
-                                        "USER_MODEL_NAME=u"]).train_limit == ""
+    user = ["USER_BASE_URL=http://h/v1", "USER_MODEL_NAME=u"]
+    gpu = presets.resolve("qwen3-4b", ["ENV=tau2:airline", "GPUS=4", *user])
+    assert gpu.train_limit == ""
+    # a GPU preset's training context on τ²: sized from the oracle's episodes (bench/tau2_context.py)
+    assert gpu.max_len == str(presets.TAU2_MAX_LEN) == "32768" and presets.resolve("qwen3-4b", ["GPUS=4"]).max_len == "16384"
+    assert presets.resolve("qwen3-4b", ["ENV=tau2:airline", "GPUS=4", "MAX_LEN=20000", *user]).max_len == "20000"
+    assert presets.resolve("tiny", ["ENV=tau2:airline"]).max_len == presets.resolve("tiny").max_len
+    res = subprocess.run(["bash", "loop.sh", "qwen3-4b", "--plan", "--set", "ENV=tau2:retail", "--set", "GPUS=4",
+                          *[w for u in user for w in ("--set", u)]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and ("training context MAX_LEN=32768 is shorter than evaluation's 262144 (the model's "
+                                    "own, max_position_embeddings=262144)") in res.stdout, res.stdout + res.stderr
     for sets, message in [(["ENV=tau2"], "use bfcl or tau2:DOMAIN"),
                           (["ENV=tau2:airline", "TAU_K=0"], "TAU_K=0: τ²'s trials per task"),
                           (["ENV=tau2:airline", "OOD=bfcl-memory tau2"], "OOD=tau2 scores the τ² domains"),

@@ -7,6 +7,7 @@ contract is asserted (records, the simulator named, rewards in [0, 1], no server
 running), never what the tiny model says.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -130,21 +131,30 @@ def _servers(model, port=None):
 
 
 def test_tiny_model_plays_each_domain_against_served_user(tmp_path, tiny_model, tiny_server):
-    """Three episodes at once (their agent outputs batched), rows still in domain order. The
+    """Two episodes at once (their agent outputs batched), rows still in domain order. The
     agent plays on the session's server; the user simulator's server is the stage's own,
-    started and stopped by it."""
+    started and stopped by it. Telecom's user acts through tool calls, which the tiny model
+    does not write: served as the user there, it is refused before any episode, naming
+    --user-tool-parser, and its server is stopped."""
+    import re
     out = tmp_path / "tiny"
+    args = ["--policy", tiny_model, "--server", tiny_server, "--user-model", tiny_model, "--limit", "1",
+            "--engine", "vllm", "--max-new-tokens", "24", "--user-max-tokens", "24", "--max-episode-steps", "4",
+            "--max-model-len", "16384", "--out", str(out)]
+    res = evaluate(*args, "--domain", "telecom", timeout=900)
+    assert res.returncode == 1 and "answers a tool offer with text, not a tool call" in res.stderr, res.stderr[-4000:]
+    assert "--user-tool-parser (USER_TOOL_PARSER)" in res.stderr and "--tool-call-parser hermes" in res.stderr
+    assert "Traceback" not in res.stderr and not (out / "results.jsonl").exists() and not (out / "scores.json").exists()
+    port = int(re.search(r"at http://127\.0\.0\.1:(\d+)/v1 answers", res.stderr).group(1))
+    assert not _servers(tiny_model, port)
     t0 = time.perf_counter()
-    res = evaluate("--policy", tiny_model, "--server", tiny_server, "--user-model", tiny_model, "--limit", "1",
-                   "--engine", "vllm",
-                   "--max-new-tokens", "24", "--user-max-tokens", "24", "--max-episode-steps", "4",
-                   "--max-model-len", "16384", "--concurrency", "3", "--out", str(out), timeout=900)
+    res = evaluate(*args, "--domain", "retail,airline", "--concurrency", "2", timeout=900)
     seconds = time.perf_counter() - t0
     assert res.returncode == 0, res.stderr[-4000:]
     rows, scores = read_out(out)
     port = urllib.parse.urlparse(scores["user_simulator"]["base_url"]).port
     assert not _servers(tiny_model, port)  # the server ood/tau.py started is gone
-    assert [r["domain"] for r in rows] == ["retail", "airline", "telecom"]
+    assert [r["domain"] for r in rows] == ["retail", "airline"]
     for r in rows:
         assert ROW_KEYS <= set(r) and 0.0 <= r["reward"] <= 1.0
         assert r["agent_steps"] and r["tokens"]["generations"] == len(r["agent_steps"])
@@ -153,7 +163,7 @@ def test_tiny_model_plays_each_domain_against_served_user(tmp_path, tiny_model, 
     assert sim["model"] == os.path.abspath(tiny_model) and sim["base_url"].startswith("http://127.0.0.1:")
     assert sim["kind"].startswith("vllm")
     assert sim["llm_args"]["temperature"] == 0.0 and sim["llm_args"]["max_tokens"] == 24
-    assert all(0.0 <= scores[d] <= 100.0 for d in ("retail", "airline", "telecom", "average"))
+    assert all(0.0 <= scores[d] <= 100.0 for d in ("retail", "airline", "average"))
     assert f"user simulator: {os.path.abspath(tiny_model)} at http://127.0.0.1:" in res.stdout
     print(f"tiny agent vs tiny user, 1 task per domain: {seconds:.0f} s, scores {scores}")
 
@@ -208,3 +218,199 @@ def test_user_endpoint_that_stops_answering_fails_the_stage(tau2):
     greeting = tau2.msg.AssistantMessage(role="assistant", content="Hi! How can I help you today?")
     with pytest.raises(tau.RecordError, match="user simulator openai/u at http://127.0.0.1:[0-9]+/v1 failed"):
         user.generate_next_message(greeting, user.get_init_state())
+
+
+# ----------------------------------------------------------------------------- user endpoints that fail
+
+
+class FakeUser:
+    """A local OpenAI-compatible endpoint (a real HTTP server in a thread) serving the model "u":
+    /v1/models lists it; /v1/chat/completions answers as `mode` says: "text" (a user's message, or
+    ###STOP### once the agent has spoken, whatever tools it is offered), "429" or "500" (an OpenAI
+    error body), "hang" (holds the request, never answering). `chats`: when each chat request came."""
+
+    def __init__(self, mode):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        fake, self.mode, self.chats, self.release = self, mode, [], threading.Event()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path.rstrip("/") != "/v1/models":
+                    return self.reply(404, {"error": {"message": "no such route"}})
+                self.reply(200, {"object": "list", "data": [{"id": "u", "object": "model"}]})
+
+            def do_POST(self):
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.chats.append((time.time(), request))
+                if fake.mode == "hang":
+                    fake.release.wait()
+                    return
+                if fake.mode in ("429", "500"):
+                    return self.reply(int(fake.mode), {"error": {"message": f"fake {fake.mode}", "type": "x"}})
+                spoke = sum(m["role"] == "user" for m in request["messages"]) > 1  # the agent's turns, flipped
+                self.reply(200, {"id": "c", "object": "chat.completion", "created": 0, "model": "u", "choices": [
+                    {"index": 0, "finish_reason": "stop", "message": {
+                        "role": "assistant", "content": "###STOP###" if spoke else "I want to cancel my booking."}}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class SilentSocket:
+    """A socket that accepts connections and never answers (it reads nothing, writes nothing)."""
+
+    def __init__(self):
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url, self.accepted, self.held = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1", [], []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                self.accepted.append(time.time())
+                self.held.append(conn)
+
+    def close(self):
+        for conn in self.held:
+            conn.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def fake_user(request):
+    made = []
+
+    def start(mode):
+        made.append(SilentSocket() if mode == "silent" else FakeUser(mode))
+        return made[-1]
+    yield start
+    for f in made:
+        f.close()
+
+
+def rollout(*args):
+    return subprocess.run([sys.executable, "rollout.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def rollout_args(model, tasks, url, out):
+    return ["--model", model, "--tasks", tasks, "--limit", "1", "--n", "1", "--engine", "hf",
+            "--max-new-tokens", "16", "--max-episode-steps", "4", "--user-base-url", url, "--user-model-name", "u",
+            "--out", str(out), "--summary", str(out.with_suffix(".summary.json"))]
+
+
+def timed(argv):
+    """A stage run as rollout() and evaluate() run it, and when its "error: ..." line came (None if
+    none): when the stage stopped, before the interpreter's own teardown (seconds of it with torch)."""
+    import threading
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    stdout = []
+    reader = threading.Thread(target=lambda: stdout.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    lines, error_at = [], None
+    for line in proc.stderr:
+        lines.append(line)
+        if error_at is None and line.startswith("error: "):
+            error_at = time.time()
+    proc.wait(timeout=600)
+    reader.join()
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout[0], "".join(lines)), error_at
+
+
+def stopped(res, *, says):
+    """The stage stopped with its own one-line error (no traceback) saying `says`."""
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert says in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+TIMEOUT = 3  # --user-timeout of the tests: seconds
+
+
+def test_a_user_endpoint_that_never_answers_stops_the_stage(tmp_path, tiny_model, fake_user):
+    """A socket that accepts and never answers, and an endpoint that lists its model but holds every
+    chat request: rollout.py and python -m ood.tau stop within two timeouts of the first request
+    (their error line; the interpreter's teardown follows), naming the endpoint, exit 1, no output."""
+    silent = fake_user("silent")
+    out = tmp_path / "r.jsonl"
+    res, done = timed(["rollout.py", *rollout_args(tiny_model, "tau2:airline:train", silent.url, out),
+                       "--user-timeout", str(TIMEOUT)])
+    stopped(res, says=f"user simulator at {silent.url} does not answer within {TIMEOUT} s")
+    assert silent.accepted and done - silent.accepted[0] < 2 * TIMEOUT
+    assert not list(tmp_path.iterdir())
+
+    holding = fake_user("hang")
+    res, done = timed(["-m", "ood.tau", "--policy", tiny_model, "--engine", "hf", "--domain", "airline",
+                       "--limit", "1", "--max-new-tokens", "16", "--max-episode-steps", "4", "--user-base-url",
+                       holding.url, "--user-model-name", "u", "--user-timeout", str(TIMEOUT),
+                       "--out", str(tmp_path / "ood")])
+    stopped(res, says=f"user simulator openai/u at {holding.url} did not answer within {TIMEOUT} s (--user-timeout")
+    assert len(holding.chats) == 1 and done - holding.chats[0][0] < 2 * TIMEOUT  # a timed-out request: no retry
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("status", ["429", "500"])
+def test_a_user_endpoint_that_errs_stops_the_stage_after_bounded_retries(tmp_path, tiny_model, fake_user, status):
+    from common import tau2 as T
+    failing = fake_user(status)
+    out = tmp_path / "r.jsonl"
+    res = rollout(*rollout_args(tiny_model, "tau2:airline:train", failing.url, out), "--user-timeout", str(TIMEOUT))
+    stopped(res, says=f"user simulator openai/u at {failing.url} failed after {T.USER_RETRIES + 1} tries: ")
+    assert f"fake {status}" in res.stderr and len(failing.chats) == T.USER_RETRIES + 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_user_endpoint_that_answers_tool_offers_with_text(tmp_path, tiny_model, fake_user):
+    """Refused on telecom, whose user acts through tool calls, before any episode (one chat request:
+    the check's, offering telecom's user tools), naming the flag its server needs; airline and
+    retail, whose users have no tools, play against it."""
+    texting = fake_user("text")
+    out = tmp_path / "r.jsonl"
+    res = rollout(*rollout_args(tiny_model, "tau2:telecom:train", texting.url, out))
+    stopped(res, says=f"user simulator u at {texting.url} answers a tool offer with text, not a tool call")
+    assert "--enable-auto-tool-choice" in res.stderr and "telecom" in res.stderr
+    (_, check), = texting.chats
+    assert check["tool_choice"] == "auto" and {t["function"]["name"] for t in check["tools"]} >= {"check_status_bar"}
+    res = evaluate("--policy", tiny_model, "--engine", "hf", "--domain", "telecom", "--limit", "1",
+                   "--user-base-url", texting.url, "--user-model-name", "u", "--out", str(tmp_path / "ood"))
+    stopped(res, says="answers a tool offer with text, not a tool call")
+    assert "--enable-auto-tool-choice" in res.stderr and len(texting.chats) == 2
+    assert not list(tmp_path.iterdir())
+
+    res = rollout(*rollout_args(tiny_model, "tau2:airline:train", texting.url, out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    record, = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["user_simulator"] == f"u at {texting.url}" and record["turns"][0]["user"] == \
+        "I want to cancel my booking."
+    res = evaluate("--policy", tiny_model, "--engine", "hf", "--domain", "retail", "--limit", "1",
+                   "--max-new-tokens", "16", "--max-episode-steps", "4", "--user-base-url", texting.url,
+                   "--user-model-name", "u", "--out", str(tmp_path / "ood"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows, scores = read_out(tmp_path / "ood")
+    assert [r["domain"] for r in rows] == ["retail"] and scores["user_simulator"]["llm_args"]["timeout"] == 180
+    assert not any("tools" in request for _, request in texting.chats[2:])  # no user tools offered there

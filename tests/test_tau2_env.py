@@ -282,10 +282,20 @@ def test_the_loop_trains_on_a_users_domain(tmp_path, tiny_model):
     res = subprocess.run(["bash", "loop.sh", "tiny", "--rounds", "1", "--set", "ENV=tau2:shop", "--set", "N=2",
                           "--set", f"MODEL={tiny_model}",
                           "--set", "MAX_NEW=32", "--set", "OOD=bfcl-heldin", "--set", "EVAL_NEW=32",
+                          "--set", "REPORT_TO=tensorboard",
                           "--runs", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "SEAL_TAU2_DOMAINS": SHOP}, timeout=900)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     run = tmp_path / "tiny-seal-shop"
+    # the trackers log a τ² run as they log BFCL's: every round, its domain's reward, the trajectory table
+    assert "logging to tensorboard failed" not in res.stderr, res.stderr[-4000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run / "tracking" / "seal"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/shop/mean")] == [0] and acc.Scalars("critic/score/mean")
+    assert [e.step for e in acc.Tensors("seal/trajectories/text_summary")] == [0]
+    state = json.loads((run / "tracking" / "state.json").read_text())
+    assert state["logged"]["tensorboard"][:2] == ["eval base", "round 0"]
     config = json.loads((run / "config.json").read_text())["settings"]
     assert config["env"] == "tau2:shop" and config["tasks"] == "tau2:shop:train"
     records = [json.loads(line) for line in open(run / "round_000" / "rollouts.jsonl")]

@@ -247,3 +247,76 @@ def test_a_round_trains_on_segmented_rollouts(thought, thinking_model, heldin, t
     tokens = sum(sum(s["mask"]) for r in records for s in [r["tokens"], *r["tokens"].get("segments", [])])
     assert metrics[0]["step"] == 1 and 0 < metrics[0]["model_tokens"] <= tokens  # each model token once
     assert os.path.isfile(out / "config.json")
+
+
+# ----------------------------------------------------------------------------- τ²-bench
+
+
+def _qwen3_style():
+    """The tiny chat template with Qwen3's rule for reasoning: an assistant message before the last
+    user message is shown without what precedes its </think> (Qwen3-8B's template drops it too)."""
+    from common.tiny import CHAT_TEMPLATE
+    last = ("{%- set ns = namespace(last=-1) -%}{%- for m in rest -%}{%- if m.role == 'user' -%}"
+            "{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}\n{%- for message in rest -%}")
+    shown = ("{%- set content = message.content.split('</think>')[-1].lstrip('\\n') if message.role == 'assistant' "
+             "and loop.index0 < ns.last and '</think>' in message.content else message.content -%}"
+             "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' -}}")
+    out = CHAT_TEMPLATE.replace("{%- for message in rest -%}", last, 1)
+    return out.replace("{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}", shown, 1)
+
+
+QWEN3_STYLE = _qwen3_style()
+
+
+def test_a_thinking_model_on_tau2_trains_segment_by_segment(thinking_model, tmp_path):
+    """τ² episodes render with the model's chat template, and Qwen3's drops earlier reasoning once a
+    new user message follows: the episode goes on from the template's rendering in a new segment
+    (as on BFCL), never a traceback. Each segment starts at the template's prompt of the
+    conversation so far, the reasoning is never said to the user, τ²'s evaluator scores the answers,
+    and a round of train_grpo.py takes an optimiser step on the segmented records."""
+    from helpers import Scripted, in_process
+
+    from common import interface as omega_api
+    from common import tau2 as T
+    from common.grpo import token_segments
+    from common.jsonl import write_json, write_jsonl
+    from common.play import PlaySpec
+
+    tau2 = T.import_tau2()
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    tok.chat_template = QWEN3_STYLE
+    task = next(t for t in tau2.tasks("mock") if t.id == "create_task_1")
+    gold = C.format_calls([{"name": "create_task", "arguments": {"user_id": "user_1", "title": "Important Meeting"}}],
+                          "json")
+    spec = PlaySpec(omega=omega_api.initial(), fmt="json", temperature=1.0, max_model_len=8192, max_new_tokens=96)
+    records = []
+    for first in (gold, "I cannot do that."):  # reward 1, then 0: a group to learn from
+        texts = iter([f"<think>\nplan {k}\n</think>\n\n{text}" for k, text in
+                      enumerate([first, "Anything else?", "Your request is complete."])])
+        engine = Scripted(tok, lambda prompt, texts=texts: next(texts))
+        (record,), _ = T.rollouts(tau2, "mock", [task], 1, engine, spec, T.SCENARIO)
+        records.append(record | {"sample_index": len(records)})
+    for record in records:
+        segs = token_segments(record["tokens"])
+        # a new segment at every user message after the first: the template dropped the reasoning
+        assert len(segs) >= 2 and [s.get("turn", 0) for s in segs] == list(range(len(record["turns"])))
+        assert sum(sum(s["mask"]) for s in segs) == record["stats"]["gen_tokens"] > 0
+        texts = [tok.decode(s["prompt_ids"], skip_special_tokens=False) for s in segs]
+        assert all("plan" not in t for t in texts[1:])
+        assert all("plan" not in (m.get("content") or "") for m in record["transcript"] if m["role"] == "assistant")
+        # each prompt is the template's rendering of the whole conversation: the answers stay
+        first_text = record["turns"][0]["steps"][0]["text"].split("</think>")[-1].strip()
+        assert all(first_text in t and t.endswith("<|im_start|>assistant\n") for t in texts[1:])
+        assert "plan 0" in tok.decode(segs[0]["prompt_ids"] + segs[0]["ids"], skip_special_tokens=False)
+    diagnoses = [T.diagnose(tau2, "mock", task, r) for r in records]
+    assert [d["reward"] for d in diagnoses] == [1.0, 0.0]
+    write_jsonl(tmp_path / "rollouts.jsonl", records)
+    write_jsonl(tmp_path / "diagnoses.jsonl", diagnoses)
+    write_json(tmp_path / "interface.json", omega_api.initial())
+    res = in_process(["--model", thinking_model, "--rollouts", str(tmp_path / "rollouts.jsonl"),
+                      "--diagnoses", str(tmp_path / "diagnoses.jsonl"), "--interface", str(tmp_path / "interface.json"),
+                      "--lr", "1e-4", "--kl-coef", "0", "--mini-batch-tasks", "1", "--cpu",
+                      "--out", str(tmp_path / "policy")])
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = [json.loads(line) for line in open(tmp_path / "train_metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1]
