@@ -34,7 +34,9 @@ tokens served from vLLM's prefix cache.
 common/tau2.py): each episode runs through τ²'s orchestrator against a user simulator (a
 served model, or `--scripted-user`, which needs none), with the model's chat template and
 τ²'s tool schemas, token-in/token-out, and its record holds the same fields plus τ²'s
-transcript, which diagnose.py scores with τ²'s evaluator. A user simulator that does not answer a
+transcript, which diagnose.py scores with τ²'s evaluator. Episodes play 64 at once on vLLM, each
+sending its next generation as soon as it needs it (`--schedule async`); `lockstep` (and `--engine
+hf`) batches the generations they wait on, 16 episodes at once. A user simulator that does not answer a
 request within `--user-timeout` seconds, or still fails after two more tries (a 429, a 5xx), stops
 the stage with a message naming it and writes nothing; on a domain whose user acts through tool
 calls (telecom), one that answers a tool offer with text is refused before any episode plays.

@@ -45,6 +45,8 @@ generation, `poll()` waits for at least one and returns the `(key, Generation)`
 pairs finished by then, `release(key)` ends a key's trajectory, `abort()` drops
 whatever is pending. Requests join the server's running batch as they arrive
 (continuous batching), so nothing waits for the longest generation of a step.
+`request(key, prompt, max_new_tokens, sampling)` is the same in the calling thread
+(thread-safe: τ²'s episodes, each its own thread, common/tau2.py); `release(key)` ends it too.
 `engine.prompt_tokens` / `engine.cached_tokens` count prompt tokens sent and those
 served from the prefix cache, both schedules.
 """
@@ -376,6 +378,9 @@ class ServerEngine(Engine):
         self.epoch = 0
         self.local = threading.local()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vllm-http")
+        self.max_in_flight = max_in_flight
+        self.lock = threading.Lock()  # pins, loads, steps and counts, shared with request()'s callers
+        self.requesting = set()  # keys with a request() in flight
         self.prompt_tokens = self.cached_tokens = 0
         self.calls = 0  # generate() calls: their keys (and so their per-request seeds) differ
 
@@ -433,18 +438,24 @@ class ServerEngine(Engine):
             raise RecordError(f"server {url}: an answer without token ids or log-probabilities ({e})") from None
         return ids, lps, usage.get("prompt_tokens", len(prompt)), cached
 
-    def submit(self, key, prompt, max_new_tokens, sampling):
-        """Queue one generation; its result comes back from poll() under `key`."""
-        (limit,) = self._limits([prompt], [max_new_tokens])
-        if key in self.pending:
-            raise RuntimeError(f"key {key!r} already has a generation pending")
+    def _pin(self, key):
+        """(slot, seed) of `key`'s next request: its pinned engine (a new key: the least-loaded
+        one) and its per-request seed from (seed, key, step). Under self.lock."""
         if key not in self.pins:
             slot = self.load.index(min(self.load))
             self.pins[key] = slot
             self.load[slot] += 1
         n = self.steps[key] = self.steps.get(key, -1) + 1
-        seed = (self.seed * 1_000_003 + zlib.crc32(repr(key).encode()) * 1_009 + n) % (1 << 31)
-        future = self.pool.submit(self._complete, self.pins[key], prompt, limit, sampling, seed)
+        return self.pins[key], (self.seed * 1_000_003 + zlib.crc32(repr(key).encode()) * 1_009 + n) % (1 << 31)
+
+    def submit(self, key, prompt, max_new_tokens, sampling):
+        """Queue one generation; its result comes back from poll() under `key`."""
+        (limit,) = self._limits([prompt], [max_new_tokens])
+        if key in self.pending:
+            raise RuntimeError(f"key {key!r} already has a generation pending")
+        with self.lock:
+            slot, seed = self._pin(key)
+        future = self.pool.submit(self._complete, slot, prompt, limit, sampling, seed)
         self.pending[key] = limit
         future.add_done_callback(lambda f, key=key, epoch=self.epoch: self.done.put((epoch, key, f)))
 
@@ -466,17 +477,42 @@ class ServerEngine(Engine):
         for key, future in items:
             limit = self.pending.pop(key)
             ids, lps, prompt_tokens, cached = future.result()  # a failed request raises here
-            self.prompt_tokens += prompt_tokens
-            self.cached_tokens += cached
+            self._count(prompt_tokens, cached)
             out.append((key, self._finish(ids, lps, limit)))
         return out
 
+    def _count(self, prompt_tokens, cached):
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+            self.cached_tokens += cached
+
+    def request(self, key, prompt, max_new_tokens, sampling):
+        """One generation for `key`, sent from the calling thread and waited for there (thread-safe;
+        one at a time per key): pinned and seeded as submit() pins and seeds, joining the servers'
+        running batch whatever other threads wait for. A failed request raises (RecordError)."""
+        (limit,) = self._limits([prompt], [max_new_tokens])
+        with self.lock:
+            if self.pool is None:
+                raise RuntimeError("the engine is closed")
+            if key in self.requesting or key in self.pending:
+                raise RuntimeError(f"key {key!r} already has a generation pending")
+            self.requesting.add(key)
+            slot, seed = self._pin(key)
+        try:
+            ids, lps, prompt_tokens, cached = self._complete(slot, prompt, limit, sampling, seed)
+        finally:
+            with self.lock:
+                self.requesting.discard(key)
+        self._count(prompt_tokens, cached)
+        return self._finish(ids, lps, limit)
+
     def release(self, key):
         """The trajectory of `key` is over: its engine may take a new one."""
-        slot = self.pins.pop(key, None)
-        if slot is not None:
-            self.load[slot] -= 1
-        self.steps.pop(key, None)
+        with self.lock:
+            slot = self.pins.pop(key, None)
+            if slot is not None:
+                self.load[slot] -= 1
+            self.steps.pop(key, None)
 
     def generate(self, prompts, max_new_tokens, sampling):
         limits = self._limits(prompts, max_new_tokens)
@@ -500,13 +536,15 @@ class ServerEngine(Engine):
     def abort(self):
         """Forget every pending generation (their answers are dropped; the server finishes them
         or aborts them when this process's connections close)."""
-        self.pending.clear()
-        self.pins.clear()
-        self.load = [0] * len(self.slots)
-        self.epoch += 1
+        with self.lock:
+            self.pending.clear()
+            self.pins.clear()
+            self.load = [0] * len(self.slots)
+            self.epoch += 1
 
     def close(self):
         self.abort()
         if getattr(self, "pool", None) is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = None
+            with self.lock:
+                pool, self.pool = self.pool, None
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -13,10 +13,15 @@ environment dispatches them to its tool functions by name (no eval). An output t
 decode into calls is a message to the user, as from a served model whose tool parser fails.
 Where τ²'s orchestrator would raise (an empty agent message, or one more turn than the context
 holds), the episode ends as AGENT_ERROR, which τ²'s evaluator scores 0.
+
+Episodes play in threads, each driven by τ²'s (blocking) orchestrator (run_episodes): on vLLM
+servers ("async") each sends its next generation as soon as it needs it, with no barrier across
+episodes; lock-step (the HF engine) batches the prompts they wait on into one engine call (Batcher).
 """
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -357,17 +362,16 @@ def user_label(user_sim):
     return f"{user_sim.get('model') or user_sim['name']} at {user_sim['base_url']}"
 
 
-def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy="", concurrency=16,
+def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy="", concurrency=None,
              max_steps=200):
     """(records, timing): rollout records (docs/design.md §3, plus τ²'s transcript) for `n` episodes
     of every task, in (task, sample) order, our engine sampling at `spec.temperature` against
-    `user_sim` (a served model's settings, or SCENARIO: the scripted ScenarioUser), and the wall time
-    with the part spent inside the engine."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    `user_sim` (a served model's settings, or SCENARIO: the scripted ScenarioUser), on `spec.schedule`
+    with `concurrency` episodes at once (run_episodes), and the wall time with the part spent inside
+    the engine (and, on vLLM servers, the prompt tokens sent and those its prefix cache served)."""
     from common.engines import sampling_params
 
-    def one(job):
+    def one(job, engine):
         task, k = job
         made = []
         players = tau2.model_players(engine, spec, user_sim)
@@ -386,27 +390,17 @@ def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy
             step["feedback"] = hint
         return record
 
-    jobs = [(task, k) for task in tasks for k in range(n)]
+    jobs = [((task.id, k), (task, k)) for task in tasks for k in range(n)]  # (engine key, episode)
     started = time.perf_counter()
-    # Episodes play in threads, their outputs batched into one engine call (Batcher); the user
-    # simulator and τ²'s tools run between them.
-    concurrency = min(concurrency, len(jobs))
-    if concurrency <= 1:
-        records = [one(job) for job in jobs]
+    before = {k: getattr(engine, k) for k in ("prompt_tokens", "cached_tokens") if hasattr(engine, k)}
+    records, engine_seconds = run_episodes(jobs, one, engine, spec.schedule, concurrency)
+    if engine_seconds is None:  # one episode after another: each counted its own
         engine_seconds = sum(r["stats"]["engine_seconds"] for r in records)
-    else:
-        with Batcher(engine) as batched:
-            engine = batched
-            pool = ThreadPoolExecutor(concurrency)
-            try:
-                records = list(pool.map(one, jobs))
-            finally:
-                pool.shutdown(wait=False, cancel_futures=True)
-        engine_seconds = batched.engine_seconds  # an episode's own count includes its wait in the queue
     for r in records:
-        del r["stats"]["engine_seconds"]
+        del r["stats"]["engine_seconds"]  # an episode's own count includes its wait for the others
     sampling = sampling_params(spec.temperature)
     timing = {"seconds": time.perf_counter() - started, "engine_seconds": engine_seconds}
+    timing.update({k: getattr(engine, k) - v for k, v in before.items()})
     return [r | {"sampling": sampling} for r in records], timing
 
 
@@ -831,8 +825,9 @@ class OracleScript:
 
 
 class Batcher:
-    """The engine for concurrent episodes: one thread owns it, and whatever prompts the episodes'
-    threads have handed in by the time it is free go to the engine as one batch."""
+    """The engine for concurrent episodes on the lock-step schedule (the HF engine's only): one
+    thread owns it, and whatever prompts the episodes' threads have handed in by the time it is
+    free go to the engine as one batch, each episode waiting for the whole batch."""
 
     def __init__(self, engine):
         self.engine, self.tokenizer, self.queue = engine, engine.tokenizer, queue.Queue()
@@ -886,6 +881,97 @@ class Batcher:
             while True:  # requests that came with or after the stop marker
                 if (job := self.queue.get_nowait()) is not None:
                     job[3].set_exception(RuntimeError("the engine is closed"))
+
+
+class Requests:
+    """The engine for concurrent episodes on the async schedule (vLLM servers): each episode's
+    thread sends its own generations, one prompt each, as soon as it needs them
+    (ServerEngine.request under the episode's key: one server engine and its prefix cache, the
+    per-request seeds of submit()), with no barrier across episodes. `engine_seconds`: the wall
+    time during which some request was in flight. Closed, it refuses new requests."""
+
+    def __init__(self, engine):
+        self.engine, self.lock, self.closed = engine, threading.Lock(), False
+        self.in_flight, self.since, self.engine_seconds = 0, 0.0, 0.0
+
+    def play(self, key, job, one):
+        """`one(job, agent)`, `agent` the episode's own engine (`key`'s), released when it ends."""
+        import types
+        agent = types.SimpleNamespace(tokenizer=self.engine.tokenizer, stop_ids=self.engine.stop_ids,
+                                      generate=functools.partial(self.generate, key))
+        try:
+            return one(job, agent)
+        finally:
+            self.engine.release(key)
+
+    def generate(self, key, prompts, max_new_tokens, sampling):
+        if len(prompts) != 1:
+            raise ValueError(f"an episode generates one prompt at a time, not {len(prompts)}")
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the engine is closed")
+            if not self.in_flight:
+                self.since = time.perf_counter()
+            self.in_flight += 1
+        try:
+            return [self.engine.request(key, prompts[0], max_new_tokens[0], sampling)]
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self.engine_seconds += time.perf_counter() - self.since
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.closed = True
+
+
+# Episodes at once by default: lock-step, the Batcher's largest batch (as before the async schedule);
+# async, as many as the engine keeps in flight up to EPISODES (each holds its own τ² environment:
+# airline's database is ~27 MB).
+BATCH, EPISODES = 16, 64
+
+
+def run_episodes(jobs, one, engine, schedule, concurrency=None):
+    """(results in job order, seconds the engine was busy or None when not counted here):
+    `one(job, agent)` for every (key, job) of `jobs`, `agent` the episode's engine, each episode
+    in its own thread under τ²'s (blocking) orchestrator, `concurrency` of them at once. Schedule
+    "async" (vLLM servers; Requests): an episode sends its next generation as soon as it needs it,
+    under its key; "lockstep" (the HF engine's only): the prompts the episodes wait on go to the
+    engine as one batch (Batcher), or one episode after another at concurrency 1. `engine` None
+    (the oracle): no engine. The first episode that raises fails the whole with its error: no
+    other starts, and those running stop at their next generation."""
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    if engine is not None and schedule == "async" and not hasattr(engine, "request"):
+        raise ValueError(f"{type(engine).__name__} runs lock-step only (schedule 'async' needs vLLM servers)")
+    if concurrency is None:
+        concurrency = 1 if engine is None else BATCH if schedule == "lockstep" else \
+            min(EPISODES, engine.max_in_flight)
+    concurrency = max(1, min(concurrency, len(jobs)))
+    if engine is not None and schedule == "async":
+        shared = Requests(engine)
+        run = functools.partial(shared.play, one=one)
+    elif engine is not None and concurrency > 1:
+        shared = Batcher(engine)
+        run = lambda key, job: one(job, shared)  # noqa: E731
+    else:
+        return [one(job, engine) for _, job in jobs], None
+    with shared:
+        pool = ThreadPoolExecutor(concurrency, thread_name_prefix="tau2-episode")
+        try:
+            futures = [pool.submit(run, key, job) for key, job in jobs]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    raise f.exception()
+            results = [f.result() for f in futures]
+        finally:  # on an error or Ctrl-C, start no more episodes; running ones fail at their next call
+            pool.shutdown(wait=False, cancel_futures=True)
+    return results, shared.engine_seconds
 
 
 # A request to the user simulator that fails for a passing reason (a refused or dropped connection, a

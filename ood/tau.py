@@ -17,6 +17,9 @@ errors, seed 300, user temperature 0.
 
 The agent, its decoding and where an episode ends as AGENT_ERROR are common/tau2.py's, the
 environment the stages train on when their tasks are a τ² domain's; here the agent is greedy.
+Episodes play at once (`--concurrency`, default 64 on vLLM), each sending its next generation
+as soon as it needs it (`--schedule async`, vLLM's default; `lockstep` and `--engine hf` batch
+the generations they wait on, 16 episodes at once); rows stay in (domain, task, trial) order.
 
 The user simulator is a real model reached through litellm as an OpenAI-compatible
 endpoint: one the user runs (`--user-base-url`), or `--user-model DIR` served here by
@@ -39,7 +42,6 @@ import os
 import sys
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 
 from common import playargs, presets
 from common.jsonl import RecordError, write_json, write_jsonl
@@ -47,11 +49,11 @@ from common.play import TrajectoryFailed
 from common.scores import mean, percent_by_group
 from common.tau2 import (  # noqa: F401 - OracleScript and to_assistant_message: tests patch them here
     DOMAINS,
-    Batcher,
     OracleScript,
     User,
     import_tau2,
     playable,
+    run_episodes,
     to_assistant_message,
     user_label,
     user_simulator,
@@ -83,8 +85,9 @@ parser.add_argument("--user-timeout", type=float, default=presets.USER_TIMEOUT,
 parser.add_argument("--max-episode-steps", type=int, default=200, help="orchestrator steps per task (τ²'s default)")
 parser.add_argument("--trials", type=int, default=1,
                     help="episodes per task (τ²'s num_trials): scores.json gets pass^1..pass^K")
-parser.add_argument("--concurrency", type=int, default=1,
-                    help="episodes played at once, their agent outputs batched (τ²'s own runner uses 3)")
+parser.add_argument("--concurrency", type=int, default=None,
+                    help="episodes played at once (default: 64 on vLLM, each sending its own generations; "
+                         "16 lock-step, their agent outputs batched; 1 with the oracle)")
 parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="the agent's vLLM share of the GPU, when the user model is served on the same GPU")
 playargs.add_play_args(parser, evaluation=True)
@@ -111,7 +114,7 @@ def main(argv=None):
             parser.error("--user-model must be a full model folder (a LoRA adapter is not served here)")
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be at least 1")
-    if args.concurrency < 1 or args.trials < 1:
+    if (args.concurrency is not None and args.concurrency < 1) or args.trials < 1:
         parser.error("--concurrency and --trials must be at least 1")
     if not presets.positive(args.user_timeout):
         parser.error(f"--user-timeout {args.user_timeout:g}: seconds a user-simulator request may wait, above 0")
@@ -134,7 +137,7 @@ def main(argv=None):
                     trials=args.trials)
 
 
-def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrency=1, max_episode_steps=200,
+def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrency=None, max_episode_steps=200,
              split=None, trials=1):
     """Play every task of `domains` (of τ²'s `split`, else the paper's set) `trials` times with
     `policy` as the agent (played as `spec` says, on the engine `engine()` opens) against `user` (a
@@ -144,40 +147,32 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
     tasks = {d: [t for t in tau2.tasks(d, split=split) if playable(t)][:limit] for d in domains}  # limit None: all
     with contextlib.ExitStack() as stack:
         if oracle:
-            user_sim, players = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, tau2.oracle
+            user_sim, agent = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, None
         else:
             user_sim, user_ready = stack.enter_context(
                 user_simulator(None if user == "scripted" else user, os.path.join(out, "user-server.log"), domains))
             # the agent's engine starts while the user's server loads
             agent = stack.enter_context(engine())
-            if concurrency > 1:
-                agent = stack.enter_context(Batcher(agent))
             if user_sim.get("model"):
                 t0 = time.perf_counter()
                 user_ready()
                 print(f"user simulator: {user_sim['model']} at {user_sim['base_url']} as {user_sim['name']!r} "
                       f"(ready {time.perf_counter() - t0:.0f} s after the agent's engine)", file=sys.stderr)
-            players = tau2.model_players(agent, spec, user_sim)
         started = time.perf_counter()
 
-        def play(job):
-            row = tau2.play(*job)
+        def play(job, engine):  # one episode, `engine` its own (common/tau2.py run_episodes)
+            d, task, k = job
+            players = tau2.oracle if engine is None else tau2.model_players(engine, spec, user_sim)
+            row = tau2.play(d, task, players, max_episode_steps, spec.fmt, k)
             del row["tools"]  # the domain's schemas, the same on every row
             trial = f" trial {row['trial']}" if trials > 1 else ""
             print(f"  {row['domain']} {row['task_id']}{trial}: reward {row['reward']:.2f} ({row['termination']})",
                   file=sys.stderr)
             return row
 
-        jobs = [(d, task, players, max_episode_steps, spec.fmt, k) for d in domains for task in tasks[d]
-                for k in range(trials)]
-        if concurrency == 1:
-            results = [play(job) for job in jobs]
-        else:
-            pool = ThreadPoolExecutor(concurrency)
-            try:
-                results = list(pool.map(play, jobs))
-            finally:  # on an error or Ctrl-C, start no more episodes; running ones fail once
-                pool.shutdown(wait=False, cancel_futures=True)  # the engine and the server are gone
+        # rows in (domain, task, trial) order; each episode's engine key is the same triple
+        jobs = [((d, task.id, k), (d, task, k)) for d in domains for task in tasks[d] for k in range(trials)]
+        results, _ = run_episodes(jobs, play, agent, spec.schedule, concurrency)
     scores = domain_scores(results, domains)
     scores.update(trials=trials, pass_k=pass_k(results, domains, trials),
                   user_simulator=user_sim, policy=policy if oracle else os.path.abspath(policy),

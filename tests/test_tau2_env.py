@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -395,3 +396,74 @@ def test_rollouts_against_a_served_user_simulator(tmp_path, tiny_model, tiny_ser
     res = _stage("rollout.py", "--model", tiny_model, "--tasks", "data/tiny.jsonl", "--max-episode-steps", "6",
                  "--out", str(out))
     assert res.returncode == 2 and "a user simulator is for τ² tasks" in res.stderr
+
+
+def test_async_episodes_send_their_own_generations(tau2, tiny_model, tiny_server):
+    """τ² rollouts on the async schedule (the session's vLLM server, the scripted user): each
+    episode sends its generations itself, one prompt a request from its own thread, pinned under
+    its key until it ends; one episode's first generation is held until another episode has
+    ended, which no barrier across episodes would allow. The records come in (task, sample)
+    order and are the lock-step schedule's (one batched engine call per step) at temperature 0;
+    a request the server refuses fails the rollouts with its answer."""
+    import math
+
+    from common.engines import ServerEngine
+    from common.play import PlaySpec
+
+    class Holding(ServerEngine):
+        """vLLM's server, the first request held until an episode other than its own ended."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen, self.held, self.ended, self.mutex = [], None, threading.Event(), threading.Lock()
+
+        def request(self, key, prompt, max_new_tokens, sampling):
+            with self.mutex:
+                self.seen.append((key, threading.get_ident()))
+                hold = self.held is None
+                self.held = key if hold else self.held
+            if hold and not self.ended.wait(60):
+                raise AssertionError("no episode ended while another's generation was held: a barrier")
+            return super().request(key, prompt, max_new_tokens, sampling)
+
+        def release(self, key):
+            super().release(key)
+            if key != self.held:
+                self.ended.set()
+
+    tasks = [t for t in tau2.tasks("mock") if T.playable(t)][:2]
+    settings = dict(fmt="json", temperature=0.0, max_model_len=8192, max_new_tokens=16)
+    engine = Holding([tiny_server], tiny_model, max_model_len=8192)
+    try:
+        asyn, timing = T.rollouts(tau2, "mock", tasks, 2, engine, PlaySpec(schedule="async", **settings), T.SCENARIO)
+        seen, batched = list(engine.seen), engine.calls  # generate() calls: none on the async schedule
+        assert not engine.pins and not engine.requesting  # every episode's key released at its end
+        lock, _ = T.rollouts(tau2, "mock", tasks, 2, engine, PlaySpec(schedule="lockstep", **settings), T.SCENARIO)
+        refused = PlaySpec(schedule="async", **settings | {"temperature": -1.0})  # the server answers 400
+        with pytest.raises(RecordError, match="answered 400"):  # the stage fails with the server's answer
+            T.rollouts(tau2, "mock", tasks, 2, engine, refused, T.SCENARIO)
+    finally:
+        engine.close()
+    order = [(t.id, k) for t in tasks for k in range(2)]
+    assert [(r["task_id"], r["sample_index"]) for r in asyn] == [(r["task_id"], r["sample_index"]) for r in lock] == order
+    threads = {}
+    for key, thread in seen:
+        threads.setdefault(key, set()).add(thread)
+    assert sorted(threads) == order and all(len(t) == 1 for t in threads.values())  # each its own thread
+    assert len(set.union(*threads.values())) == len(order) and batched == 0
+    assert engine.held in order and engine.ended.is_set()
+    generations = sum(len(t["steps"]) for r in asyn for t in r["turns"])
+    assert len(seen) == generations >= len(order)  # one request per output, one prompt each
+    assert timing["prompt_tokens"] > 0 and 0 <= timing["engine_seconds"] <= timing["seconds"]
+    for a, b in zip(asyn, lock, strict=True):
+        assert a["env"] == "tau2:mock" and a["termination"] and a["transcript"]
+        ta, tb = a.pop("tokens"), b.pop("tokens")
+        assert len(ta["ids"]) == len(ta["mask"]) == len(ta["logprobs"]) and sum(ta["mask"]) == a["stats"]["gen_tokens"]
+        assert (ta["prompt_ids"], ta["ids"], ta["mask"]) == (tb["prompt_ids"], tb["ids"], tb["mask"])
+        # log-probs: the batches differ between schedules, and float sums may too
+        assert all((x is None) == (y is None) and (x is None or math.isclose(x, y, abs_tol=1e-4))
+                   for x, y in zip(ta["logprobs"], tb["logprobs"], strict=True))
+        for r in (a, b):  # wall times: the episode's, its messages' timestamps
+            r["stats"].pop("seconds")
+            r["transcript"] = [{k: v for k, v in m.items() if k != "timestamp"} for m in r["transcript"]]
+        assert a == b
