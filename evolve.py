@@ -21,7 +21,7 @@ on, and taking a family away would shift what the policy has learnt to read);
 capability cues are re-chosen every round, so they come and go.
 
 --mode takes loop.sh's modes (common/presets.py MODES, their `omega`): seal evolves Ω as
-above (no-reweight and seal-adaptive too: they differ only in training's weight); no-closed-loop keeps Ω_t's
+above (no-reweight, seal-adaptive and seal-turn too: they differ only in training's weight); no-closed-loop keeps Ω_t's
 cues as they are (Ω fixed after round 0); vanilla and no-env switch every family off (they
 differ only in training's weight). All still record C_t. Without --previous,
 Ω_t = interface.initial(). Without --diagnoses, writes the mode's Ω_0 (round 0):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The SEAL closed loop: rollout (under Ω_t) -> diagnose -> evolve (Ω_t+1) -> train, for N rounds.
 #
-#   bash loop.sh PRESET [--rounds N] [--mode seal|vanilla|no-env|no-reweight|no-closed-loop|seal-adaptive]
+#   bash loop.sh PRESET [--rounds N] [--mode seal|vanilla|no-env|no-reweight|no-closed-loop|seal-adaptive|seal-turn]
 #                       [--name NAME] [--eval-every K] [--runs DIR] [--ood] [--set VAR=VALUE ...] [--plan]
 #
 # PRESET is tiny (CPU, minutes), qwen3b, qwen7b or toolace8b (the paper's, GPU nodes; see README),
@@ -55,7 +55,7 @@ command -v "$PY" >/dev/null || { echo "loop: needs a python3 (>= 3.8) on PATH, o
 
 # ---------------------------------------------------------------------------- presets and modes
 # common/presets.py checks the preset, the mode and each --set, places a GPU preset on its GPUS,
-# and prints every preset variable (MODEL=..., MAX_LEN=...), the mode's OMEGA, REWEIGHT and ADAPTIVE_RHO,
+# and prints every preset variable (MODEL=..., MAX_LEN=...), the mode's OMEGA, REWEIGHT, ADAPTIVE_RHO, TURN_CREDIT,
 # LORA_RANK, and RECORD, what config.json records.
 settings=$($PY -m common.presets "$PRESET" --mode "$MODE" "${SETS[@]+"${SETS[@]}"}") || exit 2
 eval "$settings"
@@ -260,7 +260,7 @@ train() {  # train ROUND_DIR POLICY: KL to the round-0 model, one optimiser carr
   words=$($PY -m common.launch "$PY" "$NPROC" "$ACCEL_CONFIG") || return 1
   mapfile -t launch <<< "$words"
   "${launch[@]}" train_grpo.py --model "$2" --rollouts "$1/rollouts.jsonl" --diagnoses "$1/diagnoses.jsonl" \
-    --interface "$1/interface.json" $REWEIGHT $ADAPTIVE_RHO --lr "$LR" --kl-coef "$KL" --mini-batch-tasks "$MINI_BATCH" \
+    --interface "$1/interface.json" $REWEIGHT $ADAPTIVE_RHO $TURN_CREDIT --lr "$LR" --kl-coef "$KL" --mini-batch-tasks "$MINI_BATCH" \
     --max-tokens-per-micro-batch "$MICRO_TOKENS" $LORA ${LORA:+--lora-r "$LORA_RANK"} $EXTRA_TRAIN --seed "$SEED" \
     --ref-model "$MODEL" --save-optimizer "${state[@]+"${state[@]}"}" --out "$1/policy" \
     --rollout-is "$ROLLOUT_IS" --rollout-is-cap "$ROLLOUT_IS_CAP" ${CLIP_HIGH:+--clip-high "$CLIP_HIGH"} \

@@ -2,7 +2,8 @@
 
 Joins the rollouts (token ids, loss mask, engine log-probs) with their diagnoses (reward,
 label profile), gives each trajectory its group advantage weighted by its diagnosis,
-Ã_j = w_j·A_j (common/grpo.py), and takes one AdamW step per mini-batch of whole tasks with the
+Ã_j = w_j·A_j (common/grpo.py; with --turn-credit, A_j times each turn's own weight on that turn's
+tokens), and takes one AdamW step per mini-batch of whole tasks with the
 PPO-clipped token-mean loss (verl's dual clip) plus a k3 KL penalty to the initial policy.
 Writes the next policy to --out (with --save-optimizer its optimiser state too) and one
 metrics line per step.
@@ -19,7 +20,7 @@ The objective's options (docs/design.md §6, "The objective"; the presets' defau
                                                 loss and their group's statistics (keep: they train)
 
     python train_grpo.py --model DIR --rollouts R.jsonl --diagnoses D.jsonl \\
-        [--interface interface.json [--adaptive-rho] | --rho rho.json] --out round_001/policy \\
+        [--interface interface.json [--adaptive-rho] | --rho rho.json] [--turn-credit] --out round_001/policy \\
         [--ref-model ROUND0_MODEL] [--save-optimizer] [--optimizer-state round_000/policy/optimizer] [--lora]
     accelerate launch --multi_gpu --num_processes 2 train_grpo.py ... --cpu      # 2-process DDP on CPU
     accelerate launch --config_file configs/accelerate/fsdp_cpu.yaml train_grpo.py ... --cpu  # FSDP2, 2 CPU processes
@@ -97,6 +98,9 @@ parser.add_argument("--no-reweight", action="store_true", help="w = 1 for every 
 parser.add_argument("--adaptive-rho", action="store_true",
                     help="ρ of this round from its own diagnoses and rewards (common/grpo.py adaptive_rho), "
                          "scaling the table of --interface (else the default)")
+parser.add_argument("--turn-credit", action="store_true",
+                    help="credit by turn (seal-turn): a model token's advantage is A times its turn's weight, 0 on a "
+                         "turn verified right where A < 0 (common/grpo.py turn_weights)")
 parser.add_argument("--lr", type=float, help=f"default {presets.LR:g}, or {presets.LORA_LR:g} training an adapter "
                     "(common/presets.py)")
 parser.add_argument("--kl-coef", type=float, default=presets.KL_COEF, help="0 disables the KL term and the reference")
@@ -214,7 +218,8 @@ def train(args):
             rollout_correction(seq, args.rollout_is, args.rollout_is_cap)
     # verl's timing_s/ref and timing_s/old_log_prob
     this_round = Round(zero_var_share, temperature, reference.model, scoring + time.perf_counter() - t0, adapted,
-                       sum(t.cut for t in trajectories) / len(trajectories), sorted(stops), objective(args))
+                       sum(t.cut for t in trajectories) / len(trajectories), sorted(stops), objective(args),
+                       args.turn_credit)
     # Optimise, then save.
     metrics = optimise(args, training, mini_batches, this_round, accelerator)
     if not metrics:
@@ -265,6 +270,7 @@ class Round:
     cut_share: float = 0.0  # of the round's trajectories, those cut (--cut mask)
     cut_stops: list = dataclasses.field(default_factory=list)  # the stop values that cut (none with --cut keep)
     objective: dict = dataclasses.field(default_factory=dict)  # the objective's flags (objective())
+    turn_credit: bool = False  # --turn-credit: every metrics line records turn_stats
 
     def recorded(self):
         """The fields every metrics line ends with (a step's before its lr); with --adaptive-rho, the
@@ -293,7 +299,7 @@ def join(args, rollouts, diagnoses, rho, stops=()):
     trajectories, adapted = join_round(
         rollouts, diagnoses, rho, reweight=not args.no_reweight, adaptive=args.adaptive_rho,
         rollouts_path=args.rollouts, diagnoses_path=args.diagnoses, adv_scale=getattr(args, "adv_scale", "group"),
-        cut=(lambda r: r.get("stop") in stops) if stops else None,
+        cut=(lambda r: r.get("stop") in stops) if stops else None, turn_credit=getattr(args, "turn_credit", False),
     )  # fmt: skip
     if not trajectories:
         raise RecordError(f"{args.rollouts}: no rollout records")
@@ -581,7 +587,7 @@ def nothing_to_learn(trajectories, global_step, this_round, accelerator):
     return {
         "step": 0, "global_step": global_step, **weight_stats(trajectories),
         "zero_var_share": this_round.zero_var_share, "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
-        **this_round.recorded(),
+        **(turn_stats(trajectories) if this_round.turn_credit else {}), **this_round.recorded(),
     }  # fmt: skip
 
 
@@ -589,6 +595,22 @@ def weight_stats(trajs):
     ws = [t.weight for t in trajs]
     w_mean = sum(ws) / len(ws)
     return {"w_mean": w_mean, "w_std": math.sqrt(sum((w - w_mean) ** 2 for w in ws) / len(ws))}
+
+
+def turn_stats(trajs):
+    """Turn credit's figures: turn_zeroed_share, of the model tokens of trajectories with A < 0, those in
+    turns verified right (weight 0; None without such tokens); turn_w_mean, the mean weight of the turns
+    that hold model tokens."""
+    neg = zeroed = 0
+    ws = []
+    for t in trajs:
+        for v, n in zip(t.turn_weights, t.turn_tokens, strict=True):
+            if n:
+                ws.append(v)
+                if t.advantage < 0:
+                    neg += n
+                    zeroed += n if v == 0 else 0
+    return {"turn_zeroed_share": zeroed / neg if neg else None, "turn_w_mean": sum(ws) / len(ws) if ws else None}
 
 
 def logprob_mismatch(mb):
@@ -637,6 +659,7 @@ def step_metrics(kl_coef, mb, sums, grad_norm, seconds, this_round, accelerator)
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         **weight_stats(mb.trajs),
         "wa_mean": sum(t.weight * t.advantage for t in mb.trajs) / len(mb.trajs),
+        **(turn_stats(mb.trajs) if this_round.turn_credit else {}),
         "unplayed_share": sum(t.unplayed_turns for t in mb.trajs) / labelled if labelled else None,
         "zero_var_share": this_round.zero_var_share,
         "reward_mean": sum(t.reward for t in mb.trajs) / len(mb.trajs),

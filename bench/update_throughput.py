@@ -3,6 +3,7 @@
     python bench/update_throughput.py [--config qwen2.5-3b] [--seqs 8] [--seq-len 8192] [--steps 2]
     python bench/update_throughput.py --cpu --config small --seqs 2 --seq-len 512      # dry run
     python bench/update_throughput.py --compare-objective [...]   # the paper's loss vs entropy + correction
+    python bench/update_throughput.py --compare-turn [...]        # seal's weight vs seal-turn's per-turn weights
 
 A randomly initialised Qwen2 with Qwen2.5-3B-Instruct's configuration (no hub: the numbers are
 written below), float32 master weights, bf16 autocast on GPU (train_grpo.py's precision), gradient
@@ -17,6 +18,11 @@ usual model-FLOPs utilisation, not hardware utilisation).
 --compare-objective times the paper's objective (no entropy, no rollout correction) and the default
 one (the entropy of the log-prob pass, token-tis weights against engine log-probs a little off the
 trainer's) step for step, alternating, and prints both and their ratio (docs/benchmarks.md §13).
+
+--compare-turn times seal (one weight per trajectory) and seal-turn (credit by turn: each run of model
+tokens placed on its turn by common/grpo.py turn_spans, four outputs a turn, and weighed by its turn's
+weight, turn_weights: a failed trajectory passes its first half of turns and fails the rest) step for
+step, alternating, both with the default objective, and prints both and their ratio (docs/benchmarks.md §16).
 """
 
 import argparse
@@ -32,7 +38,16 @@ import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from common.grpo import TrainingSequence, accumulate_gradients, rollout_correction, score_trajectories  # noqa: E402
+from common.grpo import (  # noqa: E402
+    TrainingSequence,
+    accumulate_gradients,
+    diagnosis_weight,
+    rollout_correction,
+    score_trajectories,
+    turn_spans,
+    turn_weights,
+)
+from common.taxonomy import RHO  # noqa: E402
 
 # Qwen2.5-3B-Instruct's config.json (architecture fields only).
 CONFIGS = {
@@ -54,7 +69,11 @@ ap.add_argument("--no-gradient-checkpointing", action="store_true")
 ap.add_argument("--cpu", action="store_true", help="dry run on CPU (float32)")
 ap.add_argument("--compare-objective", action="store_true",
                 help="the paper's objective against entropy + token-tis, alternating steps")
+ap.add_argument("--compare-turn", action="store_true",
+                help="seal's per-trajectory weight against seal-turn's per-turn weights, alternating steps")
 args = ap.parse_args()
+if args.compare_objective and args.compare_turn:
+    ap.error("--compare-objective or --compare-turn: one comparison a run")
 
 
 def main():
@@ -83,6 +102,16 @@ def main():
         t = TrainingSequence("t", k, prompt, ids, mask, [None] * len(ids), float(k % 2), 1.0)
         t.advantage = 1.0 if k % 2 else -1.0
         trajs.append(t)
+    turned = {}  # seal-turn's turn weights of each trajectory (its turn_spans set once, as the join does)
+    if args.compare_turn:
+        for t in trajs:
+            n_runs = sum(1 for i, m in enumerate(t.mask) if m and (i == 0 or not t.mask[i - 1]))
+            turns = [{"steps": [{"text": "x"}] * min(4, n_runs - k), "end": "answer"} for k in range(0, n_runs, 4)]
+            labels = ["pass"] * len(turns) if t.advantage > 0 else \
+                ["pass"] * (len(turns) // 2) + ["argument_mismatch"] * (len(turns) - len(turns) // 2)
+            t.weight = diagnosis_weight({z: labels.count(z) / len(labels) for z in set(labels)}, RHO)
+            (t.turn_spans,) = turn_spans([{"mask": t.mask}], turns)
+            turned[t.sample_index] = turn_weights(labels, [x["end"] for x in turns], t.advantage, t.weight, RHO)
     micro = [[t] for t in trajs]  # one 8k sequence per micro-batch
     norm = sum(t.model_tokens for t in trajs)
     tokens = sum(t.length for t in trajs)
@@ -98,8 +127,11 @@ def main():
         noisy = t.old_logprobs + 0.05 * torch.randn(len(t.ids), generator=gen)
         t.engine_logprobs = [lp if m else None for lp, m in zip(noisy.tolist(), t.mask, strict=True)]
 
-    def step(full=True):
-        """One update: the default objective (entropy, token-tis), or the paper's (full False)."""
+    def step(full=True, turn=False):
+        """One update: the default objective (entropy, token-tis), or the paper's (full False); with
+        `turn`, seal-turn's per-turn weights (else seal's one weight a trajectory)."""
+        for t in trajs:
+            t.turn_weights = turned[t.sample_index] if turn else None
         t0 = time.perf_counter()
         for t in trajs:  # once a round in train_grpo.py, here in every step's time
             rollout_correction(t, "token-tis" if full else "off", 2.0)
@@ -115,13 +147,17 @@ def main():
     step()  # warm-up (allocator, kernels, AdamW state)
     if args.compare_objective:
         step(full=False)
+    if args.compare_turn:
+        step(turn=True)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    times, paper = [], []
+    times, paper, turn = [], [], []
     for _ in range(args.steps):
         if args.compare_objective:  # alternating: machine noise hits both alike
             paper.append(step(full=False))
         times.append(step())
+        if args.compare_turn:
+            turn.append(step(turn=True))
     best = min(times)
 
     n_params = sum(p.numel() for p in model.parameters())
@@ -139,6 +175,10 @@ def main():
     if args.compare_objective:
         out |= {"paper_seconds_per_step": round(min(paper), 3), "paper_tokens_per_s": round(tokens / min(paper), 1),
                 "objective_cost": round(best / min(paper), 4)}
+    if args.compare_turn:
+        out |= {"turn_seconds_per_step": round(min(turn), 3), "turn_tokens_per_s": round(tokens / min(turn), 1),
+                "turn_cost": round(min(turn) / best, 4),
+                "turns_per_seq": round(sum(len(w) for w in turned.values()) / len(turned), 1)}
     print(json.dumps(out))
 
 

@@ -13,7 +13,9 @@ What the stages need of an environment is four things, and nothing else differs 
                                          label per user turn (common/taxonomy.py), the profile
 
 and, for training, which ends of its episodes are not the policy's failure under evaluation's rules
-(train_grpo.py --cut mask leaves them out of the loss): cut_stops(record, short_context) below.
+(train_grpo.py --cut mask leaves them out of the loss): cut_stops(record, short_context) below; and
+whether its checker judges each user turn on its own (checks_turns(record): turn credit clears a
+turn labelled pass only where the checker verified it at that turn, docs/design.md §6).
 
 A new environment is one more class here and the module that plays it; the stages do not change.
 """
@@ -46,8 +48,18 @@ def cut_stops(record, short_context):
     return (Tau2Env if is_tau2(record.get("env") or "") else BFCL).cut_stops(short_context)
 
 
+def checks_turns(record):
+    """Whether the environment of a rollout record checks every user turn on its own, so that a turn
+    its diagnosis labels pass or correct_abstention was verified right at that turn (BFCL: bfcl-eval's
+    state and response checkers after each turn), or judges the episode once (τ²: the database at the
+    end, the actions, what was communicated)."""
+    return (Tau2Env if is_tau2(record.get("env") or "") else BFCL).CHECKS_TURNS
+
+
 class BFCL:
     """BFCL V3 multi-turn: scripted user turns, bfcl-eval's executable classes, its checker."""
+
+    CHECKS_TURNS = True  # the official state and response checkers run after every turn
 
     def __init__(self, path):
         from common import bfcl
@@ -70,6 +82,8 @@ class BFCL:
 class Tau2Env:
     """A τ²-bench domain's split: its user simulator opens and answers every turn, τ²'s tools act on
     its database, τ²'s evaluator scores each episode."""
+
+    CHECKS_TURNS = False  # one verdict per episode, which the labelling rules place on its turns
 
     def __init__(self, source, user, user_log=None, max_steps=200):
         from common import tau2

@@ -11,6 +11,12 @@ adaptive_rho() below). The advantage every model token of j receives is
 
     Ã_j = w_j · A_j,   A_j = (r_j − mean(r_group)) / (std(r_group) + 1e-6)   -> group_advantages()
 
+With turn credit (--turn-credit, seal-turn; beyond the paper) a model token's advantage is A_j times
+its own turn's weight instead -> turn_weights(), placed on the tokens by turn_spans():
+
+    A_j > 0: w_j on every turn;   A_j < 0: clip(ρ(z_k), 0.5, 2.0) on a turn labelled z_k that failed,
+    0 on a turn labelled pass or correct_abstention that the environment verified at that turn, else w_j
+
 and the per-token loss is the PPO clipped surrogate (with verl's dual clip for A < 0) plus a k3
 KL penalty to the reference policy, averaged over all model tokens of the mini-batch
 (token-mean) -> token_loss(). Every log-prob is taken at the rollout's sampling temperature.
@@ -46,6 +52,7 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch.utils.checkpoint import checkpoint
 
+from common import envs
 from common.interface import FAILURE_LABELS
 from common.jsonl import RecordError, read_json
 from common.presets import LOGPROB_CHUNK  # positions projected onto the vocabulary at once
@@ -176,6 +183,71 @@ def load_rho(interface_path=None, rho_path=None):
     ):
         raise RecordError(f"{path}: ρ must be a JSON object mapping labels to numbers")
     return rho
+
+
+# ---------------------------------------------------------------- turn credit (seal-turn)
+
+VERIFIED_LABELS = ("pass", "correct_abstention")  # the labels of a turn the checker found right
+CHECKED_ENDS = ("answer", "decode_error")  # a turn that ended as turns end: not the limit that stopped its trajectory
+
+
+def turn_weights(labels, ends, advantage, weight, rho, checked=True, reweight=True):
+    """Each labelled turn's weight under turn credit (docs/design.md §6): a model token of turn k trains
+    with advantage A·v_k, where A is the trajectory's group advantage and w its SEAL weight:
+
+        A >= 0                         v_k = w  (a rewarded trajectory passed every turn; A = 0 trains nothing)
+        A < 0, a failure label z       v_k = clip(ρ(z), 0.5, 2)  (1 without reweighting: ρ ≡ 1)
+        A < 0, pass / abstention       v_k = 0 if the turn was verified right at that turn, else w
+
+    Verified: the environment checks each turn on its own (`checked`: common/envs.py checks_turns), the
+    turn ended as a turn ends (`ends[k]` in CHECKED_ENDS, its answer; not the step or context limit
+    that stopped the trajectory inside it), and some turn of the trajectory carries a failure label
+    (the diagnosis places the failure elsewhere). So a one-turn trajectory gets w whatever its sign:
+    with A < 0 its turn either failed, clip(ρ(z)) being its w, or is not cleared. `ends`: the rollout's
+    turns' ends, shorter than `labels` where turns were never played."""
+    if advantage >= 0:
+        return [weight] * len(labels)
+    blamed = any(z not in VERIFIED_LABELS for z in labels)
+    out = []
+    for k, z in enumerate(labels):
+        if z in VERIFIED_LABELS:
+            cleared = checked and blamed and k < len(ends) and ends[k] in CHECKED_ENDS
+            out.append(0.0 if cleared else weight)
+        else:
+            out.append(diagnosis_weight({z: 1.0}, rho) if reweight else 1.0)
+    return out
+
+
+def turn_spans(segments, turns, where="rollouts"):
+    """Where each turn's model tokens lie: per token segment (token_segments' list), the (start, stop,
+    turn) of each run of mask 1 in its ids. A run of 1s is one model output (a step: the model's
+    tokens are appended whole, what follows them with mask 0), so the k-th run over all segments in
+    order is the k-th step over all turns in order; an output that kept no token (an immediate
+    non-closing stop: its step's text is empty) leaves no run, and where the counts differ the steps
+    with empty text are taken to be those. Raises RecordError where the runs still cannot be placed."""
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and isinstance(t.get("steps"), list)
+                                              for t in turns):
+        raise RecordError(f"{where}: turns missing or not a list of {{steps}} (turn credit places tokens on turns)")
+    runs = []  # (segment, start, stop)
+    for i, seg in enumerate(segments):
+        start = None
+        for j, m in enumerate([*seg["mask"], 0]):
+            if m and start is None:
+                start = j
+            elif not m and start is not None:
+                runs.append((i, start, j))
+                start = None
+    steps = [(k, s) for k, t in enumerate(turns) for s in t["steps"]]
+    if len(runs) != len(steps):
+        spoken = [(k, s) for k, s in steps if not isinstance(s, dict) or s.get("text") != ""]
+        if len(runs) != len(spoken):
+            raise RecordError(f"{where}: {len(runs)} model outputs in tokens, {len(steps)} steps in turns: "
+                              "the model's tokens cannot be placed on its turns")
+        steps = spoken
+    out = [[] for _ in segments]
+    for (i, lo, hi), (k, _) in zip(runs, steps, strict=True):
+        out[i].append((lo, hi, k))
+    return out
 
 
 # ---------------------------------------------------------------- per-token loss
@@ -345,7 +417,7 @@ class TrainingSequence:
     engine_logprobs: list
     reward: float
     weight: float
-    advantage: float = 0.0  # A_j; the trained advantage is weight * advantage
+    advantage: float = 0.0  # A_j; the trained advantage is weight * advantage (turn credit: turn_weights)
     labelled_turns: int = 0  # turns the diagnosis labelled (every user turn of the task)
     unplayed_turns: int = 0  # of those, turns the rollout never entered (it stopped earlier)
     stop: str | None = None  # the rollout's end (its record's "stop")
@@ -355,6 +427,11 @@ class TrainingSequence:
     is_weight: torch.Tensor | None = field(default=None, repr=False)  # rollout_correction's, aligned with ids
     is_hits: int = 0  # of its model tokens, those rollout_correction truncated or masked
     segments: list = field(default_factory=list, repr=False)  # the further segments, TrainingSequences
+    # turn credit (None without): this sequence's (start, stop, turn) runs of model tokens (turn_spans),
+    # and the trajectory's weight of each labelled turn (turn_weights) and model tokens in each
+    turn_spans: list | None = field(default=None, repr=False)
+    turn_weights: list | None = None
+    turn_tokens: list | None = None
 
     def sequences(self):
         """Every sequence the trainer scores for this trajectory: itself, then its further segments."""
@@ -411,7 +488,7 @@ def _key(rec, where):
 
 def join_trajectories(
     rollouts, diagnoses, rho, reweight=True, rollouts_path="rollouts", diagnoses_path="diagnoses",
-    adv_scale="group", cut=None,
+    adv_scale="group", cut=None, turn_credit=False,
 ):
     """Trajectories from rollout and diagnosis records (as read_jsonl returns them) joined on
     (task_id, sample_index), with weights and group advantages (`adv_scale`: group_advantages)
@@ -420,7 +497,9 @@ def join_trajectories(
     group's mean and std (train_grpo.py leaves it out of the loss). None: nothing is cut.
 
     Every profile label must be in `rho`, also when `reweight` is off (then w = 1, which is
-    ρ ≡ 1 for a profile whose fractions sum to one). Raises RecordError naming file:line.
+    ρ ≡ 1 for a profile whose fractions sum to one). `turn_credit`: each trajectory's turn_weights
+    (its diagnosis's turn_labels, every one in `rho`, and its rollout's turns) and each sequence's
+    turn_spans are filled in too. Raises RecordError naming file:line.
     """
     diag_by_key = {}
     for d in diagnoses:
@@ -440,6 +519,15 @@ def join_trajectories(
             weight = diagnosis_weight(profile, rho)
         except KeyError as e:
             raise RecordError(f"{where}: {e.args[0]}") from None
+        if turn_credit:
+            labels = d.get("turn_labels")
+            if not isinstance(labels, list) or not labels or not all(isinstance(z, str) for z in labels):
+                raise RecordError(f"{where}: turn_labels missing or not a non-empty list of labels (turn credit "
+                                  "weighs each turn by its label)")
+            unknown = sorted({z for z in labels if z not in rho})
+            if unknown:
+                raise RecordError(f"{where}: unknown label(s) {', '.join(unknown)} in turn_labels "
+                                  f"(ρ knows {', '.join(sorted(rho))})")
         diag_by_key[key] = (d, weight if reweight else 1.0)
 
     trajectories, seen = [], set()
@@ -452,6 +540,7 @@ def join_trajectories(
         if key not in diag_by_key:
             raise RecordError(f"{where}: no diagnosis for task {key[0]} sample {key[1]} in {diagnoses_path}")
         d, weight = diag_by_key[key]
+        segments = token_segments(r["tokens"], where)
         first, *more = [
             TrainingSequence(
                 task_id=key[0],
@@ -467,9 +556,20 @@ def join_trajectories(
                 stop=r.get("stop"),
                 cut=bool(cut and cut(r)),
             )
-            for t in token_segments(r["tokens"], where)
+            for t in segments
         ]
         first.segments = more
+        if turn_credit:
+            spans = turn_spans(segments, r.get("turns"), where)
+            if len(r["turns"]) > len(d["turn_labels"]):
+                raise RecordError(f"{where}: {len(r['turns'])} turns played, {len(d['turn_labels'])} labelled "
+                                  f"in {diagnoses_path}:{d.get('_line', '?')}")
+            tokens = [0] * len(d["turn_labels"])
+            for seq, seq_spans in zip(first.sequences(), spans, strict=True):
+                seq.turn_spans = seq_spans
+                for lo, hi, k in seq_spans:
+                    tokens[k] += hi - lo
+            first.turn_tokens = tokens
         trajectories.append(first)
     for key, (d, _) in diag_by_key.items():
         if key not in seen:
@@ -479,9 +579,15 @@ def join_trajectories(
 
     adv, _ = group_advantages([t.task_id for t in trajectories], [t.reward for t in trajectories],
                               scale=adv_scale, cut=[t.cut for t in trajectories])
+    records = {_key(r, ""): r for r in rollouts} if turn_credit else {}
     for t, a in zip(trajectories, adv, strict=True):
+        if turn_credit:
+            r, (d, _) = records[t.task_id, t.sample_index], diag_by_key[t.task_id, t.sample_index]
+            t.turn_weights = turn_weights(d["turn_labels"], [turn.get("end") for turn in r["turns"]], a, t.weight,
+                                          rho, envs.checks_turns(r), reweight)
         for seq in t.sequences():
             seq.advantage = a
+            seq.turn_weights = t.turn_weights
     return trajectories
 
 
@@ -489,7 +595,7 @@ def join_round(rollouts, diagnoses, rho, reweight=True, adaptive=False, **kwargs
     """join_trajectories with the ρ the round trains with: `rho`, or with `adaptive` the round's
     own ρ_t (adaptive_rho, on the records the first join has checked). Returns (trajectories,
     AdaptedRho or None). train_grpo.py, the viewer and the trackers all weigh a round here;
-    `kwargs`: join_trajectories' paths, adv_scale and cut."""
+    `kwargs`: join_trajectories' paths, adv_scale, cut and turn_credit."""
     trajectories = join_trajectories(rollouts, diagnoses, rho, reweight, **kwargs)
     if not adaptive:
         return trajectories, None
@@ -623,7 +729,11 @@ def collate(trajs, device):
         attention[b, : P + n] = 1
         s = slice(P - off, P - off + n)
         mask[b, s] = torch.tensor(t.mask, dtype=torch.bool)
-        adv[b, s] = t.weight * t.advantage
+        if t.turn_weights is None:
+            adv[b, s] = t.weight * t.advantage
+        else:  # turn credit: each run of model tokens carries its turn's weight
+            for lo, hi, k in t.turn_spans:
+                adv[b, P - off + lo : P - off + hi] = t.turn_weights[k] * t.advantage
         if t.old_logprobs is not None:
             old[b, s] = t.old_logprobs
         if t.ref_logprobs is not None:

@@ -3,7 +3,7 @@
     python -m common.presets PRESET [--mode MODE] [--set VAR=VALUE ...]
 
 prints the shell assignments `bash loop.sh` evaluates: each preset variable (MODEL=..., MAX_LEN=...),
-the mode's OMEGA, REWEIGHT and ADAPTIVE_RHO, LORA_RANK, and RECORD, the key=value settings the run's
+the mode's OMEGA, REWEIGHT, ADAPTIVE_RHO and TURN_CREDIT, LORA_RANK, and RECORD, the key=value settings the run's
 config.json records (common/runinfo.py). An unknown preset, mode or variable, or a value its setting does not
 take, stops with a message and exit status 2.
 
@@ -208,6 +208,7 @@ class Mode:
     omega: str  # what evolve.py does to Ω: evolve it, keep it fixed after round 0, or switch every cue off
     reweight: bool  # train_grpo.py's diagnosis weight (else --no-reweight)
     adaptive_rho: bool = False  # ρ from the round's own diagnoses (train_grpo.py --adaptive-rho), not the table
+    turn_credit: bool = False  # each turn's tokens weighed by its own label (train_grpo.py --turn-credit)
 
 
 # SEAL, its baseline and its ablations: modes of the same code (docs/design.md §1).
@@ -218,7 +219,10 @@ MODES = {
     "no-reweight": Mode("evolve", False),
     "no-closed-loop": Mode("fixed", True),
     "seal-adaptive": Mode("evolve", True, adaptive_rho=True),  # beyond the paper: docs/design.md §6
+    "seal-turn": Mode("evolve", True, turn_credit=True),  # beyond the paper: docs/design.md §6
 }
+# The modes beyond the paper: research modes no GPU run has tested (evaluate.py --compare marks their rows).
+RESEARCH_MODES = ("seal-adaptive", "seal-turn")
 
 # The learning rates an empty LR takes: the paper's for full fine-tuning, and 10x that for a LoRA
 # adapter, whose B starts at 0 and moves ~lr a step (at 1e-6 the adapter's ΔW after 72 steps is ~10x
@@ -383,7 +387,8 @@ def record(preset, preset_name, mode_name):
     """The settings config.json records, as {key: text}: the preset, the mode and every variable."""
     m = mode(mode_name)
     out = {"preset": preset_name, "mode": mode_name, "omega": m.omega, "reweight": "" if m.reweight else "--no-reweight",
-           "adaptive_rho": "--adaptive-rho" if m.adaptive_rho else ""}
+           "adaptive_rho": "--adaptive-rho" if m.adaptive_rho else "",
+           "turn_credit": "--turn-credit" if m.turn_credit else ""}
     for f in dataclasses.fields(Preset):
         out[RECORDED_AS.get(f.name, f.name)] = getattr(preset, f.name)
     return out
@@ -395,6 +400,7 @@ def shell(preset, preset_name, mode_name):
     lines = [f"{f.name.upper()}={shlex.quote(getattr(preset, f.name))}" for f in dataclasses.fields(Preset)]
     lines += [f"OMEGA={shlex.quote(settings['omega'])}", f"REWEIGHT={shlex.quote(settings['reweight'])}",
               f"ADAPTIVE_RHO={shlex.quote(settings['adaptive_rho'])}",
+              f"TURN_CREDIT={shlex.quote(settings['turn_credit'])}",
               f"LORA_RANK={LORA_RANK}", "RECORD=(" + " ".join(shlex.quote(f"{k}={v}") for k, v in settings.items()) + ")"]
     return "\n".join(lines)
 

@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from common.bfcl import CATEGORIES  # noqa: E402
 from common.bfcl_results import LEADERBOARD, LEADERBOARD_TASKS  # noqa: E402
 from common.jsonl import RecordError, atomic_open, read_json  # noqa: E402
+from common.presets import RESEARCH_MODES  # noqa: E402
 from common.runs import STAGES, Run, optional_json, optional_jsonl, round_rho  # noqa: E402
 from common.taxonomy import LABELS  # noqa: E402
 
@@ -49,6 +50,9 @@ def collect(path):
             # the policy's entropy over model tokens, mean of the round's steps (collapse shows here)
             "entropy": mean([m.get("entropy") for m in metrics if m["step"] > 0]),
             "steps": sum(m["step"] > 0 for m in metrics),
+            # turn credit (seal-turn): the mean turn weight and the share of A < 0 tokens zeroed, over its steps
+            "turn_w_mean": mean([m.get("turn_w_mean") for m in metrics if m["step"] > 0]),
+            "turn_zeroed_share": mean([m.get("turn_zeroed_share") for m in metrics if m["step"] > 0]),
             "global_step": max((m.get("global_step", 0) for m in metrics), default=0),
             "summary": summary,
             "seconds": run.seconds(t),
@@ -150,22 +154,29 @@ def context_note(s):
 
 def markdown(run, rounds, evals, base, config):
     s = config.get("settings", {})
+    turned = bool(s.get("turn_credit"))  # seal-turn: the turn weights' columns
     lines = [f"# SEAL run `{os.path.basename(run.rstrip('/'))}`", "",
              f"preset **{s.get('preset')}**, mode **{s.get('mode')}**, model `{s.get('model')}`, "
              f"commit `{(config.get('git_commit') or '?')[:10]}`", "", *context_note(s), "![curves](curves.png)", "",
              "## Rounds", "",
-             "| round | reward | w mean | entropy | opt. steps (global) | Ω cues | gen tokens | cue tokens | "
+             "| round | reward | w mean | " + ("turn w mean | A<0 tokens zeroed | " if turned else "")
+             + "entropy | opt. steps (global) | Ω cues | gen tokens | cue tokens | "
              + " | ".join(f"{x} s" for x in STAGES) + " |",
-             "|" + "---|" * (8 + len(STAGES))]
+             "|" + "---|" * (8 + 2 * turned + len(STAGES))]
     def fmt(v):
         return f"{v:.3f}" if isinstance(v, float) else "-"
 
     for r in rounds:
         sm = r["summary"]
-        lines.append(f"| {r['round']} | {fmt(r['reward'])} | {fmt(r['w_mean'])} | {fmt(r['entropy'])} | "
+        turn = f"{fmt(r['turn_w_mean'])} | {fmt(r['turn_zeroed_share'])} | " if turned else ""
+        lines.append(f"| {r['round']} | {fmt(r['reward'])} | {fmt(r['w_mean'])} | {turn}{fmt(r['entropy'])} | "
                      f"{r['steps']} ({r['global_step']}) | "
                      f"{cues_text(r['omega'])} | {sm.get('gen_tokens', '-')} | {sm.get('cue_tokens', '-')} | "
                      + " | ".join(f"{r['seconds'][x]:.1f}" for x in STAGES) + " |")
+    if turned:
+        lines += ["", "Credit by turn (docs/design.md §6): a model token's advantage is A times its turn's weight; "
+                  "where A < 0 a turn verified right weighs 0. `turn w mean`: the mean weight of the turns holding "
+                  "model tokens; `A<0 tokens zeroed`: the share of the negative-advantage tokens those turns hold."]
     lines += ["", "## Label mix (share of turns)", "", "| round | " + " | ".join(LABELS) + " |",
               "|" + "---|" * (len(LABELS) + 1)]
     for r in rounds:
@@ -232,6 +243,8 @@ def compare(paths):
     for name, sc in rows:
         e = sc.get("bfcl_eval", {})
         notes = [] if e.get("same_settings", True) else ["* not bfcl-eval's settings: " + "; ".join(e["differs"])]
+        if modes.get(name) in RESEARCH_MODES:
+            notes.append(f"‡ {modes[name]}: beyond the paper, a research mode no GPU run has tested (docs/design.md §6)")
         if e.get("registry") in board and e.get("tasks") != LEADERBOARD_TASKS:
             notes.append(f"† {e.get('tasks', 'not all')} tasks; the leaderboard's figure is over all {LEADERBOARD_TASKS}")
         print(f"{name:{width}}  {modes.get(name, '—'):<{mw}}"

@@ -154,7 +154,8 @@ def train_figures(metrics):
              "wa_mean": "seal/wa/mean", "unplayed_share": "seal/unplayed_share",
              "logprob_mismatch": "sampling/sampling_logp_difference/mean",
              "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
-             "tokens_per_s": "perf/throughput", "entropy": "actor/entropy", "cut_share": "seal/cut_share"}
+             "tokens_per_s": "perf/throughput", "entropy": "actor/entropy", "cut_share": "seal/cut_share",
+             "turn_w_mean": "seal/turn/w_mean", "turn_zeroed_share": "seal/turn/zeroed_share"}
     # the rollout correction's shares under verl's names: truncated IS's ratios above the cap, masked IS's drops
     masked = any(str((m.get("objective") or {}).get("rollout_is", "")).endswith("mask") for m in stepped)
     names |= {"rollout_is_frac": "rollout_corr/rollout_rs_masked_fraction" if masked
@@ -203,7 +204,8 @@ def round_figures(folder, t, seconds, max_new_tokens):
 
 def trajectory_table(run, folder):
     """Round rows of TABLE_COLUMNS, largest |w·A| first: the prompt is the task's user turns, the
-    completion the model's texts; A and w as train_grpo.py computes them (common/grpo.py)."""
+    completion the model's texts; A and w as train_grpo.py computes them (common/grpo.py), and under
+    turn credit each turn label with its turn's weight (label×weight)."""
     from common import envs
     from common.grpo import join_round, load_rho
 
@@ -215,7 +217,8 @@ def trajectory_table(run, folder):
                            reweight=run.settings.get("reweight") != "--no-reweight",
                            adaptive=bool(run.settings.get("adaptive_rho")),
                            adv_scale=(trained.get("objective") or {}).get("adv_scale", "group"),
-                           cut=(lambda r: r.get("stop") in stops) if stops else None)
+                           cut=(lambda r: r.get("stop") in stops) if stops else None,
+                           turn_credit=bool(run.settings.get("turn_credit")))
     path = run.settings.get("tasks") or "data/train.jsonl"
     tasks = {}
     if not envs.is_tau2(path):  # a τ² record holds its user's messages (turns[k].user); BFCL's are the task's
@@ -229,7 +232,10 @@ def trajectory_table(run, folder):
         key, task = (j.task_id, j.sample_index), tasks.get(j.task_id, {})
         prompt = users[key] or "\n\n".join(m["content"] for q in task.get("questions", []) for m in q)
         rows.append([j.task_id, j.sample_index, diagnoses[key]["category"], prompt, texts[key], j.reward, j.advantage,
-                     j.weight, j.weight * j.advantage, " ".join(diagnoses[key]["turn_labels"])])
+                     j.weight, j.weight * j.advantage, " ".join(
+                         z if j.turn_weights is None else f"{z}×{v:.2f}"
+                         for z, v in zip(diagnoses[key]["turn_labels"], j.turn_weights or diagnoses[key]["turn_labels"],
+                                         strict=True))])
     return rows
 
 

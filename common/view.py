@@ -7,8 +7,8 @@ one file per round and per evaluation, each a script assigning the artifacts' fi
 global, so the page opens from the file system (file://, no server, no network) and under
 `python -m http.server`. It reads only what the stages wrote, like common/report.py, so it can
 run at any moment of a live run (loop.sh rebuilds it after every round); a round's data file is
-rewritten only when its artifacts changed. The group advantage A and the diagnosis weight w are
-the trainer's own (common/grpo.py join_trajectories). docs/viewer.md describes the views.
+rewritten only when its artifacts changed. The group advantage A and the diagnosis weight w (and,
+under turn credit, each turn's weight) are the trainer's own (common/grpo.py join_trajectories). docs/viewer.md describes the views.
 """
 
 import argparse
@@ -118,10 +118,10 @@ def trajectory(rec):
     return out
 
 
-def advantages(rollouts, diagnoses, interface_path, reweight, adaptive, missing, rel, trained=None):
-    """{(task_id, sample): (A, w)} as train_grpo.py computes them (with `adaptive`, under the round's
-    own ρ_t; `trained`, a line of the round's train metrics: its advantage scale and the stops it cut),
-    or {} with the reason in `missing`."""
+def advantages(rollouts, diagnoses, interface_path, reweight, adaptive, missing, rel, trained=None, turn_credit=False):
+    """{(task_id, sample): (A, w, turn weights or None)} as train_grpo.py computes them (with `adaptive`,
+    under the round's own ρ_t; `trained`, a line of the round's train metrics: its advantage scale and
+    the stops it cut; `turn_credit`, each turn's weight), or {} with the reason in `missing`."""
     from common.grpo import join_round, load_rho  # torch: imported only where a round is built
 
     stops = set((trained or {}).get("cut_stops") or [])
@@ -130,14 +130,14 @@ def advantages(rollouts, diagnoses, interface_path, reweight, adaptive, missing,
         joined, _ = join_round(rollouts, diagnoses, rho, reweight=reweight, adaptive=adaptive,
                                rollouts_path=f"{rel}/rollouts.jsonl", diagnoses_path=f"{rel}/diagnoses.jsonl",
                                adv_scale=((trained or {}).get("objective") or {}).get("adv_scale", "group"),
-                               cut=(lambda r: r.get("stop") in stops) if stops else None)
+                               cut=(lambda r: r.get("stop") in stops) if stops else None, turn_credit=turn_credit)
     except (RecordError, KeyError, TypeError, ValueError) as e:
         missing.append(f"{rel}: advantages and weights not computed ({e})")
         return {}
-    return {(t.task_id, t.sample_index): (t.advantage, t.weight) for t in joined}
+    return {(t.task_id, t.sample_index): (t.advantage, t.weight, t.turn_weights) for t in joined}
 
 
-def build_round(folder, rel, tasks, reweight, adaptive=False):
+def build_round(folder, rel, tasks, reweight, adaptive=False, turn_credit=False):
     """Round data: Ω, and one row per trajectory (rollout, diagnosis, A, w), with the tasks they play."""
     missing = []
     rollouts = read_records(os.path.join(folder, "rollouts.jsonl"), f"{rel}/rollouts.jsonl", missing)
@@ -148,7 +148,7 @@ def build_round(folder, rel, tasks, reweight, adaptive=False):
     trained = (read_records(metrics, f"{rel}/train_metrics.jsonl", missing) or [None])[0] \
         if os.path.isfile(metrics) else None
     adv = advantages(rollouts, diagnoses, os.path.join(folder, "interface.json"), reweight, adaptive, missing, rel,
-                     trained) if rollouts and diagnoses else {}
+                     trained, turn_credit) if rollouts and diagnoses else {}
     stops = set((trained or {}).get("cut_stops") or [])
     rows, by_key = [], {}
     for r in rollouts:
@@ -165,7 +165,9 @@ def build_round(folder, rel, tasks, reweight, adaptive=False):
             rows.append(row)
         row["diagnosis"] = {k: v for k, v in d.items() if k != "_line"}
         if key in adv:
-            row["A"], row["w"] = adv[key]
+            row["A"], row["w"], turn_w = adv[key]
+            if turn_w is not None:
+                row["turn_w"] = turn_w
     ids = {row["task_id"] for row in rows}
     return {"round": rel, "omega": omega, "rows": rows, "missing": missing,
             "tasks": {i: task_view(tasks[i]) for i in ids if i in tasks}}
@@ -200,6 +202,9 @@ def round_summary(t, data, metrics, summary, omega, seconds):
         "reward": sum(rewards) / len(rewards) if rewards else None,
         "w_mean": sum(ws) / len(ws) if ws else None,
         "steps": sum(m.get("step", 0) > 0 for m in metrics),
+        # turn credit: the round's mean turn weight and share of negative-advantage tokens zeroed (its steps')
+        "turn_w_mean": _mean([m.get("turn_w_mean") for m in metrics if m.get("step", 0) > 0]),
+        "turn_zeroed_share": _mean([m.get("turn_zeroed_share") for m in metrics if m.get("step", 0) > 0]),
         "global_step": max((m.get("global_step", 0) for m in metrics), default=None),
         "label_share": {z: labels.count(z) / len(labels) for z in LABELS} if labels else {},
         "omega": omega and {k: omega.get(k) for k in ("version", "schema_cue", "error_feedback", "capability_cues")},
@@ -209,6 +214,11 @@ def round_summary(t, data, metrics, summary, omega, seconds):
         "samples": [[row["task_id"], row.get("sample_index"), row["diagnosis"].get("reward"),
                      row["diagnosis"].get("turn_labels")] for row in data["rows"] if "diagnosis" in row],
     }
+
+
+def _mean(xs):
+    xs = [x for x in xs if isinstance(x, (int, float))]
+    return sum(xs) / len(xs) if xs else None
 
 
 def signature(paths):
@@ -269,6 +279,7 @@ def build(path, out=None):
 
     reweight = settings.get("reweight") != "--no-reweight"
     adaptive = bool(settings.get("adaptive_rho"))
+    turn_credit = bool(settings.get("turn_credit"))
     rounds = []
     for t, folder in run.rounds():
         rel = os.path.basename(folder)
@@ -283,7 +294,7 @@ def build(path, out=None):
 
         def make(folder=folder, rel=rel, t=t, metrics=metrics, summary=summary):
             tasks, notes = tasks_for("train")
-            data = build_round(folder, rel, tasks, reweight, adaptive)
+            data = build_round(folder, rel, tasks, reweight, adaptive, turn_credit)
             data["missing"] += notes
             cache[rel] = round_summary(t, data, metrics, summary, data["omega"], run.seconds(t))
             return data

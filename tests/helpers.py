@@ -640,9 +640,12 @@ def _rollout(task, sample, t, wrong, hostile, step_chars, segment_at=None):
             "sampling": {"temperature": 1.0}}
 
 
-def _diagnosis(rec, reward, label, hostile):
+def _diagnosis(rec, reward, label, hostile, first_pass=False):
+    """`first_pass`: a failed trajectory's first turn is labelled pass (verified right), its others `label`."""
     n = len(rec["turns"])
     labels = ["pass" if reward else label] * n
+    if first_pass and not reward and n > 1:
+        labels[0] = "pass"
     return {"task_id": rec["task_id"], "category": rec["category"], "sample_index": rec["sample_index"],
             "round": rec["round"], "reward": reward,
             "official": {"valid": bool(reward), "error_type": None if reward else "multi_turn:instance_state_mismatch",
@@ -662,7 +665,8 @@ def synthetic_run(path, tasks, eval_tasks, rounds=2, n=4, step_chars=0, hostile=
     """Write a finished run of `rounds` rounds (each task x n samples; sample 0 of every task
     right, the others wrong in odd-numbered tasks: mixed and zero-variance groups), a held-in
     evaluation of `eval_tasks` after the last round, and the task file it names. `thinking`: each
-    task's last sample re-rendered at turn 1, as a thinking model's is."""
+    task's last sample re-rendered at turn 1, as a thinking model's is. mode "seal-turn": a failed
+    trajectory passes its first turn and fails the others, and the train metrics carry the turn figures."""
     bad = HOSTILE if hostile else []
     os.makedirs(path, exist_ok=True)
     task_file = os.path.join(path, "tasks.jsonl")
@@ -670,7 +674,8 @@ def synthetic_run(path, tasks, eval_tasks, rounds=2, n=4, step_chars=0, hostile=
                                            for m in q] for q in t["questions"]]) for t in tasks])
     settings = {"preset": "synthetic", "mode": mode, "rounds": str(rounds), "model": "tiny", "tasks": task_file,
                 "reweight": "--no-reweight" if mode == "vanilla" else "",
-                "adaptive_rho": "--adaptive-rho" if mode == "seal-adaptive" else ""}
+                "adaptive_rho": "--adaptive-rho" if mode == "seal-adaptive" else "",
+                "turn_credit": "--turn-credit" if mode == "seal-turn" else ""}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"settings": settings, "git_commit": "0" * 40}, f)
     for t in range(rounds):
@@ -681,7 +686,8 @@ def synthetic_run(path, tasks, eval_tasks, rounds=2, n=4, step_chars=0, hostile=
                 right = s == 0 or i % 2 == 0
                 rec = _rollout(task, s, t, not right, bad, step_chars, segment_at=1 if thinking and s == n - 1 else None)
                 rollouts.append(rec)
-                diagnoses.append(_diagnosis(rec, int(right), "argument_mismatch" if s % 2 else "invalid_tool_call", bad))
+                diagnoses.append(_diagnosis(rec, int(right), "argument_mismatch" if s % 2 else "invalid_tool_call", bad,
+                                            first_pass=mode == "seal-turn"))
         _write(os.path.join(folder, "rollouts.jsonl"), rollouts)
         _write(os.path.join(folder, "diagnoses.jsonl"), diagnoses)
         omega = {"version": t, "round": t, "schema_cue": {"enabled": True, "required": True, "types": True, "enums": True},
@@ -689,8 +695,10 @@ def synthetic_run(path, tasks, eval_tasks, rounds=2, n=4, step_chars=0, hostile=
                  "profile": {}, "rho": RHO}
         with open(os.path.join(folder, "interface.json"), "w") as f:
             json.dump(omega, f)
+        turn = {"turn_w_mean": 0.9, "turn_zeroed_share": 0.25} if mode == "seal-turn" else {}
         _write(os.path.join(folder, "train_metrics.jsonl"), [{"step": 0, "global_step": 0, "w_mean": 1.2, "w_std": 0.4,
-                 "zero_var_share": 0.5, "reward_mean": 0.625, "temperature": 1.0, "ref_model": None, "logprob_seconds": 1.0}])
+                 "zero_var_share": 0.5, "reward_mean": 0.625, "temperature": 1.0, "ref_model": None, "logprob_seconds": 1.0}]
+               + ([{"step": 1, "global_step": 1, "w_mean": 1.2, "w_std": 0.4, **turn}] if turn else []))
     ev = os.path.join(path, "eval", f"round_{rounds - 1:03d}")
     plays = [dict(_rollout(task, 0, rounds - 1, i % 2 == 1, bad, step_chars), interface_version=None)
              for i, task in enumerate(eval_tasks)]

@@ -890,3 +890,180 @@ def test_each_environment_names_its_cuts():
     assert cut_stops(tau, True) == {"user_error", "context_limit"} and cut_stops(tau, False) == {"user_error"}
     assert not {"step_limit", "done"} & cut_stops(bfcl, True)
     assert not {"max_steps", "too_many_errors", "agent_error", "user_stop", "agent_stop"} & cut_stops(tau, True)
+
+
+# ---------------------------------------------------------------- turn credit (seal-turn)
+
+
+def step_rec(text="x"):
+    return {"text": text, "calls": [], "parse_error": None, "results": [], "call_errors": [], "schema_errors": [],
+            "feedback": None}
+
+
+def turned(tid, k, turns, prompt, ids, mask, **extra):
+    """A rollout record whose `turns` are (number of steps, end) each; one run of mask 1 per step."""
+    return rollout(tid, k, ids, mask) | {"turns": [{"steps": [step_rec() for _ in range(n)], "end": end}
+                                                   for n, end in turns]} | extra | {
+        "tokens": {"prompt_ids": list(prompt), "ids": list(ids), "mask": list(mask), "logprobs": [-1.0] * len(ids)}}
+
+
+def labelled(tid, k, reward, labels):
+    return diagnosis(tid, k, reward, {z: labels.count(z) / len(labels) for z in LABELS}) | {"turn_labels": labels}
+
+
+def turn_join(tmp_path, rollouts, diagnoses, **kwargs):
+    rp, dp = write(tmp_path / "r.jsonl", rollouts), write(tmp_path / "d.jsonl", diagnoses)
+    return join_trajectories(read_jsonl(rp), read_jsonl(dp), RHO, rollouts_path=rp, diagnoses_path=dp, **kwargs)
+
+
+# Task t, two samples of two turns. Sample 0 (reward 0) passes turn 0 in two steps (model tokens at
+# ids 0-1 and 3) and fails turn 1 (argument_mismatch) in one step (ids 6-8); sample 1 (reward 1) passes both.
+HAND = ([turned("t", 0, [(2, "answer"), (1, "answer")], [5, 6], [1, 2, 3, 4, 9, 10, 11, 12, 13],
+                [1, 1, 0, 1, 0, 0, 1, 1, 1]),
+         turned("t", 1, [(1, "answer"), (1, "answer")], [5, 6], [14, 15, 16, 17, 18], [1, 1, 0, 0, 1])],
+        [labelled("t", 0, 0, ["pass", "argument_mismatch"]), labelled("t", 1, 1, ["pass", "pass"])])
+
+
+def test_turn_credit_on_a_hand_computed_group(tmp_path):
+    """A = ∓0.5 / (0.5 + eps). Sample 0 (A < 0): its verified turn 0 weighs 0, its failing turn 1
+    clip(ρ(argument_mismatch)) = 1.2 (seal would give all its tokens w = 0.5·1 + 0.5·1.2 = 1.1);
+    sample 1 (A > 0): w = 1 on both turns. At the input weights every ratio is 1, so the token-mean
+    loss over the 9 model tokens is -Σ Ã / 9 = -(3·0·(-a) + 3·1.2·(-a) + 3·1·a) / 9 = 0.6a / 9; seal's
+    would be -(6·1.1·(-a) + 3·a) / 9 = 3.6a / 9."""
+    import accelerate
+
+    import train_grpo
+
+    a = 0.5 / (0.5 + ADV_EPS)
+    fail, ok = turn_join(tmp_path, *HAND, turn_credit=True)
+    assert (fail.advantage, ok.advantage) == (pytest.approx(-a, rel=1e-12), pytest.approx(a, rel=1e-12))
+    assert fail.weight == pytest.approx(1.1) and ok.weight == 1.0
+    assert fail.turn_weights == [0.0, 1.2] and ok.turn_weights == [1.0, 1.0]
+    assert fail.turn_spans == [(0, 2, 0), (3, 4, 0), (6, 9, 1)] and ok.turn_spans == [(0, 2, 0), (4, 5, 1)]
+    assert (fail.turn_tokens, ok.turn_tokens) == ([3, 3], [2, 1])
+    batch = collate([fail, ok], "cpu")
+    # the per-token advantages: each model token A × its turn's weight (the masked ones are never read)
+    want = torch.tensor([[0, 0, 0, 0, 0, 0, -1.2 * a, -1.2 * a, -1.2 * a], [a, a, 0, 0, a, 0, 0, 0, 0]])
+    assert torch.equal(batch["adv"][batch["mask"]], want.float()[batch["mask"]])
+    model, acc = small_qwen().eval(), accelerate.Accelerator(cpu=True)
+    score_trajectories(model, [[fail, ok]], "cpu", "old_logprobs")
+    for t in (fail, ok):
+        t.ref_logprobs = t.old_logprobs
+    model.train()
+    totals = accumulate_gradients(model, acc, [[fail, ok]], norm=9, kl_coef=0.0)
+    hand = -(3 * 0.0 * -a + 3 * 1.2 * -a + 3 * 1.0 * a) / 9  # turn 0 of sample 0, its turn 1, sample 1
+    assert totals["tokens"] == 9 and totals["pg_sum"] / 9 == pytest.approx(hand, rel=1e-6)
+    assert hand == pytest.approx(0.2 * a / 3) and hand != pytest.approx(-(6 * 1.1 * -a + 3 * a) / 9)  # not seal's
+    # the gradient is that of the hand-weighted sum -Σ_t Ã_t log π(y_t) / N
+    g = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    lp = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["off"], mask=batch["mask"])
+    (-(torch.where(batch["mask"], lp, 0.0) * want).sum() / 9).backward()
+    assert torch.allclose(g, torch.cat([p.grad.flatten() for p in model.parameters()]), rtol=1e-5, atol=1e-8)
+    stats = train_grpo.turn_stats([fail, ok])
+    assert stats == {"turn_zeroed_share": 0.5, "turn_w_mean": pytest.approx((0 + 1.2 + 1 + 1) / 4)}
+
+
+@pytest.mark.parametrize("objective", [dict(level="sequence"), dict(clip_high=0.28), dict(rollout="token-tis"),
+                                       dict(rollout="seq-mask", level="sequence", clip_high=0.28)])
+def test_turn_credit_works_with_the_objectives_options(tmp_path, objective):
+    """GSPO's sequence ratio, clip-higher and the rollout correction act on the per-token advantages as
+    on seal's: at the input weights (ratios 1, engine = trainer) the loss is the hand-computed one."""
+    import accelerate
+
+    a = 0.5 / (0.5 + ADV_EPS)
+    trajs = turn_join(tmp_path, *HAND, turn_credit=True)
+    model, acc = small_qwen().eval(), accelerate.Accelerator(cpu=True)
+    score_trajectories(model, [trajs], "cpu", "old_logprobs")
+    for t in trajs:
+        t.ref_logprobs = t.old_logprobs
+        t.engine_logprobs = [lp if m else None for lp, m in zip(t.old_logprobs.tolist(), t.mask, strict=True)]
+        rollout_correction(t, objective.get("rollout", "off"), 2.0)
+    totals = accumulate_gradients(model.train(), acc, [trajs], norm=9, clip_high=objective.get("clip_high"),
+                                  level=objective.get("level", "token"))
+    assert totals["pg_sum"] / 9 == pytest.approx(-(3 * 1.2 * -a + 3 * a) / 9, rel=1e-6)
+
+
+def test_turn_credit_on_one_turn_tasks_is_seals_gradient(tmp_path):
+    """One-turn tasks: every trajectory's one turn weighs its w (A > 0: w; A < 0: a failing label's
+    clip(ρ) is w, and a pass that the step limit stopped, or with no failure anywhere, is not cleared),
+    so the per-token advantages, the loss and the gradient are seal's, bit for bit."""
+    import accelerate
+
+    recs = [turned("a", 0, [(2, "answer")], [3], [1, 2, 0, 4], [1, 1, 0, 1]),
+            turned("a", 1, [(1, "answer")], [3], [5, 6, 7], [1, 1, 1]),
+            turned("a", 2, [(3, "step_limit")], [3], [8, 9, 0, 10, 0, 11], [1, 1, 0, 1, 0, 1], stop="step_limit"),
+            turned("a", 3, [(1, "answer")], [3, 4], [12, 13], [1, 1]),
+            turned("b", 0, [(1, "answer")], [3], [14, 15], [1, 1]),
+            turned("b", 1, [(2, "decode_error")], [3], [16, 0, 17], [1, 0, 1])]
+    diags = [labelled("a", 0, 1, ["pass"]), labelled("a", 1, 0, ["invalid_tool_call"]),
+             labelled("a", 2, 0, ["pass"]), labelled("a", 3, 0, ["response_mismatch"]),
+             labelled("b", 0, 0, ["missing_tool_call"]), labelled("b", 1, 1, ["pass"])]
+    grads = {}
+    for credit in (False, True):
+        trajs = turn_join(tmp_path, recs, diags, turn_credit=credit)
+        if credit:
+            assert all(t.turn_weights == [t.weight] for t in trajs) and trajs[2].advantage < 0
+        model, acc = small_qwen().eval(), accelerate.Accelerator(cpu=True)
+        score_trajectories(model, [trajs], "cpu", "old_logprobs")
+        for t in trajs:
+            t.ref_logprobs = t.old_logprobs
+        batch = collate(trajs, "cpu")
+        grads[credit] = (batch["adv"][batch["mask"]], accumulate_gradients(model.train(), acc, [trajs[:3], trajs[3:]],
+                                                                            norm=14, kl_coef=0.01),
+                         torch.cat([p.grad.flatten() for p in model.parameters()]))
+    (adv0, tot0, g0), (adv1, tot1, g1) = grads[False], grads[True]
+    assert torch.equal(adv0, adv1) and torch.equal(g0, g1) and g0.norm() > 0
+    assert tot0["pg_sum"] == tot1["pg_sum"] and tot0["kl_sum"] == tot1["kl_sum"]
+
+
+def test_turn_credit_clears_only_turns_the_environment_verified(tmp_path):
+    """With A < 0 a pass turn weighs 0 only where the environment checked it at that turn: not in a τ²
+    episode (one verdict per episode: the trajectory's w), not in a turn the step limit stopped, not in
+    a trajectory whose diagnosis blames no turn. Without reweighting (ρ ≡ 1) a failing turn weighs 1."""
+    from common.grpo import turn_weights
+
+    labels, ends = ["pass", "correct_abstention", "state_mismatch", "missing_tool_call"], ["answer"] * 3
+    assert turn_weights(labels, ends, -1.0, 1.3, RHO) == [0.0, 0.0, 1.0, 1.5]  # turn 3 never played
+    assert turn_weights(labels, ends, -1.0, 1.3, RHO, checked=False) == [1.3, 1.3, 1.0, 1.5]  # τ²
+    assert turn_weights(labels, ["step_limit", "answer"], -1.0, 1.3, RHO)[:2] == [1.3, 0.0]
+    assert turn_weights(["pass", "pass"], ends, -1.0, 1.0, RHO) == [1.0, 1.0]  # no turn to blame
+    assert turn_weights(labels, ends, -1.0, 1.0, RHO, reweight=False) == [0.0, 0.0, 1.0, 1.0]
+    assert turn_weights(labels, ends, 0.5, 1.3, RHO) == [1.3] * 4
+    assert turn_weights(["invalid_tool_call"], ends, -1.0, 2.0, {"invalid_tool_call": 3.0}) == [2.0]  # clipped
+    tau = [turned("t", 0, [(1, "answer"), (1, "answer")], [5], [1, 0, 2], [1, 0, 1], env="tau2:airline"),
+           turned("t", 1, [(1, "answer"), (1, "answer")], [5], [3, 0, 4], [1, 0, 1], env="tau2:airline")]
+    fail, _ = turn_join(tmp_path, tau, [labelled("t", 0, 0, ["pass", "state_mismatch"]),
+                                        labelled("t", 1, 1, ["pass", "pass"])], turn_credit=True)
+    assert fail.turn_weights == [fail.weight, 1.0] and fail.weight == 1.0
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r, d: d.pop("turn_labels"), r"d\.jsonl:1: turn_labels missing"),
+    (lambda r, d: d.update(turn_labels=["pass", "made_up"]), r"d\.jsonl:1: unknown label\(s\) made_up in turn_labels"),
+    (lambda r, d: r.pop("turns"), r"r\.jsonl:1: turns missing"),
+    (lambda r, d: r["turns"][0]["steps"].append(step_rec()), r"r\.jsonl:1: 3 model outputs in tokens, 4 steps in turns"),
+    (lambda r, d: d.update(turn_labels=["pass"]), r"r\.jsonl:1: 2 turns played, 1 labelled in .*d\.jsonl:1"),
+])
+def test_turn_credit_refuses_records_it_cannot_place(tmp_path, change, message):
+    recs, diags = json.loads(json.dumps(HAND))
+    change(recs[0], diags[0])
+    with pytest.raises(RecordError, match=message):
+        turn_join(tmp_path, recs, diags, turn_credit=True)
+
+
+def test_turn_credit_places_segments_and_skips_outputs_that_kept_no_token(tmp_path):
+    """A thinking model's re-rendered segment holds the later turns' runs; an output that kept no token
+    (its step's text empty) has no run, and the runs go to the steps that spoke."""
+    rec = turned("t", 0, [(1, "answer"), (2, "answer")], [5], [1, 2, 0], [1, 1, 0])
+    rec["turns"][1]["steps"][0]["text"] = ""
+    rec["tokens"]["segments"] = [{"turn": 1, "prompt_ids": [5, 6], "ids": [3, 4], "mask": [1, 1],
+                                  "logprobs": [-1.0, -1.0]}]
+    other = turned("t", 1, [(1, "answer"), (1, "answer")], [5], [1, 0, 2], [1, 0, 1])
+    fail, _ = turn_join(tmp_path, [rec, other], [labelled("t", 0, 0, ["pass", "recovery_failure"]),
+                                                 labelled("t", 1, 1, ["pass", "pass"])], turn_credit=True)
+    first, second = fail.sequences()
+    assert first.turn_spans == [(0, 2, 0)] and second.turn_spans == [(0, 2, 1)]
+    assert fail.turn_tokens == [2, 2] and fail.turn_weights == [0.0, 1.2]
+    adv = collate([second], "cpu")["adv"]
+    assert adv[0, -2:].tolist() == pytest.approx([1.2 * fail.advantage] * 2)

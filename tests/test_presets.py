@@ -26,7 +26,8 @@ def cli(*args):
 
 def shell_values(*args):
     """What bash holds after evaluating the presets' output: each variable, and RECORD's words."""
-    names = [f.name.upper() for f in dataclasses.fields(Preset)] + ["OMEGA", "REWEIGHT", "ADAPTIVE_RHO", "LORA_RANK"]
+    names = [f.name.upper() for f in dataclasses.fields(Preset)] + ["OMEGA", "REWEIGHT", "ADAPTIVE_RHO", "TURN_CREDIT",
+                                                                     "LORA_RANK"]
     script = ('settings=$("$0" -m common.presets "$@") || exit 9\neval "$settings"\n'
               + "".join(f'printf "%s\\0" "${{{n}}}"\n' for n in names) + 'printf "%s\\0" "${RECORD[@]}"')
     res = subprocess.run(["bash", "-c", script, sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
@@ -123,6 +124,7 @@ def test_the_shell_gets_the_python_values_exactly(name):
         assert values == {**{f.name.upper(): getattr(p, f.name) for f in dataclasses.fields(p)},
                           "OMEGA": m.omega, "REWEIGHT": "" if m.reweight else "--no-reweight",
                           "ADAPTIVE_RHO": "--adaptive-rho" if m.adaptive_rho else "",
+                          "TURN_CREDIT": "--turn-credit" if m.turn_credit else "",
                           "LORA_RANK": str(presets.LORA_RANK)}
         assert values["USER_MODEL_NAME"] == AWKWARD["USER_MODEL_NAME"] and values["EXTRA_TRAIN"] == "--cpu\n--x"
         assert record == [f"{k}={v}" for k, v in presets.record(p, name, mode).items()]
@@ -270,6 +272,19 @@ def test_seal_adaptive_is_seal_with_the_rounds_own_rho():
     record = presets.record(presets.resolve("tiny"), "tiny", "seal-adaptive")
     assert record["adaptive_rho"] == "--adaptive-rho" and presets.record(presets.resolve("tiny"), "tiny", "seal")[
         "adaptive_rho"] == ""
+
+
+def test_seal_turn_is_seal_with_credit_by_turn():
+    """seal-turn differs from seal only in train_grpo.py's --turn-credit, which loop.sh passes and
+    config.json records; both modes beyond the paper are the research modes --compare marks."""
+    assert presets.MODES["seal-turn"] == dataclasses.replace(presets.MODES["seal"], turn_credit=True)
+    assert [name for name, m in presets.MODES.items() if m.turn_credit] == ["seal-turn"]
+    assert presets.RESEARCH_MODES == ("seal-adaptive", "seal-turn")
+    record = presets.record(presets.resolve("tiny"), "tiny", "seal-turn")
+    assert record["turn_credit"] == "--turn-credit" and record["adaptive_rho"] == ""
+    assert presets.record(presets.resolve("tiny"), "tiny", "seal")["turn_credit"] == ""
+    loop = open(os.path.join(ROOT, "loop.sh")).read()
+    assert "$REWEIGHT $ADAPTIVE_RHO $TURN_CREDIT --lr" in loop and "|seal-adaptive|seal-turn]" in loop
 
 
 def test_env_tau2_plays_a_domains_train_split_and_checks_its_user():

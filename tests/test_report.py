@@ -139,3 +139,18 @@ def test_compare_sets_the_leaderboards_figure_beside_a_score_of_all_800_tasks(tm
     marked = [line.split()[0] for line in lines if "†" in line]
     assert marked == ["qwen3-4b", "q"] and "† 400 tasks" in lines[2]
     assert lines.index(board[0]) == len(rows) + 1  # right below the table
+
+
+def test_compare_marks_the_research_modes(tmp_path, capsys):
+    """`--compare` lists seal-turn and seal-adaptive beside seal, each row marked as a mode beyond the
+    paper that no GPU run has tested: their scores are shown, and no claim made of them."""
+    held = {"base": 50.0, "miss_func": 25.0, "miss_param": 0.0, "long_context": 100.0, "average": 43.75}
+    for mode in ("seal", "seal-adaptive", "seal-turn"):
+        _write(str(tmp_path / mode / "config.json"), {"settings": {"preset": "tiny", "mode": mode}})
+        _write(str(tmp_path / mode / "eval" / "round_001" / "scores.json"), held)
+    report.compare([str(tmp_path / m) for m in ("seal", "seal-adaptive", "seal-turn")])
+    out = capsys.readouterr().out.splitlines()
+    marks = {line.split()[0]: line.partition("‡ ")[2] for line in out[1:]}
+    assert marks["seal"] == ""
+    for mode in ("seal-adaptive", "seal-turn"):
+        assert marks[mode] == f"{mode}: beyond the paper, a research mode no GPU run has tested (docs/design.md §6)"

@@ -215,3 +215,42 @@ def test_trackers_get_each_rounds_trajectories_with_label_and_w(runs):
     assert [e.step for e in texts] == [0, 1]
     text = texts[0].tensor_proto.string_val[0].decode()
     assert text.count("\n") == 1 + len(rows) and rows[0][0] in text
+
+
+def test_a_turn_credit_run_shows_each_turns_weight_beside_its_label(tmp_path):
+    """seal-turn: each turn's weight is the trainer's (common/grpo.py join_round with turn credit) and the
+    trajectory page shows it beside the turn's label: a failed trajectory's first turn, verified right, at 0
+    (not penalised), its failing turns at clip(ρ(label)), a rewarded one's turns at its w. The run page, the
+    report and the trackers carry the round's turn figures from the train metrics."""
+    from common import report
+    from common.grpo import join_round, load_rho
+    from common.jsonl import read_jsonl
+
+    tasks = [t for t in load_tasks(os.path.join(ROOT, "data", "heldin.jsonl")).values() if len(t["questions"]) > 2][:2]
+    run = synthetic_run(tmp_path / "turn", tasks, tasks[:1], rounds=1, n=2, hostile=False, mode="seal-turn")
+    view_mod.build(str(run))
+    page, folder = run / "viewer" / "index.html", run / "round_000"
+    joined, _ = join_round(read_jsonl(str(folder / "rollouts.jsonl")), read_jsonl(str(folder / "diagnoses.jsonl")),
+                           load_rho(str(folder / "interface.json")), turn_credit=True)
+    got = {(r["task_id"], r["sample_index"]): r["turn_w"] for r in data(page, "round_000")["rows"]}
+    assert got == {(t.task_id, t.sample_index): t.turn_weights for t in joined}
+    task = tasks[1]["id"]  # sample 0 right, sample 1 wrong: pass, then argument_mismatch on every other turn
+    failed = next(t for t in joined if (t.task_id, t.sample_index) == (task, 1))
+    n = len(task_questions := tasks[1]["questions"])
+    assert n == len(failed.turn_weights) and failed.advantage < 0
+    assert failed.turn_weights == [0.0] + [RHO["argument_mismatch"]] * (n - 1)
+    heads = [x.text() for x in browse(page, f"traj/0/{task}/1").all("h2") if x.text().startswith("Turn")]
+    assert heads == ["Turn 0 pass weight 0.000 (verified right: not penalised)"] + [
+        f"Turn {k} argument_mismatch weight 1.200" for k in range(1, len(task_questions))]
+    heads = [x.text() for x in browse(page, f"traj/0/{task}/0").all("h2") if x.text().startswith("Turn")]
+    assert heads == [f"Turn {k} pass weight 1.000" for k in range(n)]  # A > 0: every turn at w
+    dom = browse(page, "run")
+    table = next(dom.all("table", id="rounds"))
+    assert "turn w" in table.text() and "0.900" in table.text() and "0.250" in table.text()
+    figs = tracking.round_figures(str(folder), 0, {}, None)
+    assert figs["seal/turn/w_mean"] == 0.9 and figs["seal/turn/zeroed_share"] == 0.25
+    rows = tracking.trajectory_table(tracking.Run(str(run)), str(folder))
+    assert next(r for r in rows if (r[0], r[1]) == (task, 1))[9].startswith("pass×0.00 argument_mismatch×1.20")
+    report.main(str(run))
+    text = (run / "report.md").read_text()
+    assert "| turn w mean | A<0 tokens zeroed |" in text and "| 0.900 | 0.250 |" in text

@@ -82,13 +82,17 @@ function cues(omega) {
 function viewRun() {
   const s = RUN.settings || {};
   const labels = RUN.labels;
+  const turned = !!s.turn_credit;  // seal-turn: the turn weights' figures of the round's steps
   const rounds = table(
     [...["round", "trajectories", "reward", "w, all", "opt. steps (global)", "Ω cues", "model tokens"].map((x) => h("th", {}, x)),
+      turned ? [h("th", { title: "mean weight of the turns holding model tokens (train metrics)" }, "turn w"),
+        h("th", { title: "of the model tokens with A < 0, those in turns verified right (weight 0)" }, "A<0 tokens zeroed")] : null,
       ...labels.map((z) => h("th", { class: "share", title: `share of turns labelled ${z}` }, z.replace(/_/g, " ")))],
     RUN.rounds.map((r) => h("tr", {},
       h("td", {}, link(`#round/${r.round}`, `round ${r.round}`)), num(r.trajectories), num(r.reward, 3),
       num(r.w_mean, 3), h("td", {}, `${r.steps} (${r.global_step ?? "–"})`), h("td", {}, cues(r.omega)),
-      num(r.gen_tokens), labels.map((z) => num(r.label_share[z], 2)))), { id: "rounds" });
+      num(r.gen_tokens), turned ? [num(r.turn_w_mean, 3), num(r.turn_zeroed_share, 3)] : null,
+      labels.map((z) => num(r.label_share[z], 2)))), { id: "rounds" });
   // the ρ each round's weights used: its interface's table, or (seal-adaptive) the round's own ρ_t
   const adaptive = !!s.adaptive_rho;
   const rhoNote = (r) => (r.rho_adapted === false ? " (kept)" : adaptive && r.rho_adapted == null ? " (table: not trained yet)" : "");
@@ -289,7 +293,11 @@ function trajectoryView(row, task, extra) {
   for (let k = 0; k < nTurns; k++) {
     const turn = turns[k];
     const label = (diag.turn_labels || [])[k];
-    out.push(h("h2", {}, `Turn ${k} `, label ? labelChip(label) : null));
+    // seal-turn: the weight this turn's model tokens train with (its trained advantage is A times it)
+    const tw = row.turn_w ? row.turn_w[k] : null;
+    out.push(h("h2", {}, `Turn ${k} `, label ? labelChip(label) : null,
+      tw != null ? h("span", { class: "turnw", title: "turn weight: this turn's model tokens train with A × this" },
+        ` weight ${fmt(tw)}${row.A < 0 && tw === 0 ? " (verified right: not penalised)" : ""}`) : null));
     if (diag.evidence && diag.evidence[k]) out.push(h("div", { class: "evidence" }, "evidence: ", diag.evidence[k]));
     // τ²-bench: the user simulator's message that opened the turn is in the record
     const msgs = task ? task.questions[k] || [] : turn && turn.user ? [{ role: "user", content: turn.user }] : [];
@@ -324,7 +332,8 @@ async function viewTraj(t, id, s) {
         ` (${r.diagnosis?.reward ?? "?"}) `])),
     missingBox(data.missing, `Round ${t}`),
     trajectoryView(row, data.tasks[id], [["A (group advantage)", fmt(row.A)], ["w (diagnosis weight)", fmt(row.w)],
-      ["w·A (trained advantage)", row.A != null ? fmt(row.w * row.A) : "–"], ["Ω shown", omegaBox(data.omega)]]),
+      row.turn_w ? ["A × turn weight (trained advantage, per turn)", row.turn_w.map((v, k) => `turn ${k}: ${fmt(v * row.A)}`).join(" · ")]
+        : ["w·A (trained advantage)", row.A != null ? fmt(row.w * row.A) : "–"], ["Ω shown", omegaBox(data.omega)]]),
   ];
 }
 
