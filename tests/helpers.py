@@ -387,6 +387,23 @@ def theirs(entry, texts, handler="QwenFCHandler"):
 # ----------------------------------------------------------------------------- train_grpo.py in process
 
 
+def train_one_round(model, records, diagnoses, folder):
+    """train_grpo.py (in this process) on `records` and `diagnoses` with Ω_0, lr 1e-4 and no KL, one
+    task a mini-batch; asserts it ran and returns its train_metrics.jsonl lines."""
+    from common import interface as omega_api
+    from common.jsonl import write_json, write_jsonl
+
+    write_jsonl(folder / "rollouts.jsonl", records)
+    write_jsonl(folder / "diagnoses.jsonl", diagnoses)
+    write_json(folder / "interface.json", omega_api.initial())
+    res = in_process(["--model", str(model), "--rollouts", str(folder / "rollouts.jsonl"),
+                      "--diagnoses", str(folder / "diagnoses.jsonl"), "--interface", str(folder / "interface.json"),
+                      "--lr", "1e-4", "--kl-coef", "0", "--mini-batch-tasks", "1", "--cpu",
+                      "--out", str(folder / "policy")])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [json.loads(line) for line in open(folder / "train_metrics.jsonl")]
+
+
 def in_process(argv):
     """`python train_grpo.py ARGV` as its main() in this process: exit status, stdout and stderr
     as the command gives them. A fresh process spends ~13 s importing torch and transformers,

@@ -327,17 +327,23 @@ def test_the_training_processes_load_is_checked_against_the_nodes_memory(tmp_pat
     assert memplan.host_check(arch, k, str(meminfo)) is None
 
 
-def test_a_user_model_served_beside_the_policy_is_planned(tmp_path):
-    """ENV=tau2:DOMAIN with USER_MODEL: the user simulator's server is planned on the first GPU in
-    what the policy's server leaves (USER_UTILIZATION) and counted, awake, in the train stage and
-    reference pass; a user model that does not fit is refused naming the endpoint alternative, and
-    a GPU preset on τ² without a user simulator is refused before any plan."""
+def small_user_model(tmp_path):
+    """A model folder with Qwen2.5-0.5B's architecture numbers (its config.json alone): a user simulator."""
     small = tmp_path / "qwen2.5-0.5b"
     small.mkdir()
     (small / "config.json").write_text(json.dumps({
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
         "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
         "tie_word_embeddings": True, "max_position_embeddings": 32768}))
+    return small
+
+
+def test_a_user_model_served_beside_the_policy_is_planned(tmp_path):
+    """ENV=tau2:DOMAIN with USER_MODEL: the user simulator's server is planned on the first GPU in
+    what the policy's server leaves (USER_UTILIZATION) and counted, awake, in the train stage and
+    reference pass; a user model that does not fit is refused naming the endpoint alternative, and
+    a GPU preset on τ² without a user simulator is refused before any plan."""
+    small = small_user_model(tmp_path)
     res = loop("qwen7b", "--plan", "--set", "ENV=tau2:retail", "--set", f"USER_MODEL={small}")
     assert res.returncode == 0 and "user simulator server (vLLM, USER_MODEL, gpu_memory_utilization 0.08)" in res.stdout
     # it lives only inside the stages that play: the train stage and the reference pass are as without it
@@ -363,12 +369,7 @@ def test_the_first_gpu_holds_both_servers_and_their_cuda_contexts(tmp_path, sets
     """qwen3-4b on τ² retail with a small USER_MODEL, on 1 x 80 GB (LoRA) and 4 x 80 GB: the plan shows
     the first GPU's total while a stage plays; at vLLM's default share for the policy (0.92) it would
     not fit, and on a 40 GB GPU the two CUDA contexts do not fit beside the two shares: refused."""
-    small = tmp_path / "user"
-    small.mkdir()
-    (small / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
-        "tie_word_embeddings": True, "max_position_embeddings": 32768}))
+    small = small_user_model(tmp_path)
     args = ["qwen3-4b", "--plan", "--set", "ENV=tau2:retail", "--set", f"USER_MODEL={small}"]
     for s in sets:
         args += ["--set", s]

@@ -211,12 +211,11 @@ def test_a_round_trains_on_tau2_rollouts(tiny_model, tau2, tmp_path):
     the tiny model's own samples and two teacher episodes (the gold call, reward 1 by τ²'s
     evaluator; none, reward 0) takes an optimiser step, and the rewarded episodes gain
     log-probability against the others."""
-    from helpers import Teacher, in_process, seq_logprob
+    from helpers import Teacher, seq_logprob, train_one_round
     from transformers import AutoModelForCausalLM
 
     from common import interface as omega_api
     from common.engines import make_engine
-    from common.jsonl import write_json, write_jsonl
     from common.play import PlaySpec
     task = next(t for t in tau2.tasks("mock") if t.id == "create_task_1")
     spec = PlaySpec(omega=omega_api.initial(), fmt="json", temperature=1.0, max_model_len=8192, max_new_tokens=48)
@@ -231,16 +230,7 @@ def test_a_round_trains_on_tau2_rollouts(tiny_model, tau2, tmp_path):
     diagnoses = [T.diagnose(tau2, "mock", task, r) for r in records]
     rewards = [d["reward"] for d in diagnoses]
     assert rewards[2:] == [1.0, 0.0]
-    write_jsonl(tmp_path / "rollouts.jsonl", records)
-    write_jsonl(tmp_path / "diagnoses.jsonl", diagnoses)
-    write_json(tmp_path / "interface.json", omega_api.initial())
-    res = in_process(["--model", tiny_model, "--rollouts", str(tmp_path / "rollouts.jsonl"),
-                      "--diagnoses", str(tmp_path / "diagnoses.jsonl"), "--interface", str(tmp_path / "interface.json"),
-                      "--lr", "1e-4", "--kl-coef", "0", "--mini-batch-tasks", "1", "--cpu",
-                      "--out", str(tmp_path / "policy")])
-    assert res.returncode == 0, res.stderr[-3000:]
-    metrics = [json.loads(line) for line in open(tmp_path / "train_metrics.jsonl")]
-    assert [m["step"] for m in metrics] == [1]
+    assert [m["step"] for m in train_one_round(tiny_model, records, diagnoses, tmp_path)] == [1]
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
     mean = sum(rewards) / len(rewards)
     delta = [seq_logprob(after, r) - seq_logprob(model, r) for r in records]

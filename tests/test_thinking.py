@@ -274,12 +274,11 @@ def test_a_thinking_model_on_tau2_trains_segment_by_segment(thinking_model, tmp_
     (as on BFCL), never a traceback. Each segment starts at the template's prompt of the
     conversation so far, the reasoning is never said to the user, τ²'s evaluator scores the answers,
     and a round of train_grpo.py takes an optimiser step on the segmented records."""
-    from helpers import Scripted, in_process
+    from helpers import Scripted, train_one_round
 
     from common import interface as omega_api
     from common import tau2 as T
     from common.grpo import token_segments
-    from common.jsonl import write_json, write_jsonl
     from common.play import PlaySpec
 
     tau2 = T.import_tau2()
@@ -310,13 +309,4 @@ def test_a_thinking_model_on_tau2_trains_segment_by_segment(thinking_model, tmp_
         assert "plan 0" in tok.decode(segs[0]["prompt_ids"] + segs[0]["ids"], skip_special_tokens=False)
     diagnoses = [T.diagnose(tau2, "mock", task, r) for r in records]
     assert [d["reward"] for d in diagnoses] == [1.0, 0.0]
-    write_jsonl(tmp_path / "rollouts.jsonl", records)
-    write_jsonl(tmp_path / "diagnoses.jsonl", diagnoses)
-    write_json(tmp_path / "interface.json", omega_api.initial())
-    res = in_process(["--model", thinking_model, "--rollouts", str(tmp_path / "rollouts.jsonl"),
-                      "--diagnoses", str(tmp_path / "diagnoses.jsonl"), "--interface", str(tmp_path / "interface.json"),
-                      "--lr", "1e-4", "--kl-coef", "0", "--mini-batch-tasks", "1", "--cpu",
-                      "--out", str(tmp_path / "policy")])
-    assert res.returncode == 0, res.stderr[-3000:]
-    metrics = [json.loads(line) for line in open(tmp_path / "train_metrics.jsonl")]
-    assert [m["step"] for m in metrics] == [1]
+    assert [m["step"] for m in train_one_round(thinking_model, records, diagnoses, tmp_path)] == [1]
