@@ -1,7 +1,9 @@
-"""Evaluate a policy on BFCL multi-turn with the official checker, Ω removed.
+"""Evaluate a policy on an environment's split with its official checker, Ω removed.
 
     python evaluate.py --policy DIR --split heldin --out runs/NAME/eval/TAG [--engine vllm|hf] \
         [--schedule async|lockstep]
+    python evaluate.py --policy DIR --tasks tau2:airline:test [--trials K] --out OUT \
+        (--scripted-user | --user-model DIR | --user-base-url URL --user-model-name NAME)
     python evaluate.py --policy DIR --split all --bfcl-model Qwen/Qwen3-4B-Instruct-2507-FC --out OUT
     python evaluate.py --policy oracle --split heldin --out runs/oracle/eval
     python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...
@@ -26,8 +28,14 @@ every evaluated round, each row with the mode its run trained in), like the pape
 figure for the bfcl-eval entry they were scored under (common/bfcl_results.py
 LEADERBOARD), and their OOD scores (common/report.py).
 
+`--tasks` names the environment as in the other stages (common/envs.py): a BFCL task file
+(replacing the split's), or `tau2:DOMAIN:SPLIT`, a τ²-bench domain's split played greedily
+against a user simulator (the flags rollout.py takes; the oracle needs none) and scored by τ²'s
+evaluator, `--trials K` adding pass^1..pass^K: the same results.jsonl and scores.json as
+`python -m ood.tau --domain DOMAIN --split SPLIT` (docs/environments.md §5).
+
 The out-of-distribution benches are their own commands (docs/ood.md): BFCL V4
-memory and web search, `python -m ood.memory`; τ²-bench, `python -m ood.tau`.
+memory and web search, `python -m ood.memory`; τ²-bench's domains, `python -m ood.tau`.
 """
 
 import argparse
@@ -36,7 +44,7 @@ import sys
 
 from tqdm import tqdm
 
-from common import bfcl, bfcl_results, play, playargs, prompts
+from common import bfcl, bfcl_results, envs, play, playargs, prompts, tau2
 from common import calls as C
 from common.jsonl import RecordError, write_json, write_jsonl
 from common.presets import MAX_STEPS_PER_TURN
@@ -46,19 +54,28 @@ from common.scores import mean, percent_by_group
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--policy", help="policy folder, or 'oracle' (ground truth)")
 parser.add_argument("--compare", nargs="+", metavar="RUN", help="print the scores of these run folders")
-parser.add_argument("--split", default="heldin", choices=["heldin", "train", "all"],
-                    help="heldin, train: the paper's split (data/<split>.jsonl); all: bfcl-eval's 800 tasks, "
-                         "the BFCL leaderboard's")
-parser.add_argument("--tasks", default=None, help="task file (default: the split's)")
-parser.add_argument("--limit", type=int, default=None, help="first K tasks per category")
+parser.add_argument("--split", default=None, choices=["heldin", "train", "all"],
+                    help="BFCL: heldin (the default), train: the paper's split (data/<split>.jsonl); all: "
+                         "bfcl-eval's 800 tasks, the BFCL leaderboard's")
+parser.add_argument("--tasks", default=None,
+                    help="the environment (common/envs.py): a BFCL task file (default: the --split's), or "
+                         "tau2:DOMAIN:SPLIT, a τ²-bench domain's split")
+parser.add_argument("--limit", type=int, default=None, help="first K tasks per category (a τ² domain's: its first K)")
 parser.add_argument("--out", help="output folder")
 playargs.add_play_args(parser, evaluation=True)
 parser.add_argument("--decoding", default="bfcl", choices=["bfcl", "greedy"],
                     help="bfcl: temperature 0.001 with the model's generation_config defaults (bfcl-eval's "
-                         "vLLM server); greedy: argmax")
+                         "vLLM server); greedy: argmax. BFCL's: τ² tasks' agent is always greedy")
 parser.add_argument("--bfcl-model", default=None,
                     help="bfcl-eval registry entry that names and decodes DIR/result/ (docs/bfcl-results.md; "
                          "default: the --handler's, common/prompts.py HANDLERS)")
+tau2.add_user_args(parser)  # τ² tasks' user simulator
+parser.add_argument("--trials", type=int, default=None,
+                    help="τ² tasks: episodes per task (τ²'s num_trials, default 1): scores.json gets pass^1..pass^K")
+parser.add_argument("--max-episode-steps", type=int, default=None,
+                    help="τ² tasks: orchestrator steps per episode (default τ²'s 200)")
+parser.add_argument("--concurrency", type=int, default=None,
+                    help="τ² tasks: episodes played at once (default: 64 on vLLM, 16 lock-step, 1 with the oracle)")
 
 
 def oracle_trajectory(task, fmt="python"):
@@ -128,6 +145,15 @@ def main(args):
         return report.compare(args.compare)
     if not args.policy or not args.out:
         parser.error("--policy and --out are required (or --compare RUN ...)")
+    if args.tasks and envs.is_tau2(args.tasks):
+        return evaluate_tau2(args)
+    if tau2.user_flags_given(args) or any(v is not None for v in (args.trials, args.max_episode_steps,
+                                                                  args.concurrency)):
+        parser.error("a user simulator, --trials, --max-episode-steps and --concurrency are for τ² tasks "
+                     "(--tasks tau2:DOMAIN:SPLIT); BFCL scripts its user turns and plays each task once")
+    if args.tasks and not os.path.isfile(args.tasks):
+        parser.error(f"--tasks {args.tasks}: no such task file (a BFCL task file, or tau2:DOMAIN:SPLIT)")
+    args.split = args.split or "heldin"
     spec = playargs.eval_spec(args, parser, decoding=args.decoding)
     differs = []
     if args.policy != "oracle":
@@ -174,6 +200,31 @@ def main(args):
         for r in results:
             if not r["valid"]:
                 print(f"  failed: {r['task_id']} {r['error_type']} turn {r['turn']}")
+
+
+def evaluate_tau2(args):
+    """A τ² domain's split (`--tasks tau2:DOMAIN:SPLIT`), scored by τ²'s evaluator with pass^k, its
+    agent greedy, against the user simulator the flags name (the oracle: none): the same files as
+    `python -m ood.tau --domain DOMAIN --split SPLIT` (common/tau2.py evaluate)."""
+    for flag, value in (("--split", args.split), ("--bfcl-model", args.bfcl_model)):
+        if value is not None:
+            parser.error(f"{flag} is BFCL's; τ² tasks name their split in --tasks tau2:DOMAIN:SPLIT")
+    if args.limit is not None and args.limit < 1:
+        parser.error("--limit must be at least 1")
+    if any(v is not None and v < 1 for v in (args.trials, args.concurrency, args.max_episode_steps)):
+        parser.error("--trials, --concurrency and --max-episode-steps must be at least 1")
+    spec = playargs.eval_spec(args, parser)  # greedy; a policy that is not a model folder fails here
+    user = tau2.user_of_args(args, parser)  # None: the oracle's scripted user
+    try:
+        env = envs.load(args.tasks, user, max_steps=args.max_episode_steps)
+    except RecordError as e:
+        parser.error(f"--tasks: {e}")
+
+    def engine():
+        return playargs.open_engine(args, args.policy, max_model_len=spec.max_model_len, seed=0,
+                                    log=os.path.join(args.out, "server.log"))
+    return env.evaluate(args.out, args.policy, spec, engine, limit=args.limit, trials=args.trials or 1,
+                        concurrency=args.concurrency)
 
 
 if __name__ == "__main__":

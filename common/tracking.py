@@ -34,7 +34,6 @@ from common.runs import Run, round_rho
 from common.taxonomy import LABELS
 
 PROJECT = "seal"  # W&B / Comet / Trackio project, MLflow experiment, TensorBoard folder name
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A round's trajectories in the trackers that take tables (TRL's completions table, plus SEAL's
 # label and w): those of largest |w·A|, the ones that moved the policy most.
 TABLE_ROWS = 16
@@ -219,17 +218,17 @@ def trajectory_table(run, folder):
                            adv_scale=(trained.get("objective") or {}).get("adv_scale", "group"),
                            cut=(lambda r: r.get("stop") in stops) if stops else None,
                            turn_credit=bool(run.settings.get("turn_credit")))
-    path = run.settings.get("tasks") or "data/train.jsonl"
-    tasks = {}
-    if not envs.is_tau2(path):  # a τ² record holds its user's messages (turns[k].user); BFCL's are the task's
-        tasks = envs.load(path if os.path.isabs(path) else os.path.join(ROOT, path)).tasks
+    # the task's user turns where its records do not hold them (a τ² record does: turns[k].user)
+    kind = envs.kind_of(run.env)
+    tasks = kind.view_tasks(run.settings.get("tasks") or "data/train.jsonl")
     texts = {(r["task_id"], r["sample_index"]): "\n\n".join(s["text"] for t in r["turns"] for s in t["steps"])
              for r in rollouts}
     users = {(r["task_id"], r["sample_index"]): "\n\n".join(t["user"] for t in r["turns"] if t.get("user"))
              for r in rollouts}
     rows = []
     for j in sorted(joined, key=lambda j: -abs(j.weight * j.advantage))[:TABLE_ROWS]:
-        key, task = (j.task_id, j.sample_index), tasks.get(j.task_id, {})
+        key = (j.task_id, j.sample_index)
+        task = kind.task_view(tasks[j.task_id]) if j.task_id in tasks and not users[key] else {}
         prompt = users[key] or "\n\n".join(m["content"] for q in task.get("questions", []) for m in q)
         rows.append([j.task_id, j.sample_index, diagnoses[key]["category"], prompt, texts[key], j.reward, j.advantage,
                      j.weight, j.weight * j.advantage, " ".join(

@@ -18,13 +18,12 @@ import os
 import shutil
 import sys
 
-from common import bfcl, envs
+from common import envs
 from common.jsonl import RecordError, atomic_open
 from common.runs import Run, optional_json, round_rho
 from common.taxonomy import LABELS
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "viewer")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORMAT = 2  # data files of another format are rebuilt
 
 
@@ -62,25 +61,14 @@ def read_object(path, rel, missing, required=False):
     return obj
 
 
-def load_tasks(path):
-    """(task records by id, []) or ({}, [why not]): the user turns and ground truth shown beside the plays."""
-    if envs.is_tau2(path):  # τ²'s records carry the user simulator's messages themselves
-        return {}, []
-    path = path if os.path.isabs(path) else os.path.join(ROOT, path)
+def load_tasks(kind, source):
+    """(task records by id, []) or ({}, [why not]): what the trajectory page shows beside the plays of
+    an environment's tasks (`kind`'s task_view; BFCL: the user turns and ground truth), where its
+    records do not carry it (τ²'s hold the user simulator's messages themselves: no task is loaded)."""
     try:
-        return bfcl.load_tasks(path), []
+        return kind.view_tasks(source), []
     except RecordError as e:
         return {}, [f"task file {e}: user turns and ground truth are not shown"]
-
-
-def task_view(task):
-    """What the trajectory page shows of a task: its user turns and each turn's ground-truth calls."""
-    try:
-        gt = [bfcl.ground_truth_calls(task, k) for k in range(len(task["ground_truth"]))]
-    except RecordError:
-        gt = None
-    return {"category": task["category"], "questions": task["questions"], "ground_truth": task["ground_truth"],
-            "gt_calls": gt}
 
 
 def mask_runs(mask):
@@ -137,8 +125,9 @@ def advantages(rollouts, diagnoses, interface_path, reweight, adaptive, missing,
     return {(t.task_id, t.sample_index): (t.advantage, t.weight, t.turn_weights) for t in joined}
 
 
-def build_round(folder, rel, tasks, reweight, adaptive=False, turn_credit=False):
-    """Round data: Ω, and one row per trajectory (rollout, diagnosis, A, w), with the tasks they play."""
+def build_round(folder, rel, tasks, task_view, reweight, adaptive=False, turn_credit=False):
+    """Round data: Ω, and one row per trajectory (rollout, diagnosis, A, w), with the views of the
+    tasks they play (`task_view`: the environment's)."""
     missing = []
     rollouts = read_records(os.path.join(folder, "rollouts.jsonl"), f"{rel}/rollouts.jsonl", missing)
     diagnoses = read_records(os.path.join(folder, "diagnoses.jsonl"), f"{rel}/diagnoses.jsonl", missing)
@@ -173,7 +162,7 @@ def build_round(folder, rel, tasks, reweight, adaptive=False, turn_credit=False)
             "tasks": {i: task_view(tasks[i]) for i in ids if i in tasks}}
 
 
-def build_eval(folder, tag, rel, tasks):
+def build_eval(folder, tag, rel, tasks, task_view):
     """Evaluation data: each task's verdict (results.jsonl) beside its play (rollouts.jsonl)."""
     missing = []
     results = read_records(os.path.join(folder, "results.jsonl"), f"{rel}/results.jsonl", missing)
@@ -270,12 +259,14 @@ def build(path, out=None):
         built[name] = {"signature": sig, "summary": cache.pop(name, None)}
         return built[name]["summary"]
 
-    task_files, loaded = {"train": settings.get("tasks") or "data/train.jsonl", "eval": "data/heldin.jsonl"}, {}
+    env = settings.get("env") or "bfcl"
+    kind = envs.kind_of(env)  # the environment's views: its categories, task views, evaluation's tasks
+    task_files, loaded = {"train": settings.get("tasks") or "data/train.jsonl", "eval": kind.eval_tasks(env)}, {}
 
-    def tasks_for(kind):  # read once, and only when a data file is rebuilt
-        if kind not in loaded:
-            loaded[kind] = load_tasks(task_files[kind])
-        return loaded[kind]
+    def tasks_for(split):  # read once, and only when a data file is rebuilt
+        if split not in loaded:
+            loaded[split] = load_tasks(kind, task_files[split])
+        return loaded[split]
 
     reweight = settings.get("reweight") != "--no-reweight"
     adaptive = bool(settings.get("adaptive_rho"))
@@ -294,7 +285,7 @@ def build(path, out=None):
 
         def make(folder=folder, rel=rel, t=t, metrics=metrics, summary=summary):
             tasks, notes = tasks_for("train")
-            data = build_round(folder, rel, tasks, reweight, adaptive, turn_credit)
+            data = build_round(folder, rel, tasks, kind.task_view, reweight, adaptive, turn_credit)
             data["missing"] += notes
             cache[rel] = round_summary(t, data, metrics, summary, data["omega"], run.seconds(t))
             return data
@@ -315,7 +306,7 @@ def build(path, out=None):
 
         def make(folder=folder, tag=tag, rel=rel, name=name):
             tasks, notes = tasks_for("eval")
-            data = build_eval(folder, tag, rel, tasks)
+            data = build_eval(folder, tag, rel, tasks, kind.task_view)
             data["missing"] += notes
             cache[name] = {"missing": data["missing"]}
             return data
@@ -333,7 +324,7 @@ def build(path, out=None):
                       and os.path.abspath(os.path.dirname(p)) != os.path.abspath(path))
     write_data(out, "run", {
         "name": os.path.basename(os.path.abspath(path)), "settings": settings,
-        "git_commit": run.config.get("git_commit"), "labels": LABELS, "categories": bfcl.CATEGORIES,
+        "git_commit": run.config.get("git_commit"), "labels": LABELS, "categories": kind.view_categories(env),
         "rounds": rounds, "evals": evals, "ood": ood, "missing": missing, "siblings": siblings,
     })
     for name in ("index.html", "view.js", "view.css"):

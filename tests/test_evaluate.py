@@ -75,3 +75,69 @@ def test_evaluation_plays_as_bfcl_eval_unless_a_flag_departs_and_names_each_depa
                          (["--max-model-len", str(context // 2)], f"context {context // 2}")]:
         spec, differs = spec_and_differs(*flags)
         assert len(differs) == 1 and named in differs[0], (flags, differs)
+
+
+TAU2_SCORE_KEYS = {"average", "trials", "pass_k", "user_simulator", "policy", "limit", "split", "tau2_version",
+                   "call_format", "tasks", "terminations", "seconds"}
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def _read(out):
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    # an episode's timings and its transcript's timestamps differ from run to run; the rest is the episode's
+    return [{k: v for k, v in r.items() if k not in ("seconds", "transcript")} | {"roles": [m["role"] for m in r["transcript"]]}
+            for r in rows], json.loads((out / "scores.json").read_text())
+
+
+def test_a_tau2_split_is_scored_through_the_seam_as_ood_tau_scores_it(tmp_path):
+    """evaluate.py --tasks tau2:DOMAIN:SPLIT writes what python -m ood.tau --domain DOMAIN --split SPLIT
+    writes for the same tasks: the same episodes and the same scores.json, pass^k included (the oracle:
+    gold actions, a scripted user, τ²'s evaluator)."""
+    seam, bench = tmp_path / "seam", tmp_path / "bench"
+    res = _run("evaluate.py", "--policy", "oracle", "--tasks", "tau2:airline:test", "--limit", "1", "--trials", "2",
+               "--out", str(seam))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "pass^2 over 2 trials" in res.stdout
+    res = _run("-m", "ood.tau", "--policy", "oracle", "--domain", "airline", "--split", "test", "--limit", "1",
+               "--trials", "2", "--out", str(bench))
+    assert res.returncode == 0, res.stderr[-3000:]
+    (rows, scores), (bench_rows, bench_scores) = _read(seam), _read(bench)
+    assert set(scores) == TAU2_SCORE_KEYS | {"airline"}
+    assert {**scores, "seconds": 0} == {**bench_scores, "seconds": 0} and rows == bench_rows
+    assert scores["split"] == "test" and scores["tasks"] == {"airline": 1} and scores["airline"] == 100.0
+    assert scores["pass_k"]["airline"] == {"1": 100.0, "2": 100.0} and [r["trial"] for r in rows] == [0, 1]
+    assert not (seam / "result").exists() and not (seam / "rollouts.jsonl").exists()  # bfcl-eval's files: BFCL's
+
+
+def test_a_model_plays_a_tau2_split_against_the_scripted_user(tmp_path, tiny_model):
+    out = tmp_path / "mock"
+    res = _run("evaluate.py", "--tasks", "tau2:mock:base", "--scripted-user", "--engine", "hf", "--policy", tiny_model,
+               "--limit", "1", "--max-new-tokens", "24", "--max-episode-steps", "6", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows, scores = _read(out)
+    assert set(scores) == TAU2_SCORE_KEYS | {"mock"}
+    assert scores["user_simulator"]["kind"] == "scripted" and scores["policy"] == os.path.abspath(tiny_model)
+    assert scores["split"] == "base" and scores["tasks"] == {"mock": 1} and scores["trials"] == 1
+    assert len(rows) == 1 and rows[0]["domain"] == "mock" and 0.0 <= rows[0]["reward"] <= 1.0
+    assert 0.0 <= scores["mock"] <= 100.0 and scores["average"] == scores["mock"]
+
+
+def test_bad_tasks_and_flags_of_another_environment_are_refused(tmp_path):
+    out = tmp_path / "none"
+    for args, message in [
+            (["--tasks", "tau2:airline"], "τ² tasks are named tau2:DOMAIN:SPLIT"),
+            (["--tasks", "tau2:nosuch:test"], "τ² domain 'nosuch'"),
+            (["--tasks", "tau2:airline:nosuch"], "Invalid task split name: nosuch"),
+            (["--tasks", "no/such/tasks.jsonl"], "no such task file (a BFCL task file, or tau2:DOMAIN:SPLIT)"),
+            (["--tasks", "tau2:airline:test", "--split", "heldin"], "--split is BFCL's"),
+            (["--tasks", "tau2:airline:test", "--trials", "0"], "must be at least 1"),
+            (["--tasks", "tau2:airline:test", "--scripted-user"], "takes no user simulator"),
+            (["--split", "heldin", "--scripted-user"], "are for τ² tasks (--tasks tau2:DOMAIN:SPLIT)"),
+            (["--trials", "2"], "are for τ² tasks")]:
+        res = _run("evaluate.py", "--policy", "oracle", *args, "--out", str(out))
+        assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, (args, res.stderr)
+    assert not out.exists()

@@ -254,3 +254,89 @@ def test_a_turn_credit_run_shows_each_turns_weight_beside_its_label(tmp_path):
     report.main(str(run))
     text = (run / "report.md").read_text()
     assert "| turn w mean | A<0 tokens zeroed |" in text and "| 0.900 | 0.250 |" in text
+
+
+class ToyEnv:
+    """An environment kind of the test's own, with only what the views ask of one (common/envs.py)."""
+
+    TASKS = {}  # its tasks by id, which the viewer and the trackers show through task_view
+
+    @staticmethod
+    def columns(env):
+        return ["small", "large"]
+
+    @staticmethod
+    def view_categories(env):
+        return ["small", "large"]
+
+    @staticmethod
+    def eval_title(env, scores):
+        return f"Toy {env.split(':', 1)[1]}: boxes packed (%)"
+
+    @staticmethod
+    def plot_title(env):
+        return "toy boxes packed (%)"
+
+    @staticmethod
+    def eval_tasks(env):
+        return f"{env}:test"
+
+    @classmethod
+    def view_tasks(cls, source):
+        return cls.TASKS
+
+    @staticmethod
+    def task_view(task):
+        return {"category": task["category"], "questions": [[{"role": "user", "content": f"Pack {task['id']}."}]]}
+
+    @staticmethod
+    def compare_columns(scores):
+        return [c for c in ("small", "large") if any(c in sc for sc in scores)]
+
+    @staticmethod
+    def score_notes(sc):
+        return ["toy boxes"] if "small" in sc else []
+
+    @staticmethod
+    def references(scores):
+        return []
+
+
+def test_an_environment_kind_brings_its_own_report_viewer_and_tracker_views(tmp_path, monkeypatch, capsys):
+    """A kind registered in envs.KINDS, and nothing else: the report's evaluation table and the
+    compare table take its title and score columns, the viewer its categories and task views, the
+    trackers' prompts its tasks' user turns (common/report.py, view.py, tracking.py ask the kind)."""
+    from common import envs, report
+
+    monkeypatch.setitem(envs.KINDS, "toy", ToyEnv)
+    tasks = [dict(t, category=("small", "large")[i % 2])
+             for i, t in enumerate(list(load_tasks(os.path.join(ROOT, "data", "tiny.jsonl")).values())[:4])]
+    monkeypatch.setattr(ToyEnv, "TASKS", {t["id"]: t for t in tasks})
+    run = tmp_path / "toy-run"
+    synthetic_run(run, tasks, tasks[:2], rounds=1, n=2, hostile=False)
+    config = json.loads((run / "config.json").read_text())
+    config["settings"].update(env="toy:box", tasks="toy:box:train")
+    (run / "config.json").write_text(json.dumps(config))
+    (run / "eval" / "round_000" / "scores.json").write_text(json.dumps({"small": 40.0, "large": 60.0, "average": 50.0}))
+
+    rounds, _, _, _ = report.collect(str(run))
+    assert set(rounds[0]["reward_by_category"]) == {"small", "large"}
+    report.main(str(run))
+    text = (run / "report.md").read_text()
+    assert "## Toy box: boxes packed (%)\n\n| policy | small | large | average |\n" in text
+    assert "| round_000 | 40.00 | 60.00 | 50.00 |" in text and "Held-in" not in text and "τ²" not in text
+    capsys.readouterr()
+    report.compare([str(run)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["mode", "small", "large", "average"] and out[1].endswith("toy boxes")
+
+    page = view_mod.build(str(run))
+    assert data(page, "run")["categories"] == ["small", "large"]
+    shown = data(page, "round_000")["tasks"]
+    assert shown == {t["id"]: ToyEnv.task_view(t) for t in tasks}
+    assert data(page, "eval_round_000")["tasks"] == {t["id"]: ToyEnv.task_view(t) for t in tasks[:2]}
+    cats = next(s for s in browse(page, "round/0").all("select") if s.attrs.get("name") == "cat")
+    assert [o.text() for o in cats.all("option")] == ["any category", "small", "large"]  # the page's filter
+
+    table = tracking.trajectory_table(tracking.Run(str(run)), str(run / "round_000"))
+    assert {r[3] for r in table} == {f"Pack {t['id']}." for t in tasks}
