@@ -55,7 +55,7 @@ def cut_stops(record, short_context):
     """The `stop` values that cut a rollout record of its environment (a τ² record names it in "env"):
     ends that are not the policy's failure under evaluation's rules. `short_context`: the rollouts'
     context is shorter than evaluation's, so that a context limit is training's own, not evaluation's."""
-    return (Tau2Env if is_tau2(record.get("env") or "") else BFCL).cut_stops(short_context)
+    return kind_of(record.get("env")).cut_stops(short_context)
 
 
 def checks_turns(record):
@@ -63,7 +63,7 @@ def checks_turns(record):
     its diagnosis labels pass or correct_abstention was verified right at that turn (BFCL: bfcl-eval's
     state and response checkers after each turn), or judges the episode once (τ²: the database at the
     end, the actions, what was communicated)."""
-    return (Tau2Env if is_tau2(record.get("env") or "") else BFCL).CHECKS_TURNS
+    return kind_of(record.get("env")).CHECKS_TURNS
 
 
 class BFCL:

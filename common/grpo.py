@@ -591,6 +591,15 @@ def join_trajectories(
     return trajectories
 
 
+def as_trained(trained):
+    """join_trajectories' advantage scale and cut of a round as train_grpo.py joined it, from a line of
+    its train_metrics.jsonl (`trained`; None: the round is not trained yet, the defaults), so that the
+    viewer and the trackers weigh the round as the trainer did."""
+    stops = set((trained or {}).get("cut_stops") or [])
+    return {"adv_scale": ((trained or {}).get("objective") or {}).get("adv_scale", "group"),
+            "cut": (lambda r: r.get("stop") in stops) if stops else None}
+
+
 def join_round(rollouts, diagnoses, rho, reweight=True, adaptive=False, **kwargs):
     """join_trajectories with the ρ the round trains with: `rho`, or with `adaptive` the round's
     own ρ_t (adaptive_rho, on the records the first join has checked). Returns (trajectories,

@@ -206,18 +206,15 @@ def trajectory_table(run, folder):
     completion the model's texts; A and w as train_grpo.py computes them (common/grpo.py), and under
     turn credit each turn label with its turn's weight (label×weight)."""
     from common import envs
-    from common.grpo import join_round, load_rho
+    from common.grpo import as_trained, join_round, load_rho
 
     rollouts = read_jsonl(os.path.join(folder, "rollouts.jsonl"))
     diagnoses = {(d["task_id"], d["sample_index"]): d for d in read_jsonl(os.path.join(folder, "diagnoses.jsonl"))}
     trained = read_jsonl(os.path.join(folder, "train_metrics.jsonl"))[0]  # the stops it cut, its advantage scale
-    stops = set(trained.get("cut_stops") or [])
     joined, _ = join_round(rollouts, list(diagnoses.values()), load_rho(os.path.join(folder, "interface.json")),
                            reweight=run.settings.get("reweight") != "--no-reweight",
                            adaptive=bool(run.settings.get("adaptive_rho")),
-                           adv_scale=(trained.get("objective") or {}).get("adv_scale", "group"),
-                           cut=(lambda r: r.get("stop") in stops) if stops else None,
-                           turn_credit=bool(run.settings.get("turn_credit")))
+                           turn_credit=bool(run.settings.get("turn_credit")), **as_trained(trained))
     # the task's user turns where its records do not hold them (a τ² record does: turns[k].user)
     kind = envs.kind_of(run.env)
     tasks = kind.view_tasks(run.settings.get("tasks") or "data/train.jsonl")

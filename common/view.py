@@ -110,15 +110,13 @@ def advantages(rollouts, diagnoses, interface_path, reweight, adaptive, missing,
     """{(task_id, sample): (A, w, turn weights or None)} as train_grpo.py computes them (with `adaptive`,
     under the round's own ρ_t; `trained`, a line of the round's train metrics: its advantage scale and
     the stops it cut; `turn_credit`, each turn's weight), or {} with the reason in `missing`."""
-    from common.grpo import join_round, load_rho  # torch: imported only where a round is built
+    from common.grpo import as_trained, join_round, load_rho  # torch: imported only where a round is built
 
-    stops = set((trained or {}).get("cut_stops") or [])
     try:
         rho = load_rho(interface_path if os.path.isfile(interface_path) else None)
         joined, _ = join_round(rollouts, diagnoses, rho, reweight=reweight, adaptive=adaptive,
                                rollouts_path=f"{rel}/rollouts.jsonl", diagnoses_path=f"{rel}/diagnoses.jsonl",
-                               adv_scale=((trained or {}).get("objective") or {}).get("adv_scale", "group"),
-                               cut=(lambda r: r.get("stop") in stops) if stops else None, turn_credit=turn_credit)
+                               turn_credit=turn_credit, **as_trained(trained))
     except (RecordError, KeyError, TypeError, ValueError) as e:
         missing.append(f"{rel}: advantages and weights not computed ({e})")
         return {}
