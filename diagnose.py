@@ -5,14 +5,14 @@
     python diagnose.py --tasks tau2:airline:train --rollouts ... --out ... [--workers K]
 
 For every rollout record, replays the trajectory against the ground truth turn
-by turn with bfcl-eval's executor and official checks (common/replay.py), and
+by turn with bfcl-eval's executor and official checks (common/envs/bfcl/replay.py), and
 writes one diagnosis record (docs/design.md §3) per trajectory, in input order: the
 reward (the official multi_turn_checker verdict, 1 solved else 0), the official
 error type and turn, a label and a one-line evidence string for every turn
-(rules: common/taxonomy.py) and the profile p_j (fraction of turns per label,
+(rules: common/seal/taxonomy.py) and the profile p_j (fraction of turns per label,
 all labels). Prints reward and label mix per category and the commonest failure evidence.
 τ²-bench rollouts (`--tasks tau2:DOMAIN:SPLIT`) are scored by τ²'s own evaluator on their
-transcript and labelled by taxonomy.py's τ² rules (common/tau2.py gathers the evidence).
+transcript and labelled by taxonomy.py's τ² rules (common/envs/tau2/tau2.py gathers the evidence).
 """
 
 import argparse
@@ -23,8 +23,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 from tqdm import tqdm
 
-from common import envs, taxonomy
+from common import envs
 from common.jsonl import RecordError, read_jsonl, write_jsonl
+from common.seal import taxonomy
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--tasks", required=True,

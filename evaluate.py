@@ -25,10 +25,10 @@ as data/prepare.py reads them), the set the BFCL leaderboard scores; heldin and
 train are the paper's 400/400 split (data/<split>.jsonl). `--compare` prints the
 scores of finished runs or evaluation folders side by side (base model once, then
 every evaluated round, each row with the mode its run trained in), like the paper's Tables 1 and 3, the BFCL leaderboard's
-figure for the bfcl-eval entry they were scored under (common/bfcl_results.py
-LEADERBOARD), and their OOD scores (common/report.py).
+figure for the bfcl-eval entry they were scored under (common/envs/bfcl/results.py
+LEADERBOARD), and their OOD scores (common/run/report.py).
 
-`--tasks` names the environment as in the other stages (common/envs.py): a BFCL task file
+`--tasks` names the environment as in the other stages (common/envs/__init__.py): a BFCL task file
 (replacing the split's), or `tau2:DOMAIN:SPLIT`, a τ²-bench domain's split played greedily
 against a user simulator (the flags rollout.py takes; the oracle needs none) and scored by τ²'s
 evaluator, `--trials K` adding pass^1..pass^K: the same results.jsonl and scores.json as
@@ -44,12 +44,17 @@ import sys
 
 from tqdm import tqdm
 
-from common import bfcl, bfcl_results, envs, play, playargs, prompts, tau2
-from common import calls as C
+from common import envs
+from common.engine import calls as C
+from common.engine import playargs
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import play, prompts
+from common.envs.bfcl import results as bfcl_results
+from common.envs.bfcl.replay import read_turns
+from common.envs.tau2 import tau2
 from common.jsonl import RecordError, write_json, write_jsonl
 from common.presets import MAX_STEPS_PER_TURN
-from common.replay import read_turns
-from common.scores import mean, percent_by_group
+from common.run.scores import mean, percent_by_group
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--policy", help="policy folder, or 'oracle' (ground truth)")
@@ -58,7 +63,7 @@ parser.add_argument("--split", default=None, choices=["heldin", "train", "all"],
                     help="BFCL: heldin (the default), train: the paper's split (data/<split>.jsonl); all: "
                          "bfcl-eval's 800 tasks, the BFCL leaderboard's")
 parser.add_argument("--tasks", default=None,
-                    help="the environment (common/envs.py): a BFCL task file (default: the --split's), or "
+                    help="the environment (common/envs/__init__.py): a BFCL task file (default: the --split's), or "
                          "tau2:DOMAIN:SPLIT, a τ²-bench domain's split")
 parser.add_argument("--limit", type=int, default=None, help="first K tasks per category (a τ² domain's: its first K)")
 parser.add_argument("--out", help="output folder")
@@ -68,7 +73,7 @@ parser.add_argument("--decoding", default="bfcl", choices=["bfcl", "greedy"],
                          "vLLM server); greedy: argmax. BFCL's: τ² tasks' agent is always greedy")
 parser.add_argument("--bfcl-model", default=None,
                     help="bfcl-eval registry entry that names and decodes DIR/result/ (docs/bfcl-results.md; "
-                         "default: the --handler's, common/prompts.py HANDLERS)")
+                         "default: the --handler's, common/envs/bfcl/prompts.py HANDLERS)")
 tau2.add_user_args(parser)  # τ² tasks' user simulator
 parser.add_argument("--trials", type=int, default=None,
                     help="τ² tasks: episodes per task (τ²'s num_trials, default 1): scores.json gets pass^1..pass^K")
@@ -141,7 +146,7 @@ def bfcl_settings(spec, model_context):
 
 def main(args):
     if args.compare:
-        from common import report  # plots: only for --compare
+        from common.run import report  # plots: only for --compare
         return report.compare(args.compare)
     if not args.policy or not args.out:
         parser.error("--policy and --out are required (or --compare RUN ...)")
@@ -157,7 +162,7 @@ def main(args):
     spec = playargs.eval_spec(args, parser, decoding=args.decoding)
     differs = []
     if args.policy != "oracle":
-        from common.models import model_context
+        from common.engine.models import model_context
         differs = bfcl_settings(spec, model_context(args.policy))
     args.bfcl_model = args.bfcl_model or prompts.registry_name(args.handler)
     try:
@@ -205,7 +210,7 @@ def main(args):
 def evaluate_tau2(args):
     """A τ² domain's split (`--tasks tau2:DOMAIN:SPLIT`), scored by τ²'s evaluator with pass^k, its
     agent greedy, against the user simulator the flags name (the oracle: none): the same files as
-    `python -m ood.tau --domain DOMAIN --split SPLIT` (common/tau2.py evaluate)."""
+    `python -m ood.tau --domain DOMAIN --split SPLIT` (common/envs/tau2/tau2.py evaluate)."""
     for flag, value in (("--split", args.split), ("--bfcl-model", args.bfcl_model)):
         if value is not None:
             parser.error(f"{flag} is BFCL's; τ² tasks name their split in --tasks tau2:DOMAIN:SPLIT")

@@ -7,7 +7,7 @@ Aggregates one round's diagnosis records into the failure profile C_t: per label
 its count and share of all labelled turns and the mean reward of the trajectories
 carrying it (also per category), and for failure labels the pressure =
 share × (1 − mean reward).
-Then writes Ω_{t+1} (the record of common/interface.py) and prints each change
+Then writes Ω_{t+1} (the record of common/seal/interface.py) and prints each change
 from Ω_t with its numbers.
 
 Activation (--mode seal): a failure label (never pass / correct_abstention) is
@@ -33,10 +33,10 @@ import argparse
 import sys
 from collections import defaultdict
 
-from common import interface
 from common.jsonl import RecordError, read_jsonl, write_json
 from common.presets import MODES
-from common.taxonomy import LABELS
+from common.seal import interface
+from common.seal.taxonomy import LABELS
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--diagnoses", default=None, help="diagnoses.jsonl of round t (omit to write Ω_0)")

@@ -8,7 +8,7 @@
 # qwen3-4b or qwen3-8b. A GPU preset runs on the GPUs nvidia-smi -L lists, or --set GPUS=1|2|4|8.
 # --set overrides one preset variable (e.g. --set N=4 --set TASKS_PER_ROUND=8); every variable, its
 # default and each preset's values are in common/presets.py, as are the modes.
-# --plan prints the GPU presets' per-GPU memory plan (common/memplan.py) and exits, installing and
+# --plan prints the GPU presets' per-GPU memory plan (common/train/memplan.py) and exits, installing and
 # downloading nothing (python3 alone, on a fresh clone too); a run whose plan does not fit stops
 # before setup and round 0, naming the variable to change.
 # Every artifact lands in runs/NAME/ (docs/design.md §3). Rerunning the same command resumes
@@ -47,7 +47,7 @@ while [ $# -gt 0 ]; do
 done
 
 # The settings, the memory plan and every refusal come first, from the standard library's Python
-# (common/presets.py, common/memplan.py): on a fresh clone --plan needs no setup (whose GPU build is
+# (common/presets.py, common/train/memplan.py): on a fresh clone --plan needs no setup (whose GPU build is
 # ~10 GB of downloads), only a python3, and a run that cannot go ahead stops before setup downloads anything.
 PY=.venv/bin/python
 [ -x "$PY" ] || PY=${PYTHON:-python3}
@@ -62,7 +62,7 @@ eval "$settings"
 # The memory plan of a GPU preset, from the architecture numbers in configs/models/ (nothing loads).
 if [ -n "$PLAN" ]; then
   if [ -z "$GPU_MEM_GIB" ]; then echo "loop: $PRESET runs on CPU: no GPU memory plan (set GPU_MEM_GIB for one)"; exit 0; fi
-  exec $PY -m common.memplan "$PRESET" "${SETS[@]+"${SETS[@]}"}"
+  exec $PY -m common.train.memplan "$PRESET" "${SETS[@]+"${SETS[@]}"}"
 fi
 # A thinking model's rollouts follow QwenFCHandler, which drops earlier turns' reasoning at a new user
 # turn; the trajectory continues from that re-rendered prompt as a new segment, trained as its own
@@ -80,7 +80,7 @@ if [ "$MODEL" != offline-tiny ] && [ ! -d "$MODEL" ] && ! [[ $REVISION =~ ^[0-9a
   exit 2
 fi
 if [ -n "$GPU_MEM_GIB" ]; then
-  $PY -m common.memplan --brief "$PRESET" "${SETS[@]+"${SETS[@]}"}" \
+  $PY -m common.train.memplan --brief "$PRESET" "${SETS[@]+"${SETS[@]}"}" \
     || { echo "loop: stopped by the memory plan (bash loop.sh $PRESET --plan shows its terms)" >&2; exit 2; }
   # a GPU preset on a machine without (enough) GPUs would only fail later
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
@@ -90,33 +90,33 @@ if [ -n "$GPU_MEM_GIB" ]; then
       "on CPU is tiny (bash loop.sh tiny), or lower GPUS with --set" >&2
     exit 2
   fi
-  $PY -m common.memplan --host "$PRESET" "${SETS[@]+"${SETS[@]}"}" || exit 2
+  $PY -m common.train.memplan --host "$PRESET" "${SETS[@]+"${SETS[@]}"}" || exit 2
 fi
 bash setup.sh
 PY=.venv/bin/python
 # a tracker that is not installed stops here with its pip line, before any model is built or fetched
-$PY -m common.tracking --check "$REPORT_TO" || exit 2
+$PY -m common.run.tracking --check "$REPORT_TO" || exit 2
 if [ "$MODEL" = offline-tiny ]; then
-  # on ENV=tau2:DOMAIN, the build whose warm start played that domain's tiny tasks (common/tiny.py)
-  MODEL=$($PY -c "import sys; from common.tiny import build_cached; from common.jsonl import RecordError
+  # on ENV=tau2:DOMAIN, the build whose warm start played that domain's tiny tasks (common/run/tiny.py)
+  MODEL=$($PY -c "import sys; from common.run.tiny import build_cached; from common.jsonl import RecordError
 try: print(build_cached(env=sys.argv[1]))
 except RecordError as e: sys.exit(f'loop: ENV={sys.argv[1]}: {e}')" "$ENV") || exit 2
 fi
-# The call format follows the handler's prompts (common/prompts.py HANDLERS): a CALL_FORMAT that contradicts
+# The call format follows the handler's prompts (common/envs/bfcl/prompts.py HANDLERS): a CALL_FORMAT that contradicts
 # them would mis-decode every output. The stages get, and config.json records, the one used.
-CALL_FORMAT=$($PY -c "import sys; from common.prompts import HandlerError, call_format
+CALL_FORMAT=$($PY -c "import sys; from common.envs.bfcl.prompts import HandlerError, call_format
 try: print(call_format(sys.argv[1], sys.argv[2]))
 except HandlerError as e: sys.exit(f'loop: BFCL_HANDLER={sys.argv[1]} CALL_FORMAT={sys.argv[2]}: {e}')" \
   "$BFCL_HANDLER" "$CALL_FORMAT") || exit 2
 RECORD=("${RECORD[@]/#call_format=*/call_format=$CALL_FORMAT}")
 # The τ²-bench user simulator (training on ENV=tau2:DOMAIN, and the tau2 OOD bench), checked before any
-# round runs; on CPU a τ² run without one plays against the scripted ScenarioUser (common/tau2.py).
+# round runs; on CPU a τ² run without one plays against the scripted ScenarioUser (common/envs/tau2/tau2.py).
 USER_ARGS=()
 if [ -n "$USER_MODEL" ]; then
   USER_ARGS=(--user-model "$USER_MODEL" --user-tool-parser "$USER_TOOL_PARSER" --user-timeout "$USER_TIMEOUT")
-  # on GPUs, beside the policy's server and trainer, in the share the memory plan counts (common/memplan.py)
+  # on GPUs, beside the policy's server and trainer, in the share the memory plan counts (common/train/memplan.py)
   if [ -n "$GPU_MEM_GIB" ]; then
-    USER_ARGS+=(--user-serve-args "$($PY -c 'import sys; from common.memplan import user_serve_args as a; print(a(sys.argv[1]))' "$MAX_LEN")")
+    USER_ARGS+=(--user-serve-args "$($PY -c 'import sys; from common.train.memplan import user_serve_args as a; print(a(sys.argv[1]))' "$MAX_LEN")")
   fi
 elif [ -n "$USER_BASE_URL" ] && [ -n "$USER_MODEL_NAME" ]; then
   USER_ARGS=(--user-base-url "$USER_BASE_URL" --user-model-name "$USER_MODEL_NAME" --user-timeout "$USER_TIMEOUT")
@@ -124,7 +124,7 @@ fi
 DOMAIN=""; [ "$ENV" = bfcl ] || DOMAIN=${ENV#tau2:}
 ENV_USER=("${USER_ARGS[@]+"${USER_ARGS[@]}"}")
 if [ -n "$DOMAIN" ] && [ ${#USER_ARGS[@]} -eq 0 ]; then ENV_USER=(--scripted-user); fi
-# What evaluation scores, as the environment names it (common/envs.py eval_tasks: BFCL held-in, a τ²
+# What evaluation scores, as the environment names it (common/envs/__init__.py eval_tasks: BFCL held-in, a τ²
 # domain's test split), and the flags evaluate.py takes for it: τ²'s user simulator and trials (pass^k),
 # BFCL's bfcl-eval entry.
 EVAL_TASKS=$($PY -c "import sys; from common.envs import kind_of; print(kind_of(sys.argv[1]).eval_tasks(sys.argv[1]))" \
@@ -152,21 +152,21 @@ SCORE_ARGS=("${COMMON_ARGS[@]}" ${EVAL_LEN:+--max-model-len "$EVAL_LEN"} ${EVAL_
 PLAY_ARGS=("${SCORE_ARGS[@]}")
 # The base model's scores are shared by every run of the preset under $RUNS, so they must come
 # from one model and one set of evaluation settings: a run with others stops here. Where they
-# live is common/runinfo.py base_dir's rule (evaluate.py --compare and common/report.py find them by it).
-BASE=$RUNS/base-$PRESET${DOMAIN:+-tau2-$DOMAIN}  # common/runinfo.py base_dir's rule
-if ! $PY -m common.runinfo "$BASE/config.json" model="$MODEL" revision="$REVISION" eval_limit="$EVAL_LIMIT" play="${SCORE_ARGS[*]}" tau_k="$TAU_K"; then
+# live is common/run/runinfo.py base_dir's rule (evaluate.py --compare and common/run/report.py find them by it).
+BASE=$RUNS/base-$PRESET${DOMAIN:+-tau2-$DOMAIN}  # common/run/runinfo.py base_dir's rule
+if ! $PY -m common.run.runinfo "$BASE/config.json" model="$MODEL" revision="$REVISION" eval_limit="$EVAL_LIMIT" play="${SCORE_ARGS[*]}" tau_k="$TAU_K"; then
   echo "loop: $BASE holds the base model's scores for the settings above; use another --runs, or remove it" >&2
   exit 2
 fi
 RUN=$RUNS/$NAME
 mkdir -p "$RUN/logs"
 # the run's settings, its model as the stages get it (the tiny model: its built folder)
-$PY -m common.runinfo "$RUN/config.json" name="$NAME" "${RECORD[@]}" model="$MODEL" \
+$PY -m common.run.runinfo "$RUN/config.json" name="$NAME" "${RECORD[@]}" model="$MODEL" \
   || { echo "loop: $RUN was run with the settings above; use another --name, or remove it" >&2; exit 2; }
 if [ ! -d "$MODEL" ]; then
   # A hub id at its pinned REVISION (recorded above as id and commit, not as a path under
   # HF_HOME): fetched once into the HF cache; every stage then works on the local folder.
-  MODEL=$($PY -m common.fetch "$MODEL" "$REVISION") || exit 1
+  MODEL=$($PY -m common.run.fetch "$MODEL" "$REVISION") || exit 1
 fi
 
 # run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists (or was deleted by KEEP after a
@@ -190,7 +190,7 @@ run() {
 
 track() {  # log what is new in the run's artifacts to the trackers; a failure is retried next round
   if [ "$REPORT_TO" = none ] || [ -z "$REPORT_TO" ]; then return; fi
-  $PY -m common.tracking "$RUN" --report-to "$REPORT_TO" \
+  $PY -m common.run.tracking "$RUN" --report-to "$REPORT_TO" \
     || echo "loop: logging to $REPORT_TO failed (the next call retries what was not logged)" >&2
 }
 
@@ -198,21 +198,21 @@ WORKERS=$(nproc); WORKERS=$((WORKERS < 16 ? WORKERS : 16))  # diagnosis processe
 limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
 
 # ---------------------------------------------------------------------------- the engine
-# One vLLM server (common/serve.py: vLLM's own, data parallel over the node's GPUs) for the whole
+# One vLLM server (common/engine/serve.py: vLLM's own, data parallel over the node's GPUs) for the whole
 # run, or the servers SERVER names (URL[,URL...], started by the user). It is started at the
 # first stage that plays, on the policy that stage plays (a rerun: the last complete one), loads
 # each new policy in place, sleeps on GPUs while the trainer holds them, and is stopped with its
 # whole process group when the run ends, fails or is interrupted.
 SERVER_STATE=$RUN/server.json
 SERVER_LOG=$RUN/logs/server.log
-GPU=$($PY -c "from common.serve import cpu_build; print('' if cpu_build() else 1)")
+GPU=$($PY -c "from common.engine.serve import cpu_build; print('' if cpu_build() else 1)")
 # the server's context holds rollouts (MAX_LEN) and evaluation (EVAL_LEN, else the model's own):
 # memplan's server_len, the rule the memory plan counts the server's KV cache by
-SERVE_LEN=$($PY -c "import sys; from common.models import model_context as c; from common.memplan import server_len
+SERVE_LEN=$($PY -c "import sys; from common.engine.models import model_context as c; from common.train.memplan import server_len
 print(server_len(sys.argv[1], sys.argv[2], 0 if sys.argv[2] else c(sys.argv[3])))" "$MAX_LEN" "$EVAL_LEN" "$MODEL")
 SERVE_ARGS=(--max-model-len "$SERVE_LEN" --seed "$SEED" --tensor-parallel-size "$TP" --data-parallel-size "$DP"
   ${LORA:+--lora-rank "$LORA_RANK"} ${GPU:+--sleep-mode})
-stop_server() { [ -z "$SERVER" ] && [ -f "$SERVER_STATE" ] && $PY -m common.serve stop --state "$SERVER_STATE"; true; }
+stop_server() { [ -z "$SERVER" ] && [ -f "$SERVER_STATE" ] && $PY -m common.engine.serve stop --state "$SERVER_STATE"; true; }
 trap stop_server EXIT
 AT="round 0, setup"  # where the loop is, for an interruption's message (run() updates it)
 trap 'echo "loop: interrupted in $AT; rerun the same command to resume" >&2; exit 130' INT
@@ -222,11 +222,11 @@ playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve PO
   local policy=$1 urls=$SERVER; shift
   if [ "$ENGINE" != vllm ]; then "$@"; return; fi
   if [ -z "$urls" ]; then
-    urls=$($PY -m common.serve start --model "$policy" --state "$SERVER_STATE" --log "$SERVER_LOG" \
+    urls=$($PY -m common.engine.serve start --model "$policy" --state "$SERVER_STATE" --log "$SERVER_LOG" \
       "${SERVE_ARGS[@]}") || return 1
     "$@" --server "$urls" --server-log "$SERVER_LOG"
   else
-    $PY -m common.serve reload --server "$urls" --model "$policy" || return 1
+    $PY -m common.engine.serve reload --server "$urls" --model "$policy" || return 1
     "$@" --server "$urls"
   fi
 }
@@ -253,13 +253,13 @@ train() {  # train ROUND_DIR POLICY: KL to the round-0 model, one optimiser carr
   if [ "$2" != "$MODEL" ]; then state=(--optimizer-state "$2/optimizer"); fi
   if [ -n "$GPU" ] && [ -z "$SERVER" ] && [ -f "$SERVER_STATE" ]; then
     # the trainer takes the server's GPUs: never beside an awake server (errexit is off in here)
-    $PY -m common.serve sleep --state "$SERVER_STATE" || {
+    $PY -m common.engine.serve sleep --state "$SERVER_STATE" || {
       echo "loop: the vLLM server of $SERVER_STATE did not go to sleep (log $SERVER_LOG); not training beside it" >&2
       return 1; }
   fi
   # one process, accelerate launch over NPROC, or in a SLURM allocation of several nodes one
-  # accelerate launch per node through srun (common/launch.py)
-  words=$($PY -m common.launch "$PY" "$NPROC" "$ACCEL_CONFIG") || return 1
+  # accelerate launch per node through srun (common/train/launch.py)
+  words=$($PY -m common.train.launch "$PY" "$NPROC" "$ACCEL_CONFIG") || return 1
   mapfile -t launch <<< "$words"
   "${launch[@]}" train_grpo.py --model "$2" --rollouts "$1/rollouts.jsonl" --diagnoses "$1/diagnoses.jsonl" \
     --interface "$1/interface.json" $REWEIGHT $ADAPTIVE_RHO $TURN_CREDIT --lr "$LR" --kl-coef "$KL" --mini-batch-tasks "$MINI_BATCH" \
@@ -307,8 +307,8 @@ for ((t = 0; t < ROUNDS; t++)); do
     evaluate "$policy" "$t" "$RUN/eval/round_$(printf %03d "$t")"
   fi
   prune "$t"
-  $PY -m common.report "$RUN" > /dev/null
-  $PY -m common.view "$RUN" > /dev/null || echo "loop: the viewer was not rebuilt (python -m common.view $RUN says why)" >&2
+  $PY -m common.run.report "$RUN" > /dev/null
+  $PY -m common.run.view "$RUN" > /dev/null || echo "loop: the viewer was not rebuilt (python -m common.run.view $RUN says why)" >&2
   track
 done
 if [ -n "$OOD" ]; then
@@ -316,5 +316,5 @@ if [ -n "$OOD" ]; then
   ood "$policy" final "$RUN/ood/round_$(printf %03d $((ROUNDS - 1)))"
   track
 fi
-$PY -m common.view "$RUN" > /dev/null || echo "loop: the viewer was not rebuilt (python -m common.view $RUN says why)" >&2
-$PY -m common.report "$RUN"
+$PY -m common.run.view "$RUN" > /dev/null || echo "loop: the viewer was not rebuilt (python -m common.run.view $RUN says why)" >&2
+$PY -m common.run.report "$RUN"

@@ -14,15 +14,15 @@ Each task is played `--n` times against the real bfcl-eval environment; every
 trajectory is one JSONL record (docs/design.md §3) holding the transcript, the parsed
 calls and what the environment returned, and the exact token ids the engine
 consumed and produced with a mask that is 1 only on model-generated tokens.
-What the model is shown is what bfcl-eval's handler for it builds (common/prompts.py),
+What the model is shown is what bfcl-eval's handler for it builds (common/envs/bfcl/prompts.py),
 token-in/token-out: its own generated ids stay in the context, where bfcl-eval's
 harness would re-render its decoded calls (`--prompts template` renders with the
 model's chat template instead). Turns follow bfcl-eval's inference loop
-(common/play.py): an output that does
+(common/envs/bfcl/play.py): an output that does
 not decode into calls ends the turn, unless Ω's error feedback is on, which
 answers it with the parse error and a hint; the record's `decode_failure` says
 which. `--model` is a HF model folder or a LoRA adapter folder. The engine is
-vLLM's own server (common/serve.py): the ones --server names, which must serve
+vLLM's own server (common/engine/serve.py): the ones --server names, which must serve
 --model's weights (checked before anything plays), or one started for this
 stage's lifetime (its log beside --out). Each trajectory's next generation is
 submitted as soon as its previous one is handled (`--schedule async`, the default);
@@ -30,8 +30,8 @@ submitted as soon as its previous one is handled (`--schedule async`, the defaul
 (transformers generate in this process). The summary reports the share of prompt
 tokens served from vLLM's prefix cache.
 
-`--tasks tau2:DOMAIN:SPLIT` plays a τ²-bench domain's split instead (common/envs.py,
-common/tau2.py): each episode runs through τ²'s orchestrator against a user simulator (a
+`--tasks tau2:DOMAIN:SPLIT` plays a τ²-bench domain's split instead (common/envs/__init__.py,
+common/envs/tau2/tau2.py): each episode runs through τ²'s orchestrator against a user simulator (a
 served model, or `--scripted-user`, which needs none), with the model's chat template and
 τ²'s tool schemas, token-in/token-out, and its record holds the same fields plus τ²'s
 transcript, which diagnose.py scores with τ²'s evaluator. Episodes play 64 at once on vLLM, each
@@ -48,10 +48,12 @@ import os
 import random
 import sys
 
-from common import envs, play, playargs, presets
-from common import interface as omega_api
-from common import tau2 as tau2_env
+from common import envs, presets
+from common.engine import playargs
+from common.envs.bfcl import play
+from common.envs.tau2 import tau2 as tau2_env
 from common.jsonl import RecordError, write_json, write_jsonl
+from common.seal import interface as omega_api
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="policy folder (HF model or LoRA adapter)")
@@ -72,7 +74,7 @@ parser.add_argument("--round", type=int, default=0)
 playargs.add_play_args(parser)
 parser.add_argument("--summary", default=None, help="also write the summary as JSON here")
 parser.add_argument("--scripted-user", action="store_true",
-                    help="τ² tasks: the scripted user (common/tau2.py ScenarioUser), no model")
+                    help="τ² tasks: the scripted user (common/envs/tau2/tau2.py ScenarioUser), no model")
 parser.add_argument("--user-model", default=None, help="τ² tasks: a user simulator model folder, served here")
 parser.add_argument("--user-base-url", default=None, help="τ² tasks: a user simulator's OpenAI-compatible endpoint")
 parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")

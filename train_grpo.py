@@ -2,7 +2,7 @@
 
 Joins the rollouts (token ids, loss mask, engine log-probs) with their diagnoses (reward,
 label profile), gives each trajectory its group advantage weighted by its diagnosis,
-Ã_j = w_j·A_j (common/grpo.py; with --turn-credit, A_j times each turn's own weight on that turn's
+Ã_j = w_j·A_j (common/train/grpo.py; with --turn-credit, A_j times each turn's own weight on that turn's
 tokens), and takes one AdamW step per mini-batch of whole tasks with the
 PPO-clipped token-mean loss (verl's dual clip) plus a k3 KL penalty to the initial policy.
 Writes the next policy to --out (with --save-optimizer its optimiser state too) and one
@@ -16,7 +16,7 @@ The objective's options (docs/design.md §6, "The objective"; the presets' defau
     --adv-scale none                            Dr. GRPO: A = r − mean, no std division
     --ratio-level sequence                      GSPO's length-normalised sequence ratio and clip
     --cut mask --max-model-len 16384 [--eval-len N]   trajectories that ended for a reason that is not
-                                                the policy's failure (common/envs.py cut_stops) leave the
+                                                the policy's failure (common/envs/__init__.py cut_stops) leave the
                                                 loss and their group's statistics (keep: they train)
 
     python train_grpo.py --model DIR --rollouts R.jsonl --diagnoses D.jsonl \\
@@ -30,7 +30,7 @@ The objective's options (docs/design.md §6, "The objective"; the presets' defau
 
 Multi-node: the same command on every node with `--num_machines N --machine_rank R
 --main_process_ip HOST --main_process_port PORT --num_processes <total GPUs>` after
-`accelerate launch` (loop.sh does it through srun: common/launch.py), --out on a filesystem
+`accelerate launch` (loop.sh does it through srun: common/train/launch.py), --out on a filesystem
 all nodes share. What each flag means (groups, weights, reference, temperature, optimiser
 state, precision, memory check) and what --out and --metrics hold: docs/design.md §6 and §3.
 Bad input stops with `error: file:line: ...`, a non-zero exit and no output.
@@ -51,8 +51,13 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from common import checkpoint, memplan, presets, serve
-from common.distributed import (
+from common import presets
+from common.engine import serve
+from common.engine.models import model_context, resolve_model
+from common.envs import cut_stops
+from common.jsonl import RecordError, read_json, read_jsonl, write_json, write_jsonl
+from common.train import checkpoint, memplan
+from common.train.distributed import (
     GRAD_CLIP,
     TIMEOUT_MINUTES,
     finish,
@@ -65,8 +70,7 @@ from common.distributed import (
     shared_atomic_dir,
     whole_state_dict,
 )
-from common.envs import cut_stops
-from common.grpo import (
+from common.train.grpo import (
     ADV_SCALES,
     RATIO_LEVELS,
     ROLLOUT_IS,
@@ -79,8 +83,6 @@ from common.grpo import (
     rollout_temperature,
     score_trajectories,
 )
-from common.jsonl import RecordError, read_json, read_jsonl, write_json, write_jsonl
-from common.models import model_context, resolve_model
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -96,11 +98,11 @@ parser.add_argument("--metrics", help="default: train_metrics.jsonl in the folde
 parser.add_argument("--ref-model", help="the initial policy, KL reference (default: --model)")
 parser.add_argument("--no-reweight", action="store_true", help="w = 1 for every trajectory (ρ ≡ 1)")
 parser.add_argument("--adaptive-rho", action="store_true",
-                    help="ρ of this round from its own diagnoses and rewards (common/grpo.py adaptive_rho), "
+                    help="ρ of this round from its own diagnoses and rewards (common/train/grpo.py adaptive_rho), "
                          "scaling the table of --interface (else the default)")
 parser.add_argument("--turn-credit", action="store_true",
                     help="credit by turn (seal-turn): a model token's advantage is A times its turn's weight, 0 on a "
-                         "turn verified right where A < 0 (common/grpo.py turn_weights)")
+                         "turn verified right where A < 0 (common/train/grpo.py turn_weights)")
 parser.add_argument("--lr", type=float, help=f"default {presets.LR:g}, or {presets.LORA_LR:g} training an adapter "
                     "(common/presets.py)")
 parser.add_argument("--kl-coef", type=float, default=presets.KL_COEF, help="0 disables the KL term and the reference")
@@ -116,7 +118,7 @@ parser.add_argument("--adv-scale", choices=ADV_SCALES, default=presets.ADV_SCALE
 parser.add_argument("--ratio-level", choices=RATIO_LEVELS, default=presets.RATIO_LEVEL,
                     help="token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio")
 parser.add_argument("--cut", choices=("mask", "keep"), default=presets.CUT,
-                    help="trajectories whose end is not the policy's failure (common/envs.py cut_stops): left out "
+                    help="trajectories whose end is not the policy's failure (common/envs/__init__.py cut_stops): left out "
                          "of the loss and their group's mean/std (mask), or trained as failures (keep)")
 parser.add_argument("--max-model-len", type=int, default=presets.MAX_MODEL_LEN,
                     help="the rollouts' context (rollout.py's --max-model-len)")
@@ -239,7 +241,7 @@ DIAGNOSIS_FIELDS = ["task_id", "sample_index", "reward", "profile"]
 class Policy:
     """The input policy, as --model names it."""
 
-    base_path: str  # the model folder; for an adapter, its base (common/models.py resolve_model)
+    base_path: str  # the model folder; for an adapter, its base (common/engine/models.py resolve_model)
     adapter_in: bool  # --model is a PEFT adapter folder, whose training continues
     use_lora: bool  # an adapter is trained (--lora, or an input adapter)
     saved_dtype: str | None  # the input config's dtype, which the saved config keeps
@@ -266,7 +268,7 @@ class Round:
     temperature: float  # the rollouts' sampling temperature, at which every log-prob is taken
     ref_model: str | None  # the KL reference's absolute folder; None without KL
     logprob_seconds: float  # the round's reference and old-log-prob passes
-    adapted: object = None  # --adaptive-rho: the round's AdaptedRho (common/grpo.py)
+    adapted: object = None  # --adaptive-rho: the round's AdaptedRho (common/train/grpo.py)
     cut_share: float = 0.0  # of the round's trajectories, those cut (--cut mask)
     cut_stops: list = dataclasses.field(default_factory=list)  # the stop values that cut (none with --cut keep)
     objective: dict = dataclasses.field(default_factory=dict)  # the objective's flags (objective())
@@ -315,7 +317,7 @@ def objective(args):
 
 def round_cut_stops(args, rollouts, policy):
     """The stop values whose trajectories --cut mask leaves out: those each record's environment names
-    (common/envs.py cut_stops), its context limit among them where the rollouts' context (--max-model-len)
+    (common/envs/__init__.py cut_stops), its context limit among them where the rollouts' context (--max-model-len)
     is shorter than evaluation's (--eval-len, else the model's own). None with --cut keep."""
     if args.cut == "keep":
         return set()
@@ -427,7 +429,7 @@ def plan_mini_batches(args, trajectories, accelerator):
 
 
 def check_memory(args, policy, reference, mini_batches, accelerator):
-    """On GPUs, common/memplan.py's plan of this update (the model's config.json, the largest
+    """On GPUs, common/train/memplan.py's plan of this update (the model's config.json, the largest
     padded micro-batch, this run's processes and sharding) before any model loads: one that
     cannot fit stops here, naming the flag to change, not in an out-of-memory error minutes later."""
     if accelerator.device.type != "cuda":
@@ -719,11 +721,11 @@ def save(args, policy, training, metrics, accelerator, start=None):
 
 
 def weights_probe(args, model, dtype, accelerator):
-    """The log-probabilities of common/serve.py's fixed probe sequence under the weights being
+    """The log-probabilities of common/engine/serve.py's fixed probe sequence under the weights being
     saved: a vLLM server that says it serves this policy is checked against them (a stale or
     half-loaded engine is refused before it plays). Every process runs the forward (FSDP
     gathers the weights in it); an adapter is checked by its name instead."""
-    from common.models import load_tokenizer
+    from common.engine.models import load_tokenizer
 
     ids = serve.probe_ids(load_tokenizer(args.model))
     if len(ids) < 2:  # a tokenizer that cannot spell it: the label alone is checked
@@ -742,7 +744,7 @@ def weights_probe(args, model, dtype, accelerator):
 def start_probe(args, policy, training, state_info, accelerator):
     """The probe's log-probabilities under the weights the round starts from, where those are the
     --model folder's own (not float32 master weights carried in the optimiser state): what a server
-    serving that folder should give, the measure of the probe's tolerance (common/serve.py)."""
+    serving that folder should give, the measure of the probe's tolerance (common/engine/serve.py)."""
     if policy.use_lora or (state_info or {}).get("master_weights"):
         return None
     probe = weights_probe(args, training.model, None, accelerator)

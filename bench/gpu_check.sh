@@ -9,10 +9,10 @@
 #
 # Steps, each timed and allowed to fail on its own (the table says which did), in the order of what
 # they decide, all within GPU_CHECK_BUDGET seconds (470; a step gets what is left, the rest are skipped):
-#   1. bench/plan_check.py: the memory plan (common/memplan.py) term by term against one measured
+#   1. bench/plan_check.py: the memory plan (common/train/memplan.py) term by term against one measured
 #      update step through one-process FSDP2, 16384 tokens, random weights at the presets' shapes
 #      (configs/models/): Qwen2.5-3B whole, Qwen2.5-7B with 7 of its 28 layers, then one sharded save
-#      of its state (float32 master weights and AdamW's moments, common/checkpoint.py, 33 GB) and its
+#      of its state (float32 master weights and AdamW's moments, common/train/checkpoint.py, 33 GB) and its
 #      load, timed, and Qwen3-4B with 9 of its 36 layers (dry run: a small Qwen2, FSDP2 on two CPU
 #      processes). torch, transformers and accelerate only: nothing of bfcl-eval.
 #   2. install bfcl-eval and what the machine lacks of what it imports from .wheels/ into .gpu-site/
@@ -61,7 +61,7 @@ if [ "${1:-}" = --prepare ]; then
   # played anything, on groups whose rewards differ (a group of equal rewards has no advantage, and
   # a step on such groups alone moves nothing).
   rm -rf .gpu-inputs && mkdir -p .gpu-inputs
-  cp -r "$($PY -c 'from common.tiny import build_cached; print(build_cached())')" .gpu-inputs/model || exit 1
+  cp -r "$($PY -c 'from common.run.tiny import build_cached; print(build_cached())')" .gpu-inputs/model || exit 1
   $PY evolve.py --out .gpu-inputs/interface.json > /dev/null || exit 1
   for seed in 0 1 2 3; do
     $PY rollout.py --model .gpu-inputs/model --tasks data/tiny.jsonl --n 4 --temperature 1 --seed "$seed" \

@@ -3,15 +3,15 @@
     python bench/interface_cost.py [--tasks data/train.jsonl] [--tokenizer DIR] \
         [--rollouts runs/x/round_000/rollouts.jsonl] [--errors-per-trajectory 2]
 
-Counts with the tiny model's tokenizer (common.tiny.build_cached(), or --tokenizer):
+Counts with the tiny model's tokenizer (common.run.tiny.build_cached(), or --tokenizer):
 
 - schema cue: tokens of the annotated minus the plain tool list, per task; the list
-  rendered as a chat template does, one json.dumps line per tool (common.chat's
+  rendered as a chat template does, one json.dumps line per tool (common.engine.chat's
   JSON-schema form), plus the annotation of tools revealed later (miss_func);
 - capability cues: tokens of system_cue() with the 3 longest lines (an upper bound);
 - error feedback: mean tokens per hint over the leakage audit's error cases
   (tests/helpers.py audit, without the synthetic env_template fills), times the number of
-  errors per trajectory: measured from --rollouts (the errors common.play.hint_errors
+  errors per trajectory: measured from --rollouts (the errors common.envs.bfcl.play.hint_errors
   gives hints for: calls that broke the schema, ran or not, or failed, plus parse
   errors), else assumed (--errors-per-trajectory).
 
@@ -30,12 +30,12 @@ from collections import Counter, defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere
 
-from common import bfcl  # noqa: E402
-from common import calls as C  # noqa: E402
-from common import interface as I  # noqa: E402
-from common.chat import to_chat_tools  # noqa: E402
+from common.engine import calls as C  # noqa: E402
+from common.engine.chat import to_chat_tools  # noqa: E402
+from common.envs.bfcl import harness as bfcl  # noqa: E402
+from common.envs.bfcl.play import hint_errors  # noqa: E402
 from common.jsonl import read_jsonl  # noqa: E402
-from common.play import hint_errors  # noqa: E402
+from common.seal import interface as I  # noqa: E402
 from tests.helpers import audit  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -49,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import AutoTokenizer  # noqa: E402
 
 if args.tokenizer is None:
-    from common.tiny import build_cached
+    from common.run.tiny import build_cached
     args.tokenizer = build_cached()
 tok = AutoTokenizer.from_pretrained(args.tokenizer)
 cache = {}

@@ -1,4 +1,4 @@
-"""The memory plan (common/memplan.py) against one measured update step, term by term.
+"""The memory plan (common/train/memplan.py) against one measured update step, term by term.
 
     python bench/plan_check.py --model Qwen/Qwen2.5-3B-Instruct --table T.md            # GPU: the 3B shape whole
     python bench/plan_check.py --model Qwen/Qwen2.5-7B-Instruct --layers 7 --table T.md # 7B shape, 7 of 28 layers
@@ -7,10 +7,10 @@
 
 A model of the shape configs/models/<id>.json gives (random weights: nothing is downloaded;
 --layers keeps the first K decoder layers, and the plan is computed for those K), float32 master
-weights, the Accelerator train_grpo.py builds (common/distributed.py: FSDP2 with bf16 compute
+weights, the Accelerator train_grpo.py builds (common/train/distributed.py: FSDP2 with bf16 compute
 and float32 gradient reduction when launched so), gradient checkpointing unless
 --no-gradient-checkpointing, AdamW, and one sequence of --tokens tokens (a BFCL-like mask: 2 of
-every 3 blocks of 64 are model tokens) trained by common/grpo.py's accumulate_gradients. The
+every 3 blocks of 64 are model tokens) trained by common/train/grpo.py's accumulate_gradients. The
 second step is measured (the first creates AdamW's state): memory allocated at marks (before the
 step, at the output layer, when backward leaves the output layer, after backward) and the peak
 between them, from torch.cuda's allocator statistics on GPU and from the profiler's allocation
@@ -33,7 +33,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from common import memplan, presets  # noqa: E402
+from common import presets  # noqa: E402
+from common.train import memplan  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=2048, max_position_embeddings=4096, tie_word_embeddings=True,
@@ -117,7 +118,7 @@ def measure_step(model, tokens, accelerator, checkpointing=True, then=None):
     `tokens` tokens. Returns {mark: (level, peak since the previous mark)}, the gradients' and
     AdamW state's bytes on this process. `then(model, optimizer)`, if given, runs last, on the
     prepared pair (the timed save and load)."""
-    from common.grpo import TrainingSequence, accumulate_gradients
+    from common.train.grpo import TrainingSequence, accumulate_gradients
 
     torch.manual_seed(0)
     if checkpointing:
@@ -157,14 +158,14 @@ def measure_step(model, tokens, accelerator, checkpointing=True, then=None):
 
 
 def save_and_load(folder, model, optimizer, accelerator):
-    """One save of what a GPU round hands the next (common/checkpoint.py: float32 master weights
+    """One save of what a GPU round hands the next (common/train/checkpoint.py: float32 master weights
     and AdamW's moments, each process its shard) and its load back, timed; the load is checked by
     restoring a tensor zeroed in between. The save's time runs until dcp.save returns (the page
     cache may still hold it), then until os.sync() has written it. The folder is removed after.
     Returns {bytes (this process's shard file), save_s, sync_s, load_s}, or {skipped: why}."""
     from accelerate.utils import broadcast_object_list
 
-    from common import checkpoint
+    from common.train import checkpoint
 
     whole = 12 * sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole tensor's
     skipped = None
@@ -257,7 +258,7 @@ def main():
     ap.add_argument("--table", help="markdown file the rows are appended to")
     ap.add_argument("--save-load", metavar="DIR", help="then time one sharded save of the state into DIR (removed after) and its load")
     args = ap.parse_args()
-    from common import distributed
+    from common.train import distributed
 
     accelerator = distributed.make_accelerator(cpu=args.cpu)  # train_grpo.py's, with its defaults
     if args.cpu:

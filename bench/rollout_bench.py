@@ -29,9 +29,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import bfcl, play, serve  # noqa: E402
-from common.engines import make_engine  # noqa: E402
-from common.tiny import PRESET_TASKS, build_cached  # noqa: E402
+from common.engine import serve
+from common.engine.engines import make_engine  # noqa: E402
+from common.envs.bfcl import harness as bfcl  # noqa: E402
+from common.envs.bfcl import play
+from common.run.tiny import PRESET_TASKS, build_cached  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--task-ids", default=None, help="training task ids (default: the tiny preset's tasks, whole)")

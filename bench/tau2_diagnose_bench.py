@@ -3,7 +3,7 @@
     .venv/bin/python bench/tau2_diagnose_bench.py [--domain airline] [--workers 2] [--repeats 2]
 
 Plays every task of the domain's train split twice through τ²'s orchestrator with the scripted
-oracle (common/tau2.py): once as the gold script (reward 1) and once without its last gold action
+oracle (common/envs/tau2/tau2.py): once as the gold script (reward 1) and once without its last gold action
 (a database that differs from the gold replay: the row diff runs too), writes them as rollout
 records, then times `diagnose.py --workers 1` and `--workers K` on the file in turn, `--repeats`
 times, and checks their outputs are equal. Prints seconds per episode for each and the ratio.
@@ -18,7 +18,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common import tau2 as T  # noqa: E402
+from common.envs.tau2 import tau2 as T  # noqa: E402
 from common.jsonl import write_jsonl  # noqa: E402
 
 parser = argparse.ArgumentParser()

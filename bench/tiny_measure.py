@@ -1,4 +1,4 @@
-"""What a build of the tiny model samples (common/tiny.py), measured on demand (minutes on CPU).
+"""What a build of the tiny model samples (common/run/tiny.py), measured on demand (minutes on CPU).
 
     .venv/bin/python bench/tiny_measure.py [--temperatures 1.0 0.7] [--samples 8] [--eval-tasks 32] [--model DIR]
     .venv/bin/python bench/tiny_measure.py --env tau2:airline [--temperatures 1.0] [--samples 16]
@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
 
-from common import tiny  # noqa: E402
+from common.run import tiny  # noqa: E402
 
 MEASURE = {
     "seed": 0,
@@ -39,8 +39,9 @@ def measure(model_dir, *, temperatures=(1.0, 0.7), samples=None, eval_tasks=None
     training tasks (greedy) and the sampled reward on the preset's tasks, per view of the tool
     list and temperature: per task the samples the official checker solved, and the share of
     mixed groups (some but not all solved), GRPO's signal."""
-    from common import bfcl, envs, presets
-    from common import interface as omega_api
+    from common import envs, presets
+    from common.envs.bfcl import harness as bfcl
+    from common.seal import interface as omega_api
 
     m = {**MEASURE, **({"check_samples": samples} if samples else {}),
          **({"eval_tasks": eval_tasks} if eval_tasks is not None else {})}
@@ -70,12 +71,12 @@ def measure(model_dir, *, temperatures=(1.0, 0.7), samples=None, eval_tasks=None
 
 
 def preset_reward(model_dir, env, tasks, args, engine=None, omega=None):
-    """Sampled reward on `tasks` of the environment `env` (common/envs.py) as the preset's rollouts
+    """Sampled reward on `tasks` of the environment `env` (common/envs/__init__.py) as the preset's rollouts
     play them (under the interface `omega`): `check_samples` per task at `check_temperature`, scored
     by the environment's own verdict. {"mean", "per_task": {id: mean}, "solved": {id: samples
     solved}, "mixed": share of tasks whose samples are neither all solved nor all failed}."""
-    from common import play
-    from common.engines import make_engine
+    from common.engine.engines import make_engine
+    from common.envs.bfcl import play
 
     own = engine is None
     if own:
@@ -102,9 +103,9 @@ def preset_reward(model_dir, env, tasks, args, engine=None, omega=None):
 
 def first_step_parse_rate(model_dir, tasks, max_new_tokens, engine=None):
     """Fraction of tasks whose greedy first output (full turn-0 prompt) parses as >= 1 tool call."""
-    from common import calls as C
-    from common.engines import make_engine
-    from common.prompts import first_prompt
+    from common.engine import calls as C
+    from common.engine.engines import make_engine
+    from common.envs.bfcl.prompts import first_prompt
 
     own = engine is None
     if own:

@@ -1,4 +1,4 @@
-"""Throughput of the GRPO update (common/grpo.py, as train_grpo.py runs it) on a model of real size.
+"""Throughput of the GRPO update (common/train/grpo.py, as train_grpo.py runs it) on a model of real size.
 
     python bench/update_throughput.py [--config qwen2.5-3b] [--seqs 8] [--seq-len 8192] [--steps 2]
     python bench/update_throughput.py --cpu --config small --seqs 2 --seq-len 512      # dry run
@@ -20,7 +20,7 @@ one (the entropy of the log-prob pass, token-tis weights against engine log-prob
 trainer's) step for step, alternating, and prints both and their ratio (docs/benchmarks.md §13).
 
 --compare-turn times seal (one weight per trajectory) and seal-turn (credit by turn: each run of model
-tokens placed on its turn by common/grpo.py turn_spans, four outputs a turn, and weighed by its turn's
+tokens placed on its turn by common/train/grpo.py turn_spans, four outputs a turn, and weighed by its turn's
 weight, turn_weights: a failed trajectory passes its first half of turns and fails the rest) step for
 step, alternating, both with the default objective, and prints both and their ratio (docs/benchmarks.md §16).
 """
@@ -38,7 +38,8 @@ import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from common.grpo import (  # noqa: E402
+from common.seal.taxonomy import RHO  # noqa: E402
+from common.train.grpo import (  # noqa: E402
     TrainingSequence,
     accumulate_gradients,
     diagnosis_weight,
@@ -47,7 +48,6 @@ from common.grpo import (  # noqa: E402
     turn_spans,
     turn_weights,
 )
-from common.taxonomy import RHO  # noqa: E402
 
 # Qwen2.5-3B-Instruct's config.json (architecture fields only).
 CONFIGS = {

@@ -7,7 +7,7 @@ A synthetic run (tests/helpers.py synthetic_run: records in docs/design.md §3's
 results (about 16k tokens of prompt and ids each), and held-in evaluations of `eval-tasks` tasks
 every 6 rounds and of the base model. Round 0's artifacts are written once and linked into the
 other rounds (the builder reads each round's files all the same). Measures, with `python -m
-common.view` as loop.sh runs it: the first build (every round and evaluation), the rebuild after
+common.run.view` as loop.sh runs it: the first build (every round and evaluation), the rebuild after
 a round (what loop.sh pays every round), the bytes the page loads when it opens (page, script,
 stylesheet, run data and the newest round's data, which the opening view shows) and the time
 headless Chromium takes from navigation to the rendered round table and to a trajectory.
@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.bfcl import load_tasks  # noqa: E402
+from common.envs.bfcl.harness import load_tasks  # noqa: E402
 from tests.helpers import CHROMIUM, Tree, synthetic_run  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def view(run):
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "common.view", run], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "common.run.view", run], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - start
 
 

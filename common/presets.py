@@ -4,7 +4,7 @@
 
 prints the shell assignments `bash loop.sh` evaluates: each preset variable (MODEL=..., MAX_LEN=...),
 the mode's OMEGA, REWEIGHT, ADAPTIVE_RHO and TURN_CREDIT, LORA_RANK, and RECORD, the key=value settings the run's
-config.json records (common/runinfo.py). An unknown preset, mode or variable, or a value its setting does not
+config.json records (common/run/runinfo.py). An unknown preset, mode or variable, or a value its setting does not
 take, stops with a message and exit status 2.
 
 A preset is a Preset: its field defaults are the paper's shared settings (docs/design.md §7), and
@@ -57,7 +57,7 @@ class Preset:
     nproc: str = "1"  # training processes (accelerate launch)
     accel_config: str = ""  # their Accelerate config (configs/accelerate/)
     lora: str = ""  # --lora: train a LoRA adapter of rank LORA_RANK instead of every weight
-    # how the model writes calls (common/calls.py); empty: as the handler's prompts ask (common/prompts.py
+    # how the model writes calls (common/engine/calls.py); empty: as the handler's prompts ask (common/envs/bfcl/prompts.py
     # HANDLERS), and a value that contradicts them is refused
     call_format: str = ""
     tasks_per_round: str = "32"
@@ -104,7 +104,7 @@ class Preset:
     user_model_name: str = ""
     # Seconds one request to the user simulator may wait for its answer (rollouts and τ² evaluation):
     # one that does not answer in time stops the stage, naming it; a 429, a 5xx or a refused connection
-    # is tried twice more first (common/tau2.py). vLLM's tool-call parser of the USER_MODEL loop.sh
+    # is tried twice more first (common/envs/tau2/tau2.py). vLLM's tool-call parser of the USER_MODEL loop.sh
     # serves (hermes for Qwen, llama3_json for Llama 3): a parser that is not the model's returns its
     # calls as text, and on telecom, whose user acts through tool calls, the run is refused before round 0.
     user_timeout: str = "180"
@@ -132,7 +132,7 @@ class Preset:
     eval_new: str = ""
     revision: str = ""
     # Memory of one GPU (GiB, as torch reports it: an 80 GB H100 has 79.6) for the memory plan
-    # (common/memplan.py). Empty: a CPU preset.
+    # (common/train/memplan.py). Empty: a CPU preset.
     gpu_mem_gib: str = ""
     report_to: str = "none"  # experiment trackers (Accelerate's log_with names, comma-separated; all; none)
 
@@ -151,7 +151,7 @@ class Preset:
 
 # The values a setting takes, where it takes few.
 CHOICES = {"keep": ("evaluated", "latest", "all"), "prompts": ("bfcl", "template"), "thinking": ("", "1"),
-           # train_grpo.py's (common/grpo.py ROLLOUT_IS, ADV_SCALES, RATIO_LEVELS)
+           # train_grpo.py's (common/train/grpo.py ROLLOUT_IS, ADV_SCALES, RATIO_LEVELS)
            "rollout_is": ("off", "token-tis", "token-mask", "seq-tis", "seq-mask"), "adv_scale": ("group", "none"),
            "ratio_level": ("token", "sequence"), "cut": ("mask", "keep")}
 GPU_COUNTS = ("1", "2", "4", "8")  # GPUS: the node sizes configs/accelerate/ has an FSDP file for
@@ -249,14 +249,14 @@ TEMPERATURE = float(Preset.temp)  # rollout.py --temperature
 PROMPTS = Preset.prompts  # rollout.py --prompts
 MAX_MODEL_LEN = int(Preset.max_len)  # rollout.py --max-model-len
 MAX_NEW_TOKENS = int(Preset.max_new)  # rollout.py --max-new-tokens
-# of rollouts and evaluation (common/playargs.py): bfcl-eval's step limit, handler and engine
+# of rollouts and evaluation (common/engine/playargs.py): bfcl-eval's step limit, handler and engine
 MAX_STEPS_PER_TURN = int(Preset.max_steps)  # --max-steps-per-turn
 HANDLER = Preset.bfcl_handler  # --handler
 ENGINE = Preset.engine  # --engine
 USER_TIMEOUT = float(Preset.user_timeout)  # --user-timeout (τ² tasks)
 USER_TOOL_PARSER = Preset.user_tool_parser  # --user-tool-parser (τ² tasks)
 # The tiny preset on ENV=tau2:DOMAIN: the first K tasks of the domain's train split (TRAIN_LIMIT), the
-# ones its model's warm start learnt (common/tiny.py tau2_examples), as data/tiny.jsonl's 8 are on BFCL,
+# ones its model's warm start learnt (common/run/tiny.py tau2_examples), as data/tiny.jsonl's 8 are on BFCL,
 # and room for a τ² call in MAX_NEW (airline's update_reservation_flights is 100 of the tiny model's tokens).
 TINY_TAU2_TASKS, TINY_TAU2_MAX_NEW = 8, 160
 # A GPU preset's rollout context on ENV=tau2:DOMAIN. The oracle's episodes reach 12.4k tokens (airline,
@@ -265,7 +265,7 @@ TINY_TAU2_TASKS, TINY_TAU2_MAX_NEW = 8, 160
 # policy that explores 1.3x the oracle's longest episode; 32k leaves 2.6x.
 TAU2_MAX_LEN = 32768
 LORA_RANK = 16  # train_grpo.py --lora-r, and the rank the vLLM server is started for
-# Positions projected onto the vocabulary at once (common/grpo.py sequence_logprobs; the memory plan
+# Positions projected onto the vocabulary at once (common/train/grpo.py sequence_logprobs; the memory plan
 # counts one chunk). The log-prob pass peaks at about LOGPROB_CHUNK x vocabulary x 14 bytes in
 # backward (bf16 logits, their float32 copy, log-softmax and its gradient): 2.2 GB at Qwen2.5's
 # 152,064 entries, against 5.7-7.4 GB for ONE float32 copy of a 10k-13k-token sequence. 1024 rows

@@ -5,7 +5,7 @@
     SERPAPI_API_KEY=... python -m ood.memory --suite bfcl-web --policy DIR --out DIR [--limit K]
 
 The policy plays as held-in evaluation plays (evaluate.py: bfcl-eval's decoding, Ω removed, the engine and
-length flags of common/playargs.py); `--limit K` takes the first K questions per backend and
+length flags of common/engine/playargs.py); `--limit K` takes the first K questions per backend and
 the prerequisite conversations they need. Writes DIR/results.jsonl, DIR/prereqs.jsonl,
 DIR/memory_snapshot/ and DIR/scores.json (written last).
 
@@ -16,12 +16,12 @@ constants and agentic_checker; our decoder, renderer, environment isolation and 
   memory_vector, memory_rec_sum). Before a scenario's questions, the policy itself plays the
   scenario's prerequisite conversations (data/memory_prereq_conversation/), in order: each one's
   environment loads the memory snapshot the previous one wrote, and writes it back when the
-  conversation ends (common.bfcl.Environment, as base_handler.py's flush). Every question then
+  conversation ends (common.envs.bfcl.harness.Environment, as base_handler.py's flush). Every question then
   loads the scenario's final snapshot, independently of the other questions.
 - The system prompt is bfcl-eval's memory instruction with the core memory as it stands when the
   conversation starts (bfcl-eval's add_memory_instruction_system_prompt), plus, for questions,
   its answer-format instruction. Tools: the backend's docs as its loader gives them; prompts as
-  held-in evaluation builds them, by bfcl-eval's handler (common/prompts.py).
+  held-in evaluation builds them, by bfcl-eval's handler (common/envs/bfcl/prompts.py).
 - Score: the last output of the question's turn that does not decode into calls, checked by
   agentic_checker against the possible answers, which line up with the questions by index.
   Per backend the percent correct; `memory` is the mean of the three (docs/design.md §9).
@@ -44,10 +44,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import bfcl, play, playargs  # common.bfcl points BFCL_PROJECT_ROOT at scratch space first
-from common import calls as C
+from common.engine import calls as C
+from common.engine import playargs
+from common.envs.bfcl import (  # common.envs.bfcl.harness points BFCL_PROJECT_ROOT at scratch space first
+    harness as bfcl,
+)
+from common.envs.bfcl import play
 from common.jsonl import RecordError, atomic_dir, write_json, write_jsonl
-from common.scores import mean, percent_by_group
+from common.run.scores import mean, percent_by_group
 
 # memory_vector loads its sentence encoder at import: nothing may be fetched from a hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -152,7 +156,7 @@ def load_category(category, snapshot_root, scenario=None, limit=None):
 
 
 def to_task(entry, loaded=None):
-    """A task record for common.bfcl.Environment and common.play, the memory instruction added as
+    """A task record for common.envs.bfcl.harness.Environment and common.envs.bfcl.play, the memory instruction added as
     bfcl-eval adds it when the conversation starts (with the core memory of the snapshot it loads).
 
     `loaded` caches the instance per (backend, scenario) for questions, which all load the same

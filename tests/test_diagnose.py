@@ -9,8 +9,10 @@ import sys
 import pytest
 from helpers import REFUSED_KINDS, SCHEMA_KINDS, bfcl_eval_decoded, oracle, perturbations, rollout
 
-from common import bfcl, replay, taxonomy
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import replay
 from common.jsonl import write_jsonl
+from common.seal import taxonomy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "data", "train.jsonl")

@@ -1,13 +1,14 @@
-"""Generation engines (common/engines.py) on the tiny model: HF generate and vLLM, base and LoRA."""
+"""Generation engines (common/engine/engines.py) on the tiny model: HF generate and vLLM, base and LoRA."""
 
 import json
 
 import pytest
 
-from common import bfcl, tiny
-from common.engines import Generation, make_engine
-from common.models import resolve_model
-from common.prompts import first_prompt
+from common.engine.engines import Generation, make_engine
+from common.engine.models import resolve_model
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl.prompts import first_prompt
+from common.run import tiny
 
 MAX_LEN = 16384
 
@@ -222,7 +223,7 @@ def test_hf_lora_changes_output(adapter, merged, prompts, hf_greedy):
 
 
 def test_vllm_lora_changes_output(tiny_server, adapter, merged, prompts, hf_greedy):
-    from common import serve
+    from common.engine import serve
     serve.reload([tiny_server], adapter)  # loaded at run time beside the base
     engine = make_engine("vllm", adapter, max_model_len=MAX_LEN, seed=0, servers=[tiny_server])
     try:
@@ -267,13 +268,13 @@ def test_tokenizer_is_autotokenizers_without_its_imports(tiny_model, tmp_path):
 
     from transformers import AutoTokenizer
 
-    from common.models import load_tokenizer
+    from common.engine.models import load_tokenizer
     auto, ours = AutoTokenizer.from_pretrained(tiny_model), load_tokenizer(tiny_model)
     assert type(ours) is type(auto) and type(ours).__name__ == "Qwen2Tokenizer"
     text = first_prompt(tiny.pick_eval_tasks(list(bfcl.load_tasks(tiny.PRESET_TASKS).values()), 1)[0])
     assert ours(text)["input_ids"] == auto(text)["input_ids"]
     assert ours.eos_token_id == auto.eos_token_id and ours.chat_template == auto.chat_template
-    probe = "import sys; from common.models import load_tokenizer; load_tokenizer(sys.argv[1]); " \
+    probe = "import sys; from common.engine.models import load_tokenizer; load_tokenizer(sys.argv[1]); " \
             "print(sorted(m for m in ('torch', 'sklearn', 'transformers.models.auto.tokenization_auto') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe, tiny_model], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import evaluate
-from common import bfcl, bfcl_results, playargs
+from common.engine import playargs
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import results as bfcl_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,7 +60,7 @@ def test_evaluation_plays_as_bfcl_eval_unless_a_flag_departs_and_names_each_depa
     4096 new tokens a call, 20 steps a turn, Ω absent, every prompt re-rendered), and scores.json says
     the scores are bfcl-eval's; each flag that departs is named, so that no score is set beside the
     leaderboard's unawares."""
-    from common.models import model_context
+    from common.engine.models import model_context
 
     context = model_context(tiny_model)
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from common import interface as I
-from common.taxonomy import RHO
+from common.seal import interface as I
+from common.seal.taxonomy import RHO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""The numbers of common/grpo.py on hand-computed examples: group advantages (population std,
+"""The numbers of common/train/grpo.py on hand-computed examples: group advantages (population std,
 zero-variance groups), the SEAL weight and its clip, the clipped surrogate, the k3 KL, the
 logits-to-token shift, loss masking (checked through gradients), the chunked log-probs
 against the full-logits computation (values and gradients), token-mean normalisation,
@@ -16,7 +16,9 @@ import random
 import pytest
 import torch
 
-from common.grpo import (
+from common.jsonl import RecordError, read_jsonl
+from common.seal.taxonomy import LABELS, RHO
+from common.train.grpo import (
     ADV_EPS,
     ROLLOUT_IS,
     accumulate_gradients,
@@ -39,8 +41,6 @@ from common.grpo import (
     token_logprobs,
     token_loss,
 )
-from common.jsonl import RecordError, read_jsonl
-from common.taxonomy import LABELS, RHO
 
 # ---------------------------------------------------------------- advantages
 
@@ -307,7 +307,7 @@ def test_token_logprobs_against_log_softmax():
 
 
 def traj(prompt, ids, mask, adv=1.0, weight=1.0):
-    from common.grpo import TrainingSequence
+    from common.train.grpo import TrainingSequence
 
     return TrainingSequence("t", 0, prompt, ids, mask, [None] * len(ids), 1.0, weight, adv)
 
@@ -601,7 +601,7 @@ def test_segments_are_scored_in_their_own_context_and_counted_once(tmp_path):
     import accelerate
 
     import train_grpo
-    from common.grpo import accumulate_gradients, score_trajectories
+    from common.train.grpo import accumulate_gradients, score_trajectories
 
     segs = [([5, 6, 7], [1, 2, 3, 9], [1, 0, 0, 1]), ([5, 6, 8, 10], [11, 12, 13], [1, 0, 1])]
     a, b = join(tmp_path, [segmented("a", 0, segs), rollout("a", 1, ids=(4, 5, 6), mask=(1, 1, 0))],
@@ -1021,7 +1021,7 @@ def test_turn_credit_clears_only_turns_the_environment_verified(tmp_path):
     """With A < 0 a pass turn weighs 0 only where the environment checked it at that turn: not in a τ²
     episode (one verdict per episode: the trajectory's w), not in a turn the step limit stopped, not in
     a trajectory whose diagnosis blames no turn. Without reweighting (ρ ≡ 1) a failing turn weighs 1."""
-    from common.grpo import turn_weights
+    from common.train.grpo import turn_weights
 
     labels, ends = ["pass", "correct_abstention", "state_mismatch", "missing_tool_call"], ["answer"] * 3
     assert turn_weights(labels, ends, -1.0, 1.3, RHO) == [0.0, 0.0, 1.0, 1.5]  # turn 3 never played

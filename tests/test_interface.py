@@ -7,9 +7,9 @@ import os
 import helpers
 import pytest
 
-from common import bfcl
-from common import interface as I
+from common.envs.bfcl import harness as bfcl
 from common.jsonl import RecordError
+from common.seal import interface as I
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "data", "train.jsonl")

@@ -1,4 +1,4 @@
-"""common/launch.py: the train stage's command line on one process, one node, and a two-node
+"""common/train/launch.py: the train stage's command line on one process, one node, and a two-node
 SLURM allocation (fake SLURM variables: only the command is built here; that two machine ranks
 train as one machine does is tests/test_train_grpo.py's test_two_machines_match_one)."""
 
@@ -10,7 +10,8 @@ import sys
 import pytest
 import yaml
 
-from common import launch, presets
+from common import presets
+from common.train import launch
 
 PY = ".venv/bin/python"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,12 +29,12 @@ def test_one_node():
 
 @pytest.mark.parametrize("gpus", ["1", "2", "8"])
 def test_gpus_k_launches_k_fsdp2_processes(gpus):
-    """GPUS=K as loop.sh's train() builds it (common.launch's command line, from the preset's NPROC and
+    """GPUS=K as loop.sh's train() builds it (common.train.launch's command line, from the preset's NPROC and
     ACCEL_CONFIG): accelerate launch over K processes with FSDP2's config for K, one GPU included;
     each config is fsdp_4gpu.yaml's but for its process count (bf16 compute, full sharding, no offload)."""
     p = presets.resolve("qwen3-4b", [f"GPUS={gpus}"])
     config = f"configs/accelerate/fsdp_{gpus}gpu.yaml"
-    res = subprocess.run([sys.executable, "-m", "common.launch", PY, p.nproc, p.accel_config], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-m", "common.train.launch", PY, p.nproc, p.accel_config], cwd=ROOT,
                          capture_output=True, text=True, check=True, env={**os.environ, "SLURM_JOB_ID": ""})
     assert res.stdout.splitlines() == [".venv/bin/accelerate", "launch", "--num_processes", gpus, "--config_file", config]
     with open(os.path.join(ROOT, config)) as f, open(os.path.join(ROOT, "configs/accelerate/fsdp_4gpu.yaml")) as g:

@@ -14,10 +14,13 @@ import os
 import pytest
 from helpers import Teacher, in_process, seq_logprob
 
-from common import bfcl, play, taxonomy, tiny
-from common import calls as C
-from common.engines import make_engine
+from common.engine import calls as C
+from common.engine.engines import make_engine
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import play
 from common.jsonl import write_jsonl
+from common.run import tiny
+from common.seal import taxonomy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = 3  # real samples per task

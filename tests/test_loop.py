@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from common import presets, serve
+from common import presets
+from common.engine import serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two rounds of 2 tasks x 2 samples, 1 held-in task per category, one model call per turn (a
@@ -176,7 +177,7 @@ def test_interrupted_loop_resumes_and_leaves_no_server_behind(loop_runs, tiny_mo
     assert not list(run.rglob(".tmp-*")), "a half-written artifact was left behind"
     assert not (run / "server.json").exists()
     starts = [line for line in (run / "logs" / "server.log").read_text().splitlines() if line.startswith("# ")]
-    # once per loop command: every new policy is loaded in place (tied embeddings too: common/serve.py)
+    # once per loop command: every new policy is loaded in place (tied embeddings too: common/engine/serve.py)
     assert len(starts) == 2, starts
     assert "in place" in out
     assert {r["policy"] for r in jsonl(run / "round_001" / "rollouts.jsonl")} == {str(run / "round_000" / "policy")}
@@ -246,7 +247,7 @@ def test_tensorboard_reads_back_every_round(runs):
 
 
 def test_a_tracker_that_is_not_installed_stops_before_round_0(tmp_path):
-    from common import tracking
+    from common.run import tracking
     missing = next((n for n in ("comet_ml", "swanlab", "clearml", "aim", "dvclive") if not tracking.installed(n)), None)
     if missing is None:
         pytest.skip("every tracker this test could name is installed")
@@ -263,7 +264,7 @@ def test_wandb_offline_writes_its_run_once(runs, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     import shutil
 
-    from common import tracking
+    from common.run import tracking
     run = tmp_path / "seal"
     shutil.copytree(runs / "seal", run, ignore=shutil.ignore_patterns("policy", "tracking"))
     shutil.copytree(runs / "base-tiny", tmp_path / "base-tiny")
@@ -325,7 +326,7 @@ def test_config_records_every_preset_variable(runs):
 def test_a_setting_recorded_later_is_taken_up_and_then_held(tmp_path):
     """A run whose config.json predates a setting (one loop.sh added since) resumes and records it;
     after that the key is checked like any other."""
-    from common import runinfo
+    from common.run import runinfo
     path = str(tmp_path / "config.json")
     runinfo.main(path, ["lr=1e-6"])
     with pytest.raises(SystemExit, match="lr: '1e-6' -> '7e-7'"):

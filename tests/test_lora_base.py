@@ -1,6 +1,6 @@
 """A LoRA policy folder whose adapter_config.json names its base by a relative path loads the
 same base from any working directory, through the engine and through train_grpo.py's loader
-(both find it with common.engines.resolve_model), even where that path, read against the
+(both find it with common.engine.engines.resolve_model), even where that path, read against the
 working directory, names another model."""
 
 import json
@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from common.distributed import make_accelerator
-from common.engines import make_engine
+from common.engine.engines import make_engine
+from common.engine.models import resolve_model
 from common.jsonl import RecordError
-from common.models import resolve_model
+from common.train.distributed import make_accelerator
 
 
 def _load(folder):

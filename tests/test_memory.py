@@ -100,7 +100,7 @@ def test_verdict_equals_bfcl_evals_agentic_runner(texts):
     from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import is_empty_execute_response
     from helpers import _QWEN, bfcl_eval_decode
 
-    from common import calls as C
+    from common.engine import calls as C
 
     # its module imports half of bfcl-eval (tree_sitter among it): compile the one function
     path = importlib.util.find_spec("bfcl_eval.eval_checker.eval_runner").origin

@@ -1,4 +1,4 @@
-"""The memory plan (common/memplan.py): its terms against memory measured on CPU at small shapes,
+"""The memory plan (common/train/memplan.py): its terms against memory measured on CPU at small shapes,
 the presets' architecture files, and loop.sh's --plan and its refusals."""
 
 import dataclasses
@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from common import memplan, presets
-from common.models import model_context
+from common import presets
+from common.engine.models import model_context
+from common.train import memplan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -51,7 +52,7 @@ def test_plan_check_builds_each_preset_as_its_architecture(model):
 
 def test_plan_terms_match_memory_measured_on_cpu():
     """Each term the plan counts for one update of a small random Qwen2 (float32, Accelerate, the
-    GRPO loss of common/grpo.py, AdamW), against the same step measured on CPU by
+    GRPO loss of common/train/grpo.py, AdamW), against the same step measured on CPU by
     bench/plan_check.py (the allocations torch's profiler records): weights, gradients and AdamW
     state; activations kept for backward with and without gradient checkpointing; the log-prob
     chunk; the layer recomputed in backward; each within 15 %, and the plan's peak not below
@@ -145,7 +146,7 @@ def check_fits_without_a_download(preset, res, hf_home):
 
 def served_context(model, tmp_path, max_len, eval_len=""):
     """The max_model_len loop.sh starts the server with (SERVE_LEN: max(MAX_LEN, EVAL_LEN or the
-    model's own context)), the model's own read by common.engines.model_context from a model folder
+    model's own context)), the model's own read by common.engine.engines.model_context from a model folder
     holding the hub's config.json (configs/models/ carries its fields)."""
     folder = tmp_path / "model"
     folder.mkdir(exist_ok=True)
@@ -389,7 +390,8 @@ def test_the_first_gpu_holds_both_servers_and_their_cuda_contexts(tmp_path, sets
 def test_the_user_server_gets_the_share_and_context_its_plan_counts():
     """On GPUs loop.sh serves USER_MODEL with memplan.user_serve_args (its plan's share and MAX_LEN):
     the vLLM command line the stage builds for it holds exactly those, after tool calling."""
-    from common import serve, tau2
+    from common.engine import serve
+    from common.envs.tau2 import tau2
     args = memplan.user_serve_args("16384")
     assert args == f"--gpu-memory-utilization {memplan.USER_UTILIZATION} --max-model-len 16384"
     extra = tau2.user_server_args(tau2.User(model="/m/Qwen2.5-1.5B-Instruct", serve_args=args))
@@ -406,4 +408,4 @@ def test_the_user_server_gets_the_share_and_context_its_plan_counts():
     (field,) = [f for f in dataclasses.fields(CacheConfig) if f.name == "gpu_memory_utilization"]
     assert field.default.default == 0.92  # vLLM's own: what the server took before it was given 0.9
     script = open(os.path.join(ROOT, "loop.sh")).read()
-    assert "from common.memplan import user_serve_args" in script
+    assert "from common.train.memplan import user_serve_args" in script

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from common import memplan, presets
+from common import presets
 from common.presets import PRESETS, Preset
+from common.train import memplan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_PRESETS = [name for name, p in PRESETS.items() if p.gpu_mem_gib]
@@ -59,7 +60,8 @@ def test_a_stage_run_by_hand_takes_the_presets_defaults():
     import evaluate
     import rollout
     import train_grpo
-    from common import play, playargs
+    from common.engine import playargs
+    from common.envs.bfcl import play
 
     d = Preset()
     roll = rollout.parser.parse_args(["--model", "m", "--tasks", "t", "--out", "o"])
@@ -78,7 +80,7 @@ def test_a_stage_run_by_hand_takes_the_presets_defaults():
     train = train_grpo.parser.parse_args(["--model", "m", "--rollouts", "r", "--diagnoses", "d", "--out", "o"])
     assert (train.kl_coef, train.mini_batch_tasks, train.max_tokens_per_micro_batch, train.lora_r) == (
         float(d.kl), int(d.mini_batch), int(d.micro_tokens), presets.LORA_RANK)
-    # the objective: the presets' values, and the same choices as the trainer's (common/grpo.py)
+    # the objective: the presets' values, and the same choices as the trainer's (common/train/grpo.py)
     assert (train.rollout_is, train.rollout_is_cap, train.clip_high, train.adv_scale, train.ratio_level, train.cut,
             train.max_model_len) == (d.rollout_is, float(d.rollout_is_cap), None, d.adv_scale, d.ratio_level, d.cut,
                                      int(d.max_len))
@@ -224,7 +226,7 @@ def test_lora_trains_at_a_lora_learning_rate_unless_lr_is_set(tmp_path):
     shell = presets.shell(lora, "qwen3-4b", "seal").splitlines()
     assert "LR=1e-5" in shell and "lr=1e-5" in shell[-1]  # loop.sh's --lr "$LR", and config.json
     for flag in ("--plan", "--brief"):
-        cmd = [sys.executable, "-m", "common.memplan", "qwen3-4b", "--set", "GPUS=1", "--set", "LORA=--lora"]
+        cmd = [sys.executable, "-m", "common.train.memplan", "qwen3-4b", "--set", "GPUS=1", "--set", "LORA=--lora"]
         res = subprocess.run(cmd + ([flag] if flag == "--brief" else []), cwd=ROOT, capture_output=True, text=True)
         assert "LoRA rank 16 at lr 1e-5" in res.stdout.splitlines()[0], res.stdout
 
@@ -294,7 +296,7 @@ def test_env_tau2_plays_a_domains_train_split_and_checks_its_user():
     assert presets.resolve("tiny", ["ENV=tau2:airline"]).tasks == "tau2:airline:train"
     assert presets.resolve("tiny", ["ENV=tau2:airline", "TASKS=tau2:airline:test"]).tasks == "tau2:airline:test"
     assert presets.resolve("tiny").env == "bfcl" and presets.resolve("tiny").tasks == "data/tiny.jsonl"
-    # tiny on τ²: the tasks its model's warm start learnt (common/tiny.py) and room for a τ² call
+    # tiny on τ²: the tasks its model's warm start learnt (common/run/tiny.py) and room for a τ² call
     tiny = presets.resolve("tiny", ["ENV=tau2:airline"])
     assert (tiny.train_limit, tiny.max_new) == (str(presets.TINY_TAU2_TASKS), str(presets.TINY_TAU2_MAX_NEW))
     assert presets.resolve("tiny", ["ENV=tau2:airline", "TRAIN_LIMIT=3", "MAX_NEW=64"]).train_limit == "3"

@@ -15,8 +15,9 @@ import os
 import pytest
 from helpers import Script, theirs
 
-from common import bfcl, play, prompts
-from common import calls as C
+from common.engine import calls as C
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import play, prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def ours(task, engine, handler="QwenFCHandler", fmt="json"):
@@ -153,7 +154,7 @@ def test_a_malformed_block_fails_the_entry_as_bfcl_eval_does(heldin, entries, to
 def test_llama_handler_prompts_on_the_tiny_model(heldin, entries, tiny_model):
     """ToolACE-2-8B's handler (LlamaHandler, prompting, Python-list calls): the tiny model's own
     outputs, re-rendered, give bfcl-eval's prompts (no ToolACE weights here: the format is tested)."""
-    from common.engines import make_engine
+    from common.engine.engines import make_engine
     engine = make_engine("hf", tiny_model, max_model_len=32768, seed=0)
     tasks = [t for t in heldin.values()][:1] + [t for t in heldin.values() if t["missed_function"]][:1]
     try:

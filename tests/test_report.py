@@ -1,4 +1,4 @@
-"""common/report.py on a hand-made run folder: a live run's missing artifacts are empty, the
+"""common/run/report.py on a hand-made run folder: a live run's missing artifacts are empty, the
 figures come from the files, report.md appears whole (no temporary file left beside it)."""
 
 import json
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from common import report
-from common.taxonomy import LABELS, RHO
+from common.run import report
+from common.seal.taxonomy import LABELS, RHO
 
 
 def _write(path, obj, lines=False):
@@ -66,11 +66,11 @@ def test_report_of_a_live_run(tmp_path, capsys):
 
 
 def test_compare_and_trackers_read_runs_one_way(tmp_path, capsys):
-    """common/runs.py is the one reader of a run folder: `evaluate.py --compare` (report.compare)
+    """common/run/runs.py is the one reader of a run folder: `evaluate.py --compare` (report.compare)
     prints each preset's base model once, then every evaluated round of each run, and the
     Table-2 block from the OOD scores; the trackers' units come from the same folders. A
     folder under eval/ that is not a round's (a bench run by hand) is no round's score."""
-    from common import runs, tracking
+    from common.run import runs, tracking
 
     held = {"base": 50.0, "miss_func": 25.0, "miss_param": 0.0, "long_context": 100.0, "average": 43.75}
     for name in ("seal", "vanilla"):
@@ -113,7 +113,7 @@ def test_compare_sets_the_leaderboards_figure_beside_a_score_of_all_800_tasks(tm
     """An evaluation folder (evaluate.py --out of --split all) is a row of its own; the leaderboard's
     figure of the bfcl-eval entry it was scored under follows the table once, in the average's
     column, and a row of that entry over fewer tasks is marked as not comparable with it."""
-    from common.bfcl_results import LEADERBOARD
+    from common.envs.bfcl.results import LEADERBOARD
 
     entry = "Qwen/Qwen3-4B-Instruct-2507-FC"
     figure, source = LEADERBOARD[entry]

@@ -1,4 +1,4 @@
-"""rollout.py and the multi-turn play loop (common/play.py), with the tiny model and real tasks.
+"""rollout.py and the multi-turn play loop (common/envs/bfcl/play.py), with the tiny model and real tasks.
 
 The turn protocol (bfcl-eval's loop, and Ω's decode-failure rule) is checked on
 the tiny model's own outputs through the recorded fields, and its decision rule
@@ -15,10 +15,12 @@ import sys
 import pytest
 from helpers import Scripted
 
-from common import bfcl, play, prompts, tiny
-from common import interface as omega_api
-from common.chat import Renderer
-from common.engines import Generation, make_engine
+from common.engine.chat import Renderer
+from common.engine.engines import Generation, make_engine
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import play, prompts
+from common.run import tiny
+from common.seal import interface as omega_api
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The two shortest prompts of their categories (TradingBot only): the CPU cost of a step is the prefill.
@@ -288,11 +290,11 @@ def test_a_stop_id_the_format_does_not_write_leaves_the_context(tasks, tokenizer
 
 
 def test_play_spec_is_built_once_from_the_flags():
-    """A stage's flags become one PlaySpec (common/playargs.py): the handler's call format, the
+    """A stage's flags become one PlaySpec (common/engine/playargs.py): the handler's call format, the
     schedule its engine runs, the stage's own settings; a spec that cannot be played is refused."""
     import argparse
 
-    from common import playargs
+    from common.engine import playargs
     parser = argparse.ArgumentParser()
     playargs.add_play_args(parser)
     spec = playargs.play_spec(parser.parse_args([]), parser, temperature=0.5)

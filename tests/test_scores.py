@@ -3,7 +3,7 @@ percent per group to two decimals, means over the rounded group scores, and each
 reading of a group without results."""
 
 import evaluate
-from common.scores import mean, percent_by_group
+from common.run.scores import mean, percent_by_group
 from ood import memory, tau
 
 

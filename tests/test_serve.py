@@ -1,4 +1,4 @@
-"""vLLM's own server as the one engine (common/serve.py, common/engines.py ServerEngine): the command
+"""vLLM's own server as the one engine (common/engine/serve.py, common/engine/engines.py ServerEngine): the command
 lines it is started with, in-place reloads checked by the weights (checksums, a measured probe
 tolerance, a stale engine caught), stages on several servers, and the faults a stage must name (a
 server that dies, never starts, is unreachable or serves other weights, a port in use); against a
@@ -18,9 +18,13 @@ import urllib.parse
 
 import pytest
 
-from common import bfcl, memplan, play, presets, serve
-from common.engines import make_engine
+from common import presets
+from common.engine import serve
+from common.engine.engines import make_engine
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import play
 from common.jsonl import RecordError, read_json, write_json
+from common.train import memplan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK_IDS = ["multi_turn_base_105", "multi_turn_miss_func_146", "multi_turn_miss_param_100",
@@ -57,7 +61,7 @@ def test_gpu_command_lines_are_vllm_serve_with_the_presets_settings():
                     "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "policy", "--seed", "3",
                     "--dtype", "auto", "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
                     "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-                    "--worker-extension-cls", "common.serve.WorkerExtension", "--max-model-len", "32768",
+                    "--worker-extension-cls", "common.engine.serve.WorkerExtension", "--max-model-len", "32768",
                     "--data-parallel-size", "4", "--gpu-memory-utilization", "0.9", "--enable-sleep-mode"]
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in env
     assert env["VLLM_NO_USAGE_STATS"] == "1"  # no report to vLLM's stats service from a user's cluster
@@ -69,12 +73,12 @@ def test_gpu_command_lines_are_vllm_serve_with_the_presets_settings():
                     "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "policy", "--seed", "0",
                     "--dtype", "auto", "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
                     "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-                    "--worker-extension-cls", "common.serve.WorkerExtension", "--max-model-len", "32768",
+                    "--worker-extension-cls", "common.engine.serve.WorkerExtension", "--max-model-len", "32768",
                     "--data-parallel-size", "4", "--gpu-memory-utilization", "0.9", "--enable-sleep-mode", "--enable-lora", "--max-lora-rank", "16",
                     "--max-loras", "1", "--api-server-count", "1"]
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     argv, env = serve.command("/m/toolace", port=8000, cpu=False, lora_rank=16)  # one engine: one API server
-    assert argv[-9:] == ["--worker-extension-cls", "common.serve.WorkerExtension", "--gpu-memory-utilization", "0.9",
+    assert argv[-9:] == ["--worker-extension-cls", "common.engine.serve.WorkerExtension", "--gpu-memory-utilization", "0.9",
                          "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
     cpu, env = serve.command("/m/tiny", port=9, cpu=True, max_model_len=16384)
     assert cpu[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/tiny"]
@@ -125,7 +129,7 @@ def test_gpus_k_serves_on_k_engines_asleep_while_training(gpus, lora):
     dp = [] if gpus == "1" else ["--data-parallel-size", gpus]
     adapter = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"] if lora else []
     one_api_server = ["--api-server-count", "1"] if lora and gpus != "1" else []
-    # the share the memory plan counts (common/memplan.py VLLM_UTILIZATION), not vLLM's default 0.92
+    # the share the memory plan counts (common/train/memplan.py VLLM_UTILIZATION), not vLLM's default 0.92
     assert argv[argv.index("--max-model-len"):] == ["--max-model-len", "262144", *dp, "--gpu-memory-utilization", "0.9",
                                                     "--enable-sleep-mode", *adapter,
                                                     *one_api_server]
@@ -243,7 +247,7 @@ def test_reload_command_line_and_a_check_before_any_output(tiny_server, other_po
     with socket.socket() as s:  # a port nobody answers on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    res = subprocess.run([sys.executable, "-m", "common.serve", "check", "--server", f"http://127.0.0.1:{port}",
+    res = subprocess.run([sys.executable, "-m", "common.engine.serve", "check", "--server", f"http://127.0.0.1:{port}",
                           "--model", tiny_model], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode != 0 and f"server http://127.0.0.1:{port} does not answer" in res.stderr
 
@@ -258,7 +262,7 @@ def test_lora_adapter_loads_at_run_time(tiny_server, tiny_model, tmp_path):
                                 LoraConfig(r=8, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
     adapter = str(tmp_path / "lora")
     peft_model.save_pretrained(adapter)
-    subprocess.run([sys.executable, "-m", "common.serve", "reload", "--server", tiny_server, "--model", adapter],
+    subprocess.run([sys.executable, "-m", "common.engine.serve", "reload", "--server", tiny_server, "--model", adapter],
                    cwd=ROOT, check=True)
     assert serve.check(tiny_server, adapter) == serve.lora_name(adapter)
     prompt = [[5, 6, 7, 8, 9, 10]]
@@ -400,7 +404,7 @@ def test_start_stop_and_reuse_through_the_state_file(tiny_server_state, tiny_mod
     state = read_json(tiny_server_state)
     before = json.dumps(state)
     # `start` on a state file whose server runs with the same settings reuses it (no new process)
-    res = subprocess.run([sys.executable, "-m", "common.serve", "start", "--model", tiny_model,
+    res = subprocess.run([sys.executable, "-m", "common.engine.serve", "start", "--model", tiny_model,
                           "--state", tiny_server_state, "--log", state["log"], "--max-model-len",
                           str(state["settings"]["max_model_len"]),
                           "--lora-rank", "16"], cwd=ROOT, capture_output=True, text=True)
@@ -412,7 +416,7 @@ def test_start_stop_and_reuse_through_the_state_file(tiny_server_state, tiny_mod
 
 
 class FakeVLLM:
-    """A real HTTP server answering the endpoints common/serve.py uses as vLLM's server does, for what
+    """A real HTTP server answering the endpoints common/engine/serve.py uses as vLLM's server does, for what
     only GPUs run (data-parallel engines, sleep mode): it records every request (method, path, the
     data-parallel rank header) and serves the probe's log-probabilities, shifted on `bad_ranks`."""
 
@@ -425,7 +429,7 @@ class FakeVLLM:
         self.dp, self.label, self.asleep = dp, label, {"weights", "kv_cache"} if sleeping else set()
         self.bad_ranks, self.sleep_fails, self.seen = set(bad_ranks), sleep_fails, []
         self.sums, self.no_info = sums, no_info  # /weight_checker's checksums (None: no such endpoint)
-        self.extension, self.rpcs = extension, []  # started with common.serve's worker extension; RPCs called
+        self.extension, self.rpcs = extension, []  # started with common.engine.serve's worker extension; RPCs called
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -589,14 +593,14 @@ def test_a_sleep_that_fails_fails_the_command_naming_the_server(policy, fake_vll
     state = str(tmp_path / "server.json")
     ok = fake_vllm()
     write_json(state, {"url": ok.url, "pid": 0})
-    res = subprocess.run([sys.executable, "-m", "common.serve", "sleep", "--state", state], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-m", "common.engine.serve", "sleep", "--state", state], cwd=ROOT,
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert ok.posts() == [("/sleep?level=2", None)]
     # a LoRA server keeps its base weights (in CPU memory): the adapter loaded on wake needs them
     lora = fake_vllm()
     write_json(state, {"url": lora.url, "pid": 0, "settings": {"lora_rank": 16}})
-    res = subprocess.run([sys.executable, "-m", "common.serve", "sleep", "--state", state], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-m", "common.engine.serve", "sleep", "--state", state], cwd=ROOT,
                          capture_output=True, text=True)
     assert res.returncode == 0 and lora.posts() == [("/sleep?level=1", None)], res.stderr
     failing = fake_vllm(sleep_fails=True)
@@ -606,7 +610,7 @@ def test_a_sleep_that_fails_fails_the_command_naming_the_server(policy, fake_vll
     for url, why in ((failing.url, f'server {failing.url}: /sleep?level=2 answered 500: {{"error": "CUDA error: out'),
                      (dead, f"server {dead} does not answer /sleep?level=2 (")):
         write_json(state, {"url": url, "pid": 0})
-        res = subprocess.run([sys.executable, "-m", "common.serve", "sleep", "--state", state], cwd=ROOT,
+        res = subprocess.run([sys.executable, "-m", "common.engine.serve", "sleep", "--state", state], cwd=ROOT,
                              capture_output=True, text=True)
         assert res.returncode != 0
         assert f"error: the server at {url} (state {state}) did not go to sleep and still holds its GPUs: {why}" \

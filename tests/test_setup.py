@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from common import runinfo
+from common.run import runinfo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN7B = "Qwen/Qwen2.5-7B-Instruct"
@@ -142,7 +142,7 @@ def test_a_hub_model_without_a_pinned_revision_is_refused(tmp_path):
 
 def test_a_failed_download_is_one_line_naming_model_revision_and_hf_home(tmp_path):
     """The hub client's own failure (offline here: nothing cached under HF_HOME)."""
-    res = run([sys.executable, "-m", "common.fetch", QWEN7B, REV], env={"HF_HOME": str(tmp_path)})
+    res = run([sys.executable, "-m", "common.run.fetch", QWEN7B, REV], env={"HF_HOME": str(tmp_path)})
     assert res.returncode == 1 and res.stdout == ""
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
     assert f"cannot download {QWEN7B} at revision {REV} into HF_HOME={tmp_path}" in res.stderr
@@ -163,7 +163,7 @@ def test_a_run_records_the_hub_id_and_revision_so_another_hf_home_resumes(tmp_pa
         runinfo.main(new, [f"model={QWEN7B}", f"revision={'0' * 40}", "gpu_mem_gib=80"])
 
 
-@pytest.mark.parametrize("module", ["common.runinfo", "common.report", "common.launch", "common.fetch"])
+@pytest.mark.parametrize("module", ["common.run.runinfo", "common.run.report", "common.train.launch", "common.run.fetch"])
 def test_helper_commands_answer_help_without_writing_a_file(tmp_path, module):
     # runinfo once took "--help" for its output path and wrote a file named --help
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

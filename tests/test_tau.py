@@ -18,7 +18,7 @@ import urllib.parse
 
 import pytest
 
-from common import tau2 as tau2_env
+from common.envs.tau2 import tau2 as tau2_env
 from ood import tau
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -376,7 +376,7 @@ def test_a_user_endpoint_that_never_answers_stops_the_stage(tmp_path, tiny_model
 
 @pytest.mark.parametrize("status", ["429", "500"])
 def test_a_user_endpoint_that_errs_stops_the_stage_after_bounded_retries(tmp_path, tiny_model, fake_user, status):
-    from common import tau2 as T
+    from common.envs.tau2 import tau2 as T
     failing = fake_user(status)
     out = tmp_path / "r.jsonl"
     res = rollout(*rollout_args(tiny_model, "tau2:airline:train", failing.url, out), "--user-timeout", str(TIMEOUT))

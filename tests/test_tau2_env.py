@@ -1,5 +1,5 @@
-"""τ²-bench as a training environment (common/tau2.py): episodes into rollout records, and
-τ²'s own verdict into Ψ's labels (common/taxonomy.py's τ² rules), one constructed episode per
+"""τ²-bench as a training environment (common/envs/tau2/tau2.py): episodes into rollout records, and
+τ²'s own verdict into Ψ's labels (common/seal/taxonomy.py's τ² rules), one constructed episode per
 label on τ²'s mock domain, played through τ²'s orchestrator, environment and evaluator."""
 
 import json
@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from common import calls as calls_api
-from common import tau2 as T
+from common.engine import calls as calls_api
+from common.envs.tau2 import tau2 as T
 from common.jsonl import RecordError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,9 +123,9 @@ def test_tiny_model_rollouts_diagnosed_by_tau2(tmp_path, tiny_model, tau2):
     is scored by τ²'s evaluator and labelled."""
     from transformers import AutoTokenizer
 
-    from common import interface as omega_api
-    from common import taxonomy
     from common.jsonl import write_json
+    from common.seal import interface as omega_api
+    from common.seal import taxonomy
     write_json(tmp_path / "omega.json", omega_api.initial())
     res = _stage("rollout.py", "--model", tiny_model, "--tasks", "tau2:mock:base", "--limit", "2", "--n", "2",
                  "--engine", "hf", "--scripted-user", "--max-new-tokens", "24", "--interface",
@@ -187,8 +187,8 @@ def test_error_feedback_hints_after_taus_error_messages(tau2, tokenizer, omega):
     model sees τ²'s message alone. The agent is scripted (real tokenizer, fixed texts)."""
     from helpers import Scripted
 
-    from common import interface as omega_api
-    from common.play import PlaySpec
+    from common.envs.bfcl.play import PlaySpec
+    from common.seal import interface as omega_api
     texts = iter([call("update_task_status", task_id="task_999", status="completed"), DONE])
     engine = Scripted(tokenizer, lambda prompt: next(texts))
     spec = PlaySpec(omega=getattr(omega_api, omega)(), fmt="json", temperature=1.0, max_model_len=8192,
@@ -214,9 +214,9 @@ def test_a_round_trains_on_tau2_rollouts(tiny_model, tau2, tmp_path):
     from helpers import Teacher, seq_logprob, train_one_round
     from transformers import AutoModelForCausalLM
 
-    from common import interface as omega_api
-    from common.engines import make_engine
-    from common.play import PlaySpec
+    from common.engine.engines import make_engine
+    from common.envs.bfcl.play import PlaySpec
+    from common.seal import interface as omega_api
     task = next(t for t in tau2.tasks("mock") if t.id == "create_task_1")
     spec = PlaySpec(omega=omega_api.initial(), fmt="json", temperature=1.0, max_model_len=8192, max_new_tokens=48)
     engine = make_engine("hf", tiny_model, max_model_len=8192, seed=0)
@@ -354,8 +354,8 @@ def test_an_episode_the_agent_never_spoke_in_has_its_prompt(tau2, tokenizer):
     record (an empty prompt is refused there)."""
     from helpers import Scripted
 
-    from common.grpo import token_segments
-    from common.play import PlaySpec
+    from common.envs.bfcl.play import PlaySpec
+    from common.train.grpo import token_segments
     env = tau2.registry.get_env_constructor("mock")()
     policy = T.ModelPolicy(Scripted(tokenizer, lambda prompt: DONE), env.get_tools(), "Be brief.",
                            PlaySpec(fmt="json", max_model_len=4096, max_new_tokens=16))
@@ -397,8 +397,8 @@ def test_async_episodes_send_their_own_generations(tau2, tiny_model, tiny_server
     a request the server refuses fails the rollouts with its answer."""
     import math
 
-    from common.engines import ServerEngine
-    from common.play import PlaySpec
+    from common.engine.engines import ServerEngine
+    from common.envs.bfcl.play import PlaySpec
 
     class Holding(ServerEngine):
         """vLLM's server, the first request held until an episode other than its own ended."""

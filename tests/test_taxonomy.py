@@ -1,4 +1,4 @@
-"""The label rules of common/taxonomy.py, one real BFCL task per rule (no mocks).
+"""The label rules of common/seal/taxonomy.py, one real BFCL task per rule (no mocks).
 
 Each test plays a trajectory through the real environment (tests/helpers.py),
 perturbs one turn of the ground truth and checks that exactly the expected label
@@ -10,7 +10,9 @@ import os
 import pytest
 from helpers import ANSWER, GARBAGE, gt_calls, oracle, play, rollout, text
 
-from common import bfcl, replay, taxonomy
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import replay
+from common.seal import taxonomy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

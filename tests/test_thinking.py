@@ -15,8 +15,9 @@ import pytest
 from helpers import Script, theirs
 from transformers import AutoTokenizer
 
-from common import bfcl, play, prompts
-from common import calls as C
+from common.engine import calls as C
+from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import play, prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,14 +137,14 @@ def test_calls_are_parsed_from_the_answer_as_bfcl_eval_decodes_it(text):
 
 @pytest.fixture(scope="module")
 def thinking_model():
-    from common.tiny import THINKING, build_cached
+    from common.run.tiny import THINKING, build_cached
     return build_cached(**THINKING)
 
 
 @pytest.fixture(scope="module")
 def thought(thinking_model, heldin):
     """Rollouts of the tiny thinking model on multi-turn tasks, token-in/token-out at T = 1."""
-    from common.engines import make_engine
+    from common.engine.engines import make_engine
     engine = make_engine("hf", thinking_model, max_model_len=32768, seed=0)
     # the two with the fewest tool docs: the suite's time goes into prefilling prompts on CPU
     tasks = sorted(multi_turn(heldin, 99), key=lambda t: len(json.dumps(t["tools"])))[:2]
@@ -179,7 +180,7 @@ def test_thinking_rollouts_segment_at_bfcl_evals_prompts_and_score_as_played(tho
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.grpo import TrainingSequence, collate, sequence_logprobs
+    from common.train.grpo import TrainingSequence, collate, sequence_logprobs
 
     tasks, records = thought
     tok = AutoTokenizer.from_pretrained(thinking_model)
@@ -255,7 +256,7 @@ def test_a_round_trains_on_segmented_rollouts(thought, thinking_model, heldin, t
 def _qwen3_style():
     """The tiny chat template with Qwen3's rule for reasoning: an assistant message before the last
     user message is shown without what precedes its </think> (Qwen3-8B's template drops it too)."""
-    from common.tiny import CHAT_TEMPLATE
+    from common.run.tiny import CHAT_TEMPLATE
     last = ("{%- set ns = namespace(last=-1) -%}{%- for m in rest -%}{%- if m.role == 'user' -%}"
             "{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}\n{%- for message in rest -%}")
     shown = ("{%- set content = message.content.split('</think>')[-1].lstrip('\\n') if message.role == 'assistant' "
@@ -276,10 +277,10 @@ def test_a_thinking_model_on_tau2_trains_segment_by_segment(thinking_model, tmp_
     and a round of train_grpo.py takes an optimiser step on the segmented records."""
     from helpers import Scripted, train_one_round
 
-    from common import interface as omega_api
-    from common import tau2 as T
-    from common.grpo import token_segments
-    from common.play import PlaySpec
+    from common.envs.bfcl.play import PlaySpec
+    from common.envs.tau2 import tau2 as T
+    from common.seal import interface as omega_api
+    from common.train.grpo import token_segments
 
     tau2 = T.import_tau2()
     tok = AutoTokenizer.from_pretrained(thinking_model)

@@ -1,13 +1,14 @@
-"""The tiny offline model: tokenizer, chat template, model folder, warm start (common/tiny.py)."""
+"""The tiny offline model: tokenizer, chat template, model folder, warm start (common/run/tiny.py)."""
 
 import json
 import os
 
 import pytest
 
-from common import bfcl, tiny
-from common import calls as C
-from common.chat import to_chat_tools
+from common.engine import calls as C
+from common.engine.chat import to_chat_tools
+from common.envs.bfcl import harness as bfcl
+from common.run import tiny
 
 SAMPLES = [
     "Move 'final_report.pdf' within document directory to 'temp' directory.",

@@ -31,10 +31,10 @@ import torch
 from helpers import in_process
 from safetensors.torch import load_file
 
-from common import serve
-from common.distributed import distributed_plugins, gradient_dtypes
-from common.grpo import collate, join_trajectories, sequence_logprobs
+from common.engine import serve
 from common.jsonl import read_jsonl
+from common.train.distributed import distributed_plugins, gradient_dtypes
+from common.train.grpo import collate, join_trajectories, sequence_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "train_grpo.py")
@@ -278,7 +278,7 @@ def test_fsdp_reduce_scatters_every_micro_batch(tiny, data, tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import fsdp_probe
 
-    from common.grpo import accumulate_gradients, score_trajectories
+    from common.train.grpo import accumulate_gradients, score_trajectories
 
     out = str(tmp_path / "probe.pt")
     ok(run_train(tiny, *data, out, launcher=fsdp_launcher(), script=os.path.join(ROOT, "tests", "fsdp_probe.py")))
@@ -362,7 +362,7 @@ def assert_save_keeps_the_adapter_alone(adapter):
     from accelerate.state import AcceleratorState
 
     import train_grpo
-    from common.distributed import make_accelerator, whole_state_dict
+    from common.train.distributed import make_accelerator, whole_state_dict
 
     args = train_grpo.parser.parse_args(["--model", adapter, "--rollouts", "-", "--diagnoses", "-", "--out", "-"])
     AcceleratorState._reset_state(True)
@@ -399,10 +399,10 @@ def test_bad_input_stops_without_output(tiny, tmp_path):
 def test_adaptive_rho_refusals_and_the_rounds_own_rho(tmp_path):
     """--adaptive-rho beside --rho (a table to use as it is) or --no-reweight (no ρ at all) stops
     at the command line, naming both, with nothing written. Otherwise the join weighs the round
-    with its own ρ_t (common/grpo.py adaptive_rho), which every metrics line records."""
+    with its own ρ_t (common/train/grpo.py adaptive_rho), which every metrics line records."""
     import train_grpo
-    from common.grpo import diagnosis_weight
-    from common.taxonomy import RHO
+    from common.seal.taxonomy import RHO
+    from common.train.grpo import diagnosis_weight
 
     rollouts, diagnoses = make_data(str(tmp_path))
     rho = tmp_path / "rho.json"
@@ -459,9 +459,12 @@ def test_temperature_comes_from_the_records(tiny, tmp_path):
 def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_path):
     """Real HF-engine rollouts of the tiny model at T = 0.7: the trainer's old log-probs, taken
     at the records' temperature, are the engine's (which are log softmax(logits / 0.7))."""
-    from common import bfcl, play, taxonomy, tiny
-    from common.engines import make_engine, sampling_params
+    from common.engine.engines import make_engine, sampling_params
+    from common.envs.bfcl import harness as bfcl
+    from common.envs.bfcl import play
     from common.jsonl import write_jsonl
+    from common.run import tiny
+    from common.seal import taxonomy
 
     task = next(t for t in bfcl.load_tasks(tiny.PRESET_TASKS).values() if t["ground_truth"][0])
     engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
@@ -626,7 +629,7 @@ def test_zero_variance_keep_and_drop_gradients(tiny, data):
     from accelerate.state import AcceleratorState
 
     import train_grpo
-    from common.grpo import accumulate_gradients, score_trajectories
+    from common.train.grpo import accumulate_gradients, score_trajectories
 
     AcceleratorState._reset_state(True)
     accelerator = Accelerator(cpu=True)
@@ -847,9 +850,9 @@ def test_optimizer_state_carries_on_two_processes(tiny, data, carried, ddp_round
 
 def test_two_machines_match_one(tiny, data, ddp_rounds, tmp_path):
     """Two machine ranks on this host (two `accelerate launch --num_machines 2` of one process
-    each, as common/launch.py builds them for a SLURM allocation) train as one machine with two
+    each, as common/train/launch.py builds them for a SLURM allocation) train as one machine with two
     processes does."""
-    from common.launch import accelerate_command
+    from common.train.launch import accelerate_command
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""The run viewer (common/view.py) checked in a real browser: headless Chromium opens it from the
+"""The run viewer (common/run/view.py) checked in a real browser: headless Chromium opens it from the
 file system and the tests read the page it rendered (its DOM after the scripts ran), not the
 HTML the builder wrote. A synthetic run (records in docs/design.md §3's formats, hostile text in
 every field the page shows, a truncated artifact) is built by tests/helpers.py; tests/test_loop.py opens the
@@ -10,10 +10,10 @@ import os
 import pytest
 from helpers import HOSTILE, ROOT, _write, browse, data, rows, synthetic_run, view
 
-from common import tracking
-from common import view as view_mod
-from common.bfcl import load_tasks
-from common.taxonomy import LABELS, RHO
+from common.envs.bfcl.harness import load_tasks
+from common.run import tracking
+from common.run import view as view_mod
+from common.seal.taxonomy import LABELS, RHO
 
 # ---------------------------------------------------------------------------------- the tests
 
@@ -128,10 +128,10 @@ def test_missing_and_cut_artifacts_are_named_and_the_rest_shown(runs):
 
 def test_an_adaptive_run_weighs_and_shows_each_rounds_own_rho(tmp_path):
     """seal-adaptive: the viewer's and the trackers' w are the trainer's under the round's own ρ_t
-    (common/grpo.py join_round), and the run page's data, the trackers' figures and the report
+    (common/train/grpo.py join_round), and the run page's data, the trackers' figures and the report
     show the ρ_t the train metrics recorded."""
-    from common import report
-    from common.grpo import adaptive_rho, diagnosis_weight
+    from common.run import report
+    from common.train.grpo import adaptive_rho, diagnosis_weight
 
     tasks = list(load_tasks(os.path.join(ROOT, "data", "tiny.jsonl")).values())[:4]
     run = synthetic_run(tmp_path / "adaptive", tasks, tasks[:1], rounds=1, mode="seal-adaptive", hostile=False)
@@ -199,7 +199,7 @@ def test_trackers_get_each_rounds_trajectories_with_label_and_w(runs):
     trainer's) and TensorBoard's text summary of it, read back by TensorBoard's own reader."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from common import tracking
+    from common.run import tracking
     run = runs / "vanilla"
     rows = tracking.trajectory_table(tracking.Run(str(run)), str(run / "round_000"))
     page = data(run / "viewer" / "index.html", "round_000")["rows"]
@@ -218,13 +218,13 @@ def test_trackers_get_each_rounds_trajectories_with_label_and_w(runs):
 
 
 def test_a_turn_credit_run_shows_each_turns_weight_beside_its_label(tmp_path):
-    """seal-turn: each turn's weight is the trainer's (common/grpo.py join_round with turn credit) and the
+    """seal-turn: each turn's weight is the trainer's (common/train/grpo.py join_round with turn credit) and the
     trajectory page shows it beside the turn's label: a failed trajectory's first turn, verified right, at 0
     (not penalised), its failing turns at clip(ρ(label)), a rewarded one's turns at its w. The run page, the
     report and the trackers carry the round's turn figures from the train metrics."""
-    from common import report
-    from common.grpo import join_round, load_rho
     from common.jsonl import read_jsonl
+    from common.run import report
+    from common.train.grpo import join_round, load_rho
 
     tasks = [t for t in load_tasks(os.path.join(ROOT, "data", "heldin.jsonl")).values() if len(t["questions"]) > 2][:2]
     run = synthetic_run(tmp_path / "turn", tasks, tasks[:1], rounds=1, n=2, hostile=False, mode="seal-turn")
@@ -257,7 +257,7 @@ def test_a_turn_credit_run_shows_each_turns_weight_beside_its_label(tmp_path):
 
 
 class ToyEnv:
-    """An environment kind of the test's own, with only what the views ask of one (common/envs.py)."""
+    """An environment kind of the test's own, with only what the views ask of one (common/envs/__init__.py)."""
 
     TASKS = {}  # its tasks by id, which the viewer and the trackers show through task_view
 
@@ -305,8 +305,9 @@ class ToyEnv:
 def test_an_environment_kind_brings_its_own_report_viewer_and_tracker_views(tmp_path, monkeypatch, capsys):
     """A kind registered in envs.KINDS, and nothing else: the report's evaluation table and the
     compare table take its title and score columns, the viewer its categories and task views, the
-    trackers' prompts its tasks' user turns (common/report.py, view.py, tracking.py ask the kind)."""
-    from common import envs, report
+    trackers' prompts its tasks' user turns (common/run/report.py, view.py, tracking.py ask the kind)."""
+    from common import envs
+    from common.run import report
 
     monkeypatch.setitem(envs.KINDS, "toy", ToyEnv)
     tasks = [dict(t, category=("small", "large")[i % 2])

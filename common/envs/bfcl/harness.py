@@ -1,0 +1,352 @@
+"""The real BFCL multi-turn world: tasks, executable environment, official checker.
+
+Wraps bfcl-eval's executor and `multi_turn_checker` with the isolation they lack
+(docs/design.md §2):
+
+- the executor caches instances in its module globals by (model name, task id):
+  every trajectory and every checker call gets a unique `[A-Za-z0-9_]` name and
+  its cached instances are removed afterwards;
+- long_context scenario data is shared by reference at module level and mutated
+  by tool calls: the environment's instances get private copies, and the shared
+  data is restored in place after every checker run;
+- the executor `eval()`s call strings: it gets only strings rendered by
+  common.engine.calls from parsed literals, and only for the calls it would dispatch
+  itself (`methods`: public methods of the task's classes minus its deny-list),
+  whether or not they fit the schema or are listed yet; any other name is refused
+  with an error result and reaches it only as a stand-in that it refuses unrun;
+- a schema-valid call can still run for ever (MathAPI.logarithm with precision
+  987654321): every execution, ours and the checker's, runs under a deadline, and
+  the call that overruns fails with an error result like any other.
+"""
+
+import contextlib
+import copy
+import functools
+import importlib
+import inspect
+import itertools
+import json
+import os
+import re
+import signal
+import tempfile
+import threading
+
+# Importing bfcl_eval.constants creates result folders under BFCL_PROJECT_ROOT
+# (site-packages by default): point it at scratch space first.
+os.environ.setdefault("BFCL_PROJECT_ROOT", os.path.join(tempfile.gettempdir(), "seal-bfcl"))
+
+from bfcl_eval.constants.default_prompts import (  # noqa: E402
+    DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING as NEW_TOOLS_TEMPLATE,
+)
+from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING  # noqa: E402
+from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_checker as _checker  # noqa: E402
+from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils as _utils  # noqa: E402
+from bfcl_eval.eval_checker.multi_turn_eval.func_source_code import long_context as _long  # noqa: E402
+
+from common.engine import calls as C  # noqa: E402
+from common.jsonl import RecordError, read_jsonl  # noqa: E402
+
+CATEGORIES = ["base", "miss_func", "miss_param", "long_context"]
+TASK_FIELDS = ["id", "category", "questions", "initial_config", "involved_classes", "tools",
+               "missed_function", "long_context", "ground_truth"]
+EXEC_ERROR_PREFIX = C.EXEC_ERROR_PREFIX
+EXEC_DEADLINE_S = 2.0  # for one batch of calls; real tool calls take milliseconds
+# BFCL V4 memory calls are bounded, but memory_vector embeds on the CPU: seconds on a busy machine.
+MEMORY_DEADLINE_S = 60.0
+# Names execute_multi_turn_func_call refuses before its eval(), whatever they name.
+DENY_LIST = ("kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run")
+# What the checker gets for a refused call: the executor refuses it unrun (a deny-list
+# name), so the step keeps its place and an error result, as the refused name would have.
+REFUSED_STAND_IN = "kill()"
+
+_PRISTINE_LONG = {k: copy.deepcopy(v) for k, v in vars(_long).items()
+                  if k.isupper() and isinstance(v, (dict, list))}
+_counter = itertools.count()
+
+
+def load_tasks(path):
+    """Task records by id, in file order."""
+    tasks = {}
+    for rec in read_jsonl(path, required=TASK_FIELDS):
+        if rec["category"] not in CATEGORIES:
+            raise RecordError(f"{path}:{rec['_line']}: unknown category {rec['category']!r}")
+        if len(rec["ground_truth"]) != len(rec["questions"]):
+            raise RecordError(f"{path}:{rec['_line']}: {len(rec['questions'])} turns but "
+                              f"{len(rec['ground_truth'])} ground-truth turns")
+        rec.pop("_line")
+        tasks[rec["id"]] = rec
+    return tasks
+
+
+@contextlib.contextmanager
+def deadline(seconds=EXEC_DEADLINE_S):
+    """Raise TimeoutError inside the block after `seconds` (main thread only: SIGALRM).
+
+    bfcl-eval's executor and tools catch exceptions per call, so an overrunning call
+    becomes an error result and the calls after it still run.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def overrun(signum, frame):
+        raise TimeoutError(f"tool call exceeded {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, overrun)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+_bare_execute = _utils.execute_multi_turn_func_call
+
+
+def execute(*args, seconds=EXEC_DEADLINE_S, **kwargs):
+    """bfcl-eval's execute_multi_turn_func_call, under a deadline of `seconds`."""
+    with deadline(seconds):
+        return _bare_execute(*args, **kwargs)
+
+
+# The checker calls the executor it imported: bound each of its executions too.
+_checker.execute_multi_turn_func_call = execute
+
+
+@functools.cache
+def _public_methods(class_name):
+    """{method: [parameter names in order]} as the executor maps them: inspect.ismethod on an
+    instance, names not starting with '_'."""
+    cls = getattr(importlib.import_module(CLASS_FILE_PATH_MAPPING[class_name]), class_name)
+    return {name: list(inspect.signature(m).parameters)
+            for name, m in inspect.getmembers(cls(), predicate=inspect.ismethod) if not name.startswith("_")}
+
+
+def methods(involved_classes):
+    """{name: [parameter names]} of every call bfcl-eval's executor dispatches for these classes
+    (a later class wins a shared name, as in its mapping), minus its deny-list."""
+    out = {}
+    for cls in involved_classes:
+        out.update(_public_methods(cls))
+    return {name: params for name, params in out.items() if name not in DENY_LIST}
+
+
+def to_executor(call, dispatchable):
+    """(call string, refusal) for one parsed call: the string the executor gets, and None if it
+    runs, else the error result the agent is shown instead.
+
+    A call runs when bfcl-eval's executor would dispatch it to a method (`dispatchable`,
+    from `methods`), schema or not; it is rendered from its literals. Anything else is
+    refused: an unknown name or a builtin (eval would raise NameError or run the
+    builtin), a private or dotted name, a deny-list name, or a parameter name that
+    cannot be rendered as a keyword. The checker then gets REFUSED_STAND_IN.
+    """
+    name = call["name"]
+    if name in DENY_LIST:
+        return REFUSED_STAND_IN, f"{EXEC_ERROR_PREFIX} Function call {name} is not allowed."
+    if name not in dispatchable:
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        return REFUSED_STAND_IN, f"{EXEC_ERROR_PREFIX} name {shown!r} is not defined"
+    try:
+        return C.render(call), None
+    except C.CallError as e:
+        return REFUSED_STAND_IN, f"{EXEC_ERROR_PREFIX} {e}"
+
+
+def first_per_category(tasks, k):
+    """The first `k` tasks of each category, categories in the usual order (a small, balanced subset)."""
+    return [t for cat in CATEGORIES for t in [x for x in tasks if x["category"] == cat][:k]]
+
+
+def unique_name(prefix="seal"):
+    """A per-process unique instance-name prefix; bfcl-eval keys its cache by it."""
+    return f"{prefix}_{os.getpid()}_{next(_counter)}"
+
+
+def _forget(name):
+    """Drop the executor's cached instances whose key starts with `name`."""
+    cache = vars(_utils)
+    for key in [k for k in cache if k.startswith(name + "_") and k.endswith("_instance")]:
+        del cache[key]
+
+
+@contextlib.contextmanager
+def checker_run(prefix, long_context):
+    """A unique model name for one run of the checker's executions, cleaned up however the block
+    ends: the checker caches the model's instances under NAME_eval and the ground truth's under
+    NAME_ground_truth_eval, and long-context runs mutate the shared scenario data."""
+    name = unique_name(prefix)
+    try:
+        yield name
+    finally:
+        _forget(name + "_eval")
+        _forget(name + "_ground_truth_eval")
+        if long_context:  # only long-context scenarios touch the shared data
+            restore_shared_data()
+
+
+def restore_shared_data():
+    """Undo mutations of long_context's module-level data, in place (others hold references)."""
+    for key, pristine in _PRISTINE_LONG.items():
+        live = getattr(_long, key)
+        if live != pristine:
+            if isinstance(live, dict):
+                live.clear()
+                live.update(copy.deepcopy(pristine))
+            else:
+                live[:] = copy.deepcopy(pristine)
+
+
+def tools_at(task, turn):
+    """The tool schemas available at `turn`: held-out tools join at their turn (miss_func)."""
+    tools = list(task["tools"])
+    for t, extra in sorted(task["missed_function"].items(), key=lambda kv: int(kv[0])):
+        if int(t) <= turn:
+            tools.extend(extra)
+    return tools
+
+
+def turn_messages(task, turn, new_tools=None):
+    """The user messages of `turn`.
+
+    A held-out turn (miss_func) has none: like bfcl-eval's prompting path, it
+    announces the new tools' documentation in a user message, since the tool list
+    in the system prompt cannot change without re-rendering the whole context.
+    `new_tools` overrides the schemas shown (the schema cue annotates them).
+    """
+    msgs = task["questions"][turn]
+    if not msgs and str(turn) in task["missed_function"]:
+        docs = new_tools if new_tools is not None else task["missed_function"][str(turn)]
+        text = NEW_TOOLS_TEMPLATE.format(functions=json.dumps(docs, ensure_ascii=False))
+        return [{"role": "user", "content": text}]
+    return msgs
+
+
+def is_error_result(result):
+    """Whether a tool result reports failure (an exception or an {"error": ...} payload)."""
+    return C.result_error(result) is not None
+
+
+class Environment:
+    """One trajectory's executable world for one task.
+
+        with Environment(task) as env:
+            env.start_turn(0)
+            step = env.step(model_text, fmt="json")   # calls, parse_error, results, call_errors, schema_errors
+            ...
+            env.decoded                               # per turn, per step with calls: what the checker gets
+    """
+
+    def __init__(self, task):
+        self.task = task
+        self.name = unique_name()
+        self.turn = -1
+        self.tools = []
+        self.methods = methods(task["involved_classes"])
+        self.decoded = []  # what the checker gets: per turn, per step with calls, rendered strings
+        self.memory = None
+        if any(cls.startswith("MemoryAPI_") for cls in task["involved_classes"]):
+            # BFCL V4 memory (ood/memory.py): bfcl-eval's harness creates the instance, which
+            # loads the scenario's memory snapshot, before the first turn (not under the deadline:
+            # the vector backend re-embeds the snapshot), and writes it back when a prerequisite
+            # conversation ends.
+            _, instances = _bare_execute([], task["initial_config"], task["involved_classes"], self.name, task["id"])
+            self.memory = next(iter(instances.values()))
+        if task["long_context"]:
+            # Long-context instances hold references to module-level scenario data
+            # (credit cards, bookings, transactions): create them now and give them
+            # private copies, so this trajectory's calls cannot reach the next one's.
+            _, instances = self._execute([])
+            for inst in instances.values():
+                inst.__dict__.update(copy.deepcopy(inst.__dict__))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        if self.memory is not None and "prereq" in self.task["id"]:  # bfcl-eval's is_memory_prereq
+            self.memory._flush_memory_to_local_file()
+        self.memory = None
+        _forget(self.name)
+
+    def start_turn(self, turn):
+        """Enter `turn`; returns the tool schemas that became available with it."""
+        before = {t["name"] for t in self.tools}
+        self.turn = turn
+        self.tools = tools_at(self.task, turn)
+        self.decoded.append([])
+        return [t for t in self.tools if t["name"] not in before] if turn > 0 else []
+
+    def step(self, text, fmt):
+        """Parse one model output, run its calls as bfcl-eval would, and return the step record's
+        fields; `schema_errors` says per call whether it broke the schema of the tools listed now."""
+        calls, parse_error = C.parse(text, fmt)
+        results, call_errors = self.run_calls(calls)
+        return {"calls": calls, "parse_error": parse_error, "results": results, "call_errors": call_errors,
+                "schema_errors": [C.validate(call, self.tools) for call in calls]}
+
+    def run_calls(self, calls):
+        """Execute parsed calls in order; (results, errors): a refused call (see to_executor) gets
+        its refusal as result and error, an executed one its result, and the result as error
+        when it reports a failure."""
+        if not calls:
+            return [], []
+        strings, refusals = zip(*(to_executor(call, self.methods) for call in calls), strict=True)
+        out, _ = self._execute(list(strings))
+        results = [refusal or res for refusal, res in zip(refusals, out, strict=True)]
+        self.decoded[-1].append(list(strings))
+        return results, [r if is_error_result(r) else None for r in results]
+
+    def _execute(self, call_strings):
+        return execute(
+            call_strings, self.task["initial_config"], self.task["involved_classes"], self.name, self.task["id"],
+            long_context=self.task["long_context"],
+            seconds=MEMORY_DEADLINE_S if self.memory is not None else EXEC_DEADLINE_S)
+
+
+def official_verdict(task, decoded):
+    """bfcl-eval's multi_turn_checker verdict for per-turn, per-step call strings.
+
+    Returns {"valid": bool, "error_type": str | None, "turn": int | None}. A trajectory
+    with fewer turns than the task (stopped early) is force-terminated, as in bfcl-eval.
+    """
+    gt = task["ground_truth"]
+    if len(decoded) != len(gt):
+        return {"valid": False, "error_type": "multi_turn:force_terminated", "turn": len(decoded)}
+    # The checker itself derives long_context from the id, as bfcl-eval's runner does.
+    entry = {"id": task["id"], "initial_config": task["initial_config"],
+             "involved_classes": task["involved_classes"]}
+    with checker_run("check", task["long_context"]) as name:
+        res = _checker.multi_turn_checker(decoded, gt, entry, "multi_turn", name)
+    if res["valid"]:
+        return {"valid": True, "error_type": None, "turn": None}
+    return {"valid": False, "error_type": res["error_type"], "turn": _failing_turn(res)}
+
+
+def _failing_turn(res):
+    m = re.search(r"turn (\d+)", res.get("error_message", ""))
+    if m:
+        return int(m.group(1))
+    executed = res.get("execution_result") or res.get("details", {}).get("execution_result")
+    return len(executed) - 1 if executed else None
+
+
+def ground_truth_calls(task, turn):
+    """The ground-truth calls of `turn` parsed like model output (positional args bound as Python binds them)."""
+    calls = []
+    for s in task["ground_truth"][turn]:
+        parsed, err = C.parse_ground_truth(s, methods(task["involved_classes"]))
+        if err:
+            raise RecordError(f"task {task['id']}: ground truth {s!r} does not parse: {err}")
+        calls.extend(parsed)
+    return calls
+
+
+def ground_truth_text(task, turn):
+    """The ground truth of `turn` as a model writes it in the Python format: keyword arguments
+    only (bfcl-eval's prompting decoder drops positional ones, which some ground truth uses)."""
+    return C.format_calls(ground_truth_calls(task, turn), "python")

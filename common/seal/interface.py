@@ -1,0 +1,393 @@
+"""The training-time observation interface Ω (docs/design.md §5): what the agent sees while training.
+
+Ω never changes the environment, the tools, the tasks or the verifier; it only
+adds cue text to what the agent reads. Evaluation runs with Ω = None, and then
+every function here is the identity (tool_view) or returns None, so the prompt
+is byte-identical to the plain one. Three cue families:
+
+- schema cue (φ_schema): `tool_view` annotates each parameter description with
+  `[required]`, its type (and array item type) and its allowed enum values;
+- error feedback (φ_err): `error_hint` appends a short recovery-oriented hint to
+  the tool response of a call that broke the schema (it may still have run),
+  failed or was refused, or of an undecodable output, chosen by the error's class
+  (ERROR_RULES) and built only from schema facts (tool and parameter names,
+  types, enum values, descriptions) and fixed text, never from the error's
+  own values or anything the agent has not seen;
+- capability cues (φ_cap): `system_cue` renders up to 3 fixed, reviewed
+  guideline lines (CAPABILITY_TEXT, one per failure label) for the system prompt.
+
+The interface record (`interface.json`, docs/design.md §3):
+
+    {"version": int, "round": int,
+     "schema_cue": {"enabled": bool, "required": bool, "types": bool, "enums": bool},
+     "error_feedback": bool,
+     "capability_cues": [{"label": failure label, "text": str}],
+     "profile": C_t ({} for Ω_0; written by evolve.py),
+     "rho": {label: weight}}
+
+`schema_cue.enabled` switches the family; `required`, `types` and `enums` switch
+its three annotations (all on when evolve.py turns the family on; they exist
+so a run can ablate one by hand). A capability cue's text is stored in Ω so a
+run records exactly what the agent read.
+"""
+
+import copy
+import json
+import re
+
+from common.engine import calls as C
+from common.jsonl import RecordError, read_json
+from common.seal.taxonomy import LABELS, RHO
+
+NO_CUE_LABELS = ("pass", "correct_abstention")  # not failures: never get a cue
+FAILURE_LABELS = tuple(z for z in LABELS if z not in NO_CUE_LABELS)
+MAX_CUES = 3
+
+# One fixed, reviewed guideline per failure label. Generic on purpose: they name
+# behaviours, never a task, tool value or answer.
+CAPABILITY_TEXT = {
+    "invalid_tool_call": "Call only listed tools, by their exact names and in the required format, with every "
+                         "[required] parameter and the declared types; if no tool fits or a required value is "
+                         "missing, call nothing and say what is missing.",
+    "argument_mismatch": "Copy argument values exactly from the user's request or earlier tool results (names, "
+                         "paths, IDs, numbers), in each parameter's declared type; never invent or reformat them.",
+    "state_mismatch": "Do every action the user asks for, in order, checking the current state (folder, login, "
+                      "existing items) before acting on it.",
+    "recovery_failure": "When a tool returns an error, fix its cause (inspect the state or correct the argument) "
+                        "and retry before moving on.",
+    "missing_tool_call": "If a listed tool can do or look up what the user asks, call it instead of answering "
+                         "from memory, and make every call the request needs.",
+    "response_mismatch": "After the calls, answer the user with the information the tool results returned.",
+}
+
+# Which cue families a selected label switches on (docs/design.md §5). Every selected
+# label also gets its capability line.
+ACTIVATES = {
+    "invalid_tool_call": ("schema_cue",),  # + its line, the format hint
+    "argument_mismatch": ("schema_cue",),  # constraint cues: required, types, enums
+    "recovery_failure": ("error_feedback",),
+    "missing_tool_call": (),  # its line is the tool-affordance cue
+    "state_mismatch": (),
+    "response_mismatch": (),
+}
+
+SCHEMA_ON = {"enabled": True, "required": True, "types": True, "enums": True}
+SCHEMA_OFF = {"enabled": False, "required": False, "types": False, "enums": False}
+
+
+def initial():
+    """Ω_0: schema cue and error feedback on, no capability cues."""
+    return {"version": 0, "round": 0, "schema_cue": dict(SCHEMA_ON), "error_feedback": True,
+            "capability_cues": [], "profile": {}, "rho": dict(RHO)}
+
+
+def off():
+    """An Ω with every family off (Vanilla RL, w/o env-side): the agent sees the plain prompt."""
+    return {**initial(), "schema_cue": dict(SCHEMA_OFF), "error_feedback": False}
+
+
+def load(path):
+    """Ω from an interface.json, or None (no path, "null"/"none", or a file holding null)."""
+    if path is None or str(path).strip().lower() in ("", "null", "none"):
+        return None
+    omega = read_json(path)
+    if omega is None:
+        return None
+    problem = check(omega)
+    if problem:
+        raise RecordError(f"{path}: {problem}")
+    return omega
+
+
+def check(omega):
+    """None if `omega` has the interface record's shape, else what is wrong."""
+    if not isinstance(omega, dict):
+        return "interface must be a JSON object"
+    keys = ["version", "round", "schema_cue", "error_feedback", "capability_cues", "profile", "rho"]
+    missing = [k for k in keys if k not in omega]
+    if missing:
+        return f"missing field(s) {', '.join(missing)}"
+    for k in ("version", "round"):
+        if not isinstance(omega[k], int) or isinstance(omega[k], bool) or omega[k] < 0:
+            return f"{k} must be a non-negative integer"
+    cue = omega["schema_cue"]
+    if not isinstance(cue, dict) or set(cue) != set(SCHEMA_ON) or not all(isinstance(v, bool) for v in cue.values()):
+        return f"schema_cue must be an object of booleans with keys {', '.join(SCHEMA_ON)}"
+    if not isinstance(omega["error_feedback"], bool):
+        return "error_feedback must be true or false"
+    cues = omega["capability_cues"]
+    if not isinstance(cues, list):
+        return "capability_cues must be a list"
+    for i, c in enumerate(cues):
+        if not isinstance(c, dict) or set(c) != {"label", "text"}:
+            return f"capability_cues[{i}] must be an object with label and text"
+        if c["label"] not in FAILURE_LABELS:
+            return f"capability_cues[{i}]: {c['label']!r} is not a failure label"
+        if not isinstance(c["text"], str) or not c["text"].strip() or "\n" in c["text"]:
+            return f"capability_cues[{i}]: text must be one non-empty line"
+    if not isinstance(omega["profile"], dict):
+        return "profile must be an object"
+    rho = omega["rho"]
+    if not isinstance(rho, dict):
+        return "rho must be an object"
+    for z, w in rho.items():
+        if z not in LABELS:
+            return f"rho: unknown label {z!r}"
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0:
+            return f"rho[{z}] must be a non-negative number"
+    return None
+
+
+# ----------------------------------------------------------------------------- schema cue
+
+
+def tool_view(schemas, omega):
+    """The tool schemas as the agent sees them; the input itself when the schema cue is off."""
+    cue = omega["schema_cue"] if omega else SCHEMA_OFF
+    if not cue["enabled"] or not (cue["required"] or cue["types"] or cue["enums"]):
+        return schemas  # the very same objects: the prompt renders byte-identically
+    return [_annotate(tool, cue) for tool in schemas]
+
+
+def _annotate(tool, cue):
+    tool = copy.deepcopy(tool)  # the caller's schemas are shared with the environment
+    params = tool.get("parameters", {})
+    required = set(params.get("required", []))
+    for name, prop in params.get("properties", {}).items():
+        notes = []
+        if cue["types"]:
+            notes.append(f"type: {_type_text(prop)}")
+        enum = prop.get("enum", prop.get("items", {}).get("enum"))
+        if cue["enums"] and enum:
+            notes.append("one of: " + ", ".join(json.dumps(v, ensure_ascii=False) for v in enum))
+        text = prop.get("description", "").strip()
+        if notes:
+            text = f"{text} ({'; '.join(notes)})".lstrip()
+        if cue["required"] and name in required:
+            text = f"[required] {text}"
+        prop["description"] = text
+    return tool
+
+
+def _type_text(prop):
+    kind = prop.get("type", "any")
+    if kind == "array" and "items" in prop:
+        return f"array of {prop['items'].get('type', 'any')}"
+    return kind
+
+
+# ----------------------------------------------------------------------------- capability cues
+
+
+def system_cue(omega):
+    """Guideline lines for the system prompt, one per selected failure label; None if none."""
+    if not omega or not omega["capability_cues"]:
+        return None
+    return "\n".join(f"- {c['text']}" for c in omega["capability_cues"])
+
+
+# ----------------------------------------------------------------------------- error feedback
+
+KIND_TEXT = {  # the type named in a validation reason -> how to write it
+    "an integer": "a whole number without quotes",
+    "a number": "a number without quotes",
+    "a string": "a quoted string",
+    "true or false": "true or false, without quotes",
+    "a list": "a list [...]",
+    "an object": "an object {...} with the documented keys",
+}
+READ_ONLY = ("get_", "list_", "search_", "view_", "display", "check_", "find")
+
+
+def _hint_json_format(m, tools):
+    return ('Expected format: <tool_call>\n{"name": "<tool name>", "arguments": {"<parameter>": <value>}}'
+            "\n</tool_call>, valid JSON, one block per call, a newline after <tool_call> and before </tool_call>.")
+
+
+def _hint_python_format(m, tools):
+    return ("Expected format: one Python list of calls with keyword arguments and literal values, "
+            "like [tool_name(parameter=value), other_tool(parameter=value)].")
+
+
+def _hint_literal(m, tools):
+    return ("Use plain literal values only (strings, numbers, true/false, lists, objects): "
+            "no variables, expressions or nested calls.")
+
+
+def _hint_size(m, tools):
+    return "Send fewer calls per output and keep the output short."
+
+
+def _hint_unknown_tool(m, tools):
+    names = ", ".join(t["name"] for t in tools)
+    return (f"Tools available now: {names}. Call one of these by its exact name, "
+            "or answer without a call if none fits.")
+
+
+def _hint_unknown_param(m, tools):
+    tool = _tool(tools, m["tool"])
+    if tool is None:
+        return None
+    props = list(tool["parameters"].get("properties", {}))
+    required = tool["parameters"].get("required", [])
+    accepted = ", ".join(props) if props else "no parameters"
+    req = f" (required: {', '.join(required)})" if required else ""
+    return f"{m['tool']} accepts: {accepted}{req}. Use only these parameter names."
+
+
+def _hint_missing_param(m, tools):
+    prop = _prop(tools, m["tool"], m["param"])
+    about = f" ({_type_text(prop)}: {_short(prop.get('description', ''))})" if prop else ""
+    return (f"{m['tool']} needs {m['param']}{about}. Take its value from the user's request or an earlier "
+            "tool result; if neither gives it, ask the user instead of guessing.")
+
+
+def _hint_enum(m, tools):
+    prop = _prop(tools, m["tool"], m["param"])
+    enum = prop and (C.enum_values(prop) or prop.get("items", {}).get("enum"))
+    values = f" ({', '.join(json.dumps(v, ensure_ascii=False) for v in enum)})" if enum else ""
+    return f"Use exactly one of the allowed values of {m['param']}{values}, written as listed."
+
+
+def _hint_type(m, tools):
+    what = KIND_TEXT.get(m["kind"], m["kind"])
+    where = f"each item of {m['param']}" if m["item"] else m["param"]
+    prop = _prop(tools, m["tool"], m["param"].split(".")[0])
+    schema = f" (schema type: {_type_text(prop)})" if prop else ""
+    return f"Send {where} as {what}{schema}."
+
+
+def _hint_path(m, tools):
+    look = _pick(tools, ("pwd", "ls", "find"))
+    return (f"Check where you are and what exists{look} before retrying; move one folder at a time "
+            "and use names exactly as listed.")
+
+
+def _hint_exists(m, tools):
+    return f"That name is already taken: look at what is there{_pick(tools, ('ls',))} before retrying."
+
+
+def _hint_auth(m, tools):
+    look = _pick(tools, ("login_status",))
+    login = _pick(tools, ("login", "authenticate"), exclude=("status", "logout"))
+    return (f"Check the login status{look} and log in{login} with credentials the user or earlier results "
+            "gave, then retry.")
+
+
+def _hint_funds(m, tools):
+    look = _pick(tools, ("balance", "account_info", "budget", "credit_card"), require=READ_ONLY)
+    return (f"Check the available balance or budget{look} before retrying with an amount that fits, "
+            "or tell the user.")
+
+
+def _hint_not_found(m, tools):
+    look = _lookup_tools(m.string, tools) or _pick(tools, READ_ONLY, require=READ_ONLY)
+    return f"Look up what exists{look} and retry with a name or ID taken from those results."
+
+
+def _hint_invalid_value(m, tools):
+    look = _lookup_tools(m.string, tools)
+    look = f", look up valid values{look}" if look else ""
+    return ("A value is outside what the tool accepts: re-read its parameter descriptions (ranges, formats)"
+            f"{look} and retry with a value from the request or earlier results, or tell the user it cannot "
+            "be done.")
+
+
+def _hint_precondition(m, tools):
+    look = _pick(tools, ("Status", "display", "get_current"))
+    return f"A precondition is not met: check the current state{look}, do the required step first, then retry."
+
+
+# Error classes, tried in order: (class, source, pattern, hint). `call` errors are
+# the reasons common.engine.calls gives for an undecodable output or a schema break; `env` errors are
+# what an executed call returned (an exception or an {"error": ...} payload).
+# Every hint is built from fixed text and the schemas of `tools` only.
+ERROR_RULES = [
+    ("format_json", "call", r"<tool_call>|</tool_call>|not valid JSON|JSON object|unexpected key|is not an allowed value",
+     _hint_json_format),
+    ("format_python", "call", r"Python list|list of function calls|plain function names|\*args|\*\*kwargs"
+     r"|too many positional|given twice", _hint_python_format),
+    ("literal_value", "call", r"^argument \w+: ", _hint_literal),
+    ("output_size", "call", r"^output too long|^too many calls", _hint_size),
+    ("unknown_tool", "call", r"^unknown tool |^invalid function name", _hint_unknown_tool),
+    ("unknown_parameter", "call", r"^(?P<tool>\w+): unknown parameter (?P<param>\w+)$", _hint_unknown_param),
+    ("missing_parameter", "call", r"^(?P<tool>\w+): missing required parameter (?P<param>\w+)$",
+     _hint_missing_param),
+    ("enum_value", "call", r"^(?P<tool>\w+): parameter (?P<param>[\w.]+)(?: item)* must be one of ", _hint_enum),
+    ("wrong_type", "call", r"^(?P<tool>\w+): parameter (?P<param>[\w.]+)(?P<item>(?: item)*) must be "
+     r"(?P<kind>.+?), got ", _hint_type),
+    ("not_logged_in", "env", r"(?i)not logged in|no user is currently logged in|not authenticated|\blog ?in\b"
+     r"|token expired|access token|token not initialized", _hint_auth),
+    ("insufficient_funds", "env", r"(?i)insufficient|budget limit|balance not found", _hint_funds),
+    ("bad_path", "env", r"(?i)no such (file|directory)|not a directory|is a directory|not a file or directory"
+     r"|unsupported path|path not allowed|already the root", _hint_path),
+    ("already_exists", "env", r"(?i)file exists|already exists", _hint_exists),
+    ("not_found", "env", r"(?i)not found|not registered|not present|not in watchlist", _hint_not_found),
+    ("precondition", "env", r"(?i)brake|engine|doors must be locked|fuel tank is empty|market is closed",
+     _hint_precondition),
+    ("invalid_value", "env", r"(?i)invalid|must be|cannot|no available|exceeds|not supported", _hint_invalid_value),
+]
+
+
+def error_class(error):
+    """(class, match) of a rejection reason or failed result, or (None, None)."""
+    source, text = _split_error(error)
+    for name, src, pattern, _ in ERROR_RULES:
+        m = re.search(pattern, text) if src == source else None  # (re caches the compiled patterns)
+        if m:
+            return name, m
+    return None, None
+
+
+def error_hint(error, tools, omega):
+    """A recovery hint for a schema break or parse error (reason) or a failed or refused call (result);
+    None if no rule applies."""
+    if not omega or not omega["error_feedback"] or not error:
+        return None
+    name, m = error_class(error)
+    if name is None:
+        return None
+    hint = next(h for n, _, _, h in ERROR_RULES if n == name)
+    return hint(m, tools)
+
+
+def _split_error(error):
+    """('env', message) for an execution failure, ('call', reason) for a rejection."""
+    message = C.result_error(error)
+    if message is not None:
+        return "env", message
+    return "call", error.removeprefix("Error: ")  # the tool response of a rejected call carries this prefix
+
+
+def _tool(tools, name):
+    return next((t for t in tools if t["name"] == name), None)
+
+
+def _prop(tools, tool, param):
+    t = _tool(tools, tool)
+    return t["parameters"].get("properties", {}).get(param) if t else None
+
+
+def _short(text, limit=120):
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
+def _lookup_tools(message, tools):
+    """' (a, b)' naming read-only tools about a noun of the error message (ticket, stock, airport, ...)."""
+    words = {w.rstrip("s") for w in re.findall(r"[a-z]{4,}", message.lower())}
+    words -= {"found", "with", "registered", "invalid", "must", "cannot", "available", "given", "present"}
+    return _pick(tools, tuple(sorted(words)), require=READ_ONLY)
+
+
+def _pick(tools, keys, require=(), exclude=(), limit=4):
+    """' (a, b)' naming available tools whose name contains one of `keys` (in key order); '' if none."""
+    names = []
+    for key in keys:
+        for t in tools:
+            name = t["name"]
+            if (key in name and name not in names
+                    and (not require or name.startswith(require))
+                    and not any(x in name for x in exclude)):
+                names.append(name)
+    return f" ({', '.join(names[:limit])})" if names else ""
