@@ -1,18 +1,11 @@
-"""Diagnose rollouts: the official reward and one failure label per user turn (Ψ).
+"""Diagnose rollouts: the environment's own reward and one failure label per user turn (Ψ, docs/design.md §4).
 
-    python diagnose.py --tasks data/train.jsonl --rollouts runs/x/round_000/rollouts.jsonl \
-        --out runs/x/round_000/diagnoses.jsonl
+    python diagnose.py --tasks data/train.jsonl --rollouts runs/x/round_000/rollouts.jsonl --out .../diagnoses.jsonl
     python diagnose.py --tasks tau2:airline:train --rollouts ... --out ... [--workers K]
 
-For every rollout record, replays the trajectory against the ground truth turn
-by turn with bfcl-eval's executor and official checks (common/envs/bfcl/replay.py), and
-writes one diagnosis record (docs/design.md §3) per trajectory, in input order: the
-reward (the official multi_turn_checker verdict, 1 solved else 0), the official
-error type and turn, a label and a one-line evidence string for every turn
-(rules: common/seal/taxonomy.py) and the profile p_j (fraction of turns per label,
-all labels). Prints reward and label mix per category and the commonest failure evidence.
-τ²-bench rollouts (`--tasks tau2:DOMAIN:SPLIT`) are scored by τ²'s own evaluator on their
-transcript and labelled by taxonomy.py's τ² rules (common/envs/tau2/tau2.py gathers the evidence).
+One diagnosis record per rollout record, in input order (env.diagnose: BFCL replays the trajectory with
+bfcl-eval's checkers, τ² scores the transcript with τ²'s evaluator): reward, the official verdict, a label and
+an evidence line per turn, and the label profile. Prints reward and label mix per category.
 """
 
 import argparse
@@ -29,7 +22,7 @@ from common.seal import taxonomy
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--tasks", required=True,
-                    help="task file (data/train.jsonl or data/heldin.jsonl), or tau2:DOMAIN:SPLIT")
+                    help="the environment's tasks: a task file (data/train.jsonl), KIND:... (tau2:airline:train)")
 parser.add_argument("--rollouts", required=True, help="rollout records (JSONL)")
 parser.add_argument("--out", required=True, help="diagnosis records (JSONL)")
 parser.add_argument("--top", type=int, default=10, help="how many of the commonest evidence strings to print")

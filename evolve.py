@@ -1,32 +1,7 @@
 """Evolve the training-time interface: Ω_{t+1} = Evolve(Ω_t, C_t) (docs/design.md §5).
 
-    python evolve.py --diagnoses runs/x/round_000/diagnoses.jsonl \
-        --previous runs/x/round_000/interface.json --out runs/x/round_001/interface.json
-
-Aggregates one round's diagnosis records into the failure profile C_t: per label,
-its count and share of all labelled turns and the mean reward of the trajectories
-carrying it (also per category), and for failure labels the pressure =
-share × (1 − mean reward).
-Then writes Ω_{t+1} (the record of common/seal/interface.py) and prints each change
-from Ω_t with its numbers.
-
-Activation (--mode seal): a failure label (never pass / correct_abstention) is
-selected when it has ≥ --min-count turns, ≥ --min-share of all turns and a mean
-reward < --max-reward; the selected labels are ranked by pressure, highest first
-(ties in LABELS order), and the first --max-cues get their capability line. A
-selected label also switches on its cue families (interface.ACTIVATES):
-argument_mismatch and invalid_tool_call → schema cue, recovery_failure → error
-feedback. Families are never switched off in seal mode (Ω_0 starts with both
-on, and taking a family away would shift what the policy has learnt to read);
-capability cues are re-chosen every round, so they come and go.
-
---mode takes loop.sh's modes (common/presets.py MODES, their `omega`): seal evolves Ω as
-above (no-reweight, seal-adaptive and seal-turn too: they differ only in training's weight); no-closed-loop keeps Ω_t's
-cues as they are (Ω fixed after round 0); vanilla and no-env switch every family off (they
-differ only in training's weight). All still record C_t. Without --previous,
-Ω_t = interface.initial(). Without --diagnoses, writes the mode's Ω_0 (round 0):
-initial(), or all off. ρ is copied from Ω_t (seal-adaptive's trainer scales it each round
-without writing it back: docs/design.md §6).
+Aggregates the round's --diagnoses into the failure profile C_t, selects the labels under pressure for capability
+cues, writes Ω_{t+1} (--out) from Ω_t (--previous) and prints each change; without --diagnoses, the mode's Ω_0.
 """
 
 import argparse

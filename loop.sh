@@ -4,26 +4,13 @@
 #   bash loop.sh PRESET [--rounds N] [--mode seal|vanilla|no-env|no-reweight|no-closed-loop|seal-adaptive|seal-turn]
 #                       [--name NAME] [--eval-every K] [--runs DIR] [--ood] [--set VAR=VALUE ...] [--plan]
 #
-# PRESET is tiny (CPU, minutes), qwen3b, qwen7b or toolace8b (the paper's, GPU nodes; see README),
-# qwen3-4b or qwen3-8b. A GPU preset runs on the GPUs nvidia-smi -L lists, or --set GPUS=1|2|4|8.
-# --set overrides one preset variable (e.g. --set N=4 --set TASKS_PER_ROUND=8); every variable, its
-# default and each preset's values are in common/presets.py, as are the modes.
-# --plan prints the GPU presets' per-GPU memory plan (common/train/memplan.py) and exits, installing and
-# downloading nothing (python3 alone, on a fresh clone too); a run whose plan does not fit stops
-# before setup and round 0, naming the variable to change.
-# Every artifact lands in runs/NAME/ (docs/design.md §3). Rerunning the same command resumes
-# from the first missing artifact: stages write atomically, so a file that exists is
-# complete, and complete artifacts are never recomputed. KEEP (a preset variable) says
-# which round policies stay on disk: evaluated (default), latest or all (docs/hardware.md §6).
-# --set REPORT_TO=tensorboard,wandb (or all) logs every round's figures to those trackers
-# (Accelerate's; TensorBoard's files under runs/NAME/tracking/; docs/tracking.md).
-# --ood (or --set OOD="bfcl-memory tau2") also scores the base model and the final policy on
-# the out-of-distribution benches after the last round (the paper's Table 2); τ²-bench needs
-# a user simulator: --set USER_MODEL=DIR, or USER_BASE_URL=URL and USER_MODEL_NAME=NAME.
-# --set ENV=tau2:DOMAIN trains on a τ²-bench domain instead of BFCL (docs/environments.md): its
-# train split against that user simulator (on CPU without one, a scripted user), evaluated on its
-# test split (--set TAU_K=k: k trials a task, pass^k); --set OOD="bfcl-heldin bfcl-memory" then
-# scores BFCL held-in out of distribution.
+# PRESET: tiny (CPU, minutes), qwen3b, qwen7b, toolace8b (the paper's), qwen3-4b, qwen3-8b (GPU nodes; README).
+# --set overrides one preset variable; every variable, its default and the modes are in common/presets.py.
+# --set ENV=tau2:DOMAIN (or any kind of common/envs/__init__.py) trains on another environment
+# (docs/environments.md). --ood (OOD="bfcl-memory tau2") also scores the base model and the final policy on
+# the out-of-distribution benches after the last round; τ²'s needs USER_MODEL or USER_BASE_URL and USER_MODEL_NAME.
+# --plan prints a GPU preset's memory plan and exits (python3 alone, nothing installed). Every artifact lands in
+# runs/NAME/ (docs/design.md §3); rerunning the same command resumes from the first missing artifact.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -46,17 +33,15 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-# The settings, the memory plan and every refusal come first, from the standard library's Python
-# (common/presets.py, common/train/memplan.py): on a fresh clone --plan needs no setup (whose GPU build is
-# ~10 GB of downloads), only a python3, and a run that cannot go ahead stops before setup downloads anything.
+# The settings, the memory plan and every refusal come first, from the standard library's Python: a run that
+# cannot go ahead stops before setup downloads anything.
 PY=.venv/bin/python
 [ -x "$PY" ] || PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null || { echo "loop: needs a python3 (>= 3.8) on PATH, or PYTHON naming one" >&2; exit 2; }
 
 # ---------------------------------------------------------------------------- presets and modes
-# common/presets.py checks the preset, the mode and each --set, places a GPU preset on its GPUS,
-# and prints every preset variable (MODEL=..., MAX_LEN=...), the mode's OMEGA, REWEIGHT, ADAPTIVE_RHO, TURN_CREDIT,
-# LORA_RANK, and RECORD, what config.json records.
+# every preset variable, the mode's, RECORD, and what ENV's kind decides (ENV_PLAY, EVAL_TASKS, ENV_EVAL,
+# OOD_i, RUN_SUFFIX, BASE_SUFFIX: common/presets.py env_shell)
 settings=$($PY -m common.presets "$PRESET" --mode "$MODE" "${SETS[@]+"${SETS[@]}"}") || exit 2
 eval "$settings"
 # The memory plan of a GPU preset, from the architecture numbers in configs/models/ (nothing loads).
@@ -64,10 +49,7 @@ if [ -n "$PLAN" ]; then
   if [ -z "$GPU_MEM_GIB" ]; then echo "loop: $PRESET runs on CPU: no GPU memory plan (set GPU_MEM_GIB for one)"; exit 0; fi
   exec $PY -m common.train.memplan "$PRESET" "${SETS[@]+"${SETS[@]}"}"
 fi
-# A thinking model's rollouts follow QwenFCHandler, which drops earlier turns' reasoning at a new user
-# turn; the trajectory continues from that re-rendered prompt as a new segment, trained as its own
-# sequence (docs/prompts.md). Another handler, or the chat template, would train it on prompts
-# bfcl-eval never shows it.
+# A thinking model's rollouts follow QwenFCHandler, which drops earlier turns' reasoning as bfcl-eval does
 if [ -n "$THINKING" ] && { [ "$BFCL_HANDLER" != QwenFCHandler ] || [ "$PROMPTS" != bfcl ]; }; then
   echo "loop: THINKING=1 ($PRESET's model writes <think>...</think> before each answer) needs" \
     "BFCL_HANDLER=QwenFCHandler and PROMPTS=bfcl, which drop earlier turns' reasoning as bfcl-eval does" \
@@ -97,63 +79,27 @@ PY=.venv/bin/python
 # a tracker that is not installed stops here with its pip line, before any model is built or fetched
 $PY -m common.run.tracking --check "$REPORT_TO" || exit 2
 if [ "$MODEL" = offline-tiny ]; then
-  # on ENV=tau2:DOMAIN, the build whose warm start played that domain's tiny tasks (common/run/tiny.py)
+  # the build whose warm start played ENV's tiny tasks (common/run/tiny.py)
   MODEL=$($PY -c "import sys; from common.run.tiny import build_cached; from common.jsonl import RecordError
 try: print(build_cached(env=sys.argv[1]))
 except RecordError as e: sys.exit(f'loop: ENV={sys.argv[1]}: {e}')" "$ENV") || exit 2
 fi
-# The call format follows the handler's prompts (common/envs/bfcl/prompts.py HANDLERS): a CALL_FORMAT that contradicts
-# them would mis-decode every output. The stages get, and config.json records, the one used.
-CALL_FORMAT=$($PY -c "import sys; from common.envs.bfcl.prompts import HandlerError, call_format
+# The call format follows the handler's prompts (common/engine/episode.py CALL_FORMATS); config.json records it.
+CALL_FORMAT=$($PY -c "import sys; from common.engine.episode import HandlerError, call_format
 try: print(call_format(sys.argv[1], sys.argv[2]))
 except HandlerError as e: sys.exit(f'loop: BFCL_HANDLER={sys.argv[1]} CALL_FORMAT={sys.argv[2]}: {e}')" \
   "$BFCL_HANDLER" "$CALL_FORMAT") || exit 2
 RECORD=("${RECORD[@]/#call_format=*/call_format=$CALL_FORMAT}")
-# The τ²-bench user simulator (training on ENV=tau2:DOMAIN, and the tau2 OOD bench), checked before any
-# round runs; on CPU a τ² run without one plays against the scripted ScenarioUser (common/envs/tau2/tau2.py).
-USER_ARGS=()
-if [ -n "$USER_MODEL" ]; then
-  USER_ARGS=(--user-model "$USER_MODEL" --user-tool-parser "$USER_TOOL_PARSER" --user-timeout "$USER_TIMEOUT")
-  # on GPUs, beside the policy's server and trainer, in the share the memory plan counts (common/train/memplan.py)
-  if [ -n "$GPU_MEM_GIB" ]; then
-    USER_ARGS+=(--user-serve-args "$($PY -c 'import sys; from common.train.memplan import user_serve_args as a; print(a(sys.argv[1]))' "$MAX_LEN")")
-  fi
-elif [ -n "$USER_BASE_URL" ] && [ -n "$USER_MODEL_NAME" ]; then
-  USER_ARGS=(--user-base-url "$USER_BASE_URL" --user-model-name "$USER_MODEL_NAME" --user-timeout "$USER_TIMEOUT")
-fi
-DOMAIN=""; [ "$ENV" = bfcl ] || DOMAIN=${ENV#tau2:}
-ENV_USER=("${USER_ARGS[@]+"${USER_ARGS[@]}"}")
-if [ -n "$DOMAIN" ] && [ ${#USER_ARGS[@]} -eq 0 ]; then ENV_USER=(--scripted-user); fi
-# What evaluation scores, as the environment names it (common/envs/__init__.py eval_tasks: BFCL held-in, a τ²
-# domain's test split), and the flags evaluate.py takes for it: τ²'s user simulator and trials (pass^k),
-# BFCL's bfcl-eval entry.
-EVAL_TASKS=$($PY -c "import sys; from common.envs import kind_of; print(kind_of(sys.argv[1]).eval_tasks(sys.argv[1]))" \
-  "$ENV") || exit 2
-EVAL_ARGS=(${BFCL_MODEL:+--bfcl-model "$BFCL_MODEL"})
-if [ -n "$DOMAIN" ]; then EVAL_ARGS=(--trials "$TAU_K" "${ENV_USER[@]}"); fi
-for b in $OOD; do
-  case $b in
-    bfcl-memory|bfcl-web|bfcl-heldin) ;;  # bfcl-heldin: a τ²-trained run's (common/presets.py checks)
-    tau2)
-      if [ ${#USER_ARGS[@]} -eq 0 ]; then
-        echo "loop: OOD tau2 needs a user simulator: --set USER_MODEL=DIR (served with vllm serve)," \
-          "or --set USER_BASE_URL=URL --set USER_MODEL_NAME=NAME" >&2; exit 2
-      fi ;;
-    *) echo "loop: OOD=$OOD: benches are bfcl-memory, bfcl-web, tau2 and (for ENV=tau2:DOMAIN) bfcl-heldin" >&2; exit 2 ;;
-  esac
-done
-NAME=${NAME:-$PRESET-$MODE${DOMAIN:+-$DOMAIN}}
+NAME=${NAME:-$PRESET-$MODE$RUN_SUFFIX}
 
-# Rollouts and every evaluation (held-in and OOD) play with the same engine, handler, step limit
-# and call format (COMMON_ARGS); only their lengths differ (MAX_LEN/MAX_NEW, EVAL_LEN/EVAL_NEW).
-# SCORE_ARGS is what decides the scores; its text is recorded in the base model's config.json.
+# Rollouts and every evaluation play with the same engine, handler, step limit and call format (COMMON_ARGS);
+# only their lengths differ. SCORE_ARGS decides the scores; the base model's config.json records it.
 COMMON_ARGS=(--engine "$ENGINE" --handler "$BFCL_HANDLER" --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT")
 SCORE_ARGS=("${COMMON_ARGS[@]}" ${EVAL_LEN:+--max-model-len "$EVAL_LEN"} ${EVAL_NEW:+--max-new-tokens "$EVAL_NEW"})
 PLAY_ARGS=("${SCORE_ARGS[@]}")
-# The base model's scores are shared by every run of the preset under $RUNS, so they must come
-# from one model and one set of evaluation settings: a run with others stops here. Where they
-# live is common/run/runinfo.py base_dir's rule (evaluate.py --compare and common/run/report.py find them by it).
-BASE=$RUNS/base-$PRESET${DOMAIN:+-tau2-$DOMAIN}  # common/run/runinfo.py base_dir's rule
+# The base model's scores are shared by every run of the preset and ENV under $RUNS, so they must come from one
+# model and one set of evaluation settings (common/run/runinfo.py base_dir finds them).
+BASE=$RUNS/base-$PRESET$BASE_SUFFIX
 if ! $PY -m common.run.runinfo "$BASE/config.json" model="$MODEL" revision="$REVISION" eval_limit="$EVAL_LIMIT" play="${SCORE_ARGS[*]}" tau_k="$TAU_K"; then
   echo "loop: $BASE holds the base model's scores for the settings above; use another --runs, or remove it" >&2
   exit 2
@@ -164,13 +110,11 @@ mkdir -p "$RUN/logs"
 $PY -m common.run.runinfo "$RUN/config.json" name="$NAME" "${RECORD[@]}" model="$MODEL" \
   || { echo "loop: $RUN was run with the settings above; use another --name, or remove it" >&2; exit 2; }
 if [ ! -d "$MODEL" ]; then
-  # A hub id at its pinned REVISION (recorded above as id and commit, not as a path under
-  # HF_HOME): fetched once into the HF cache; every stage then works on the local folder.
+  # a hub id at its pinned REVISION, fetched once into the HF cache; the stages work on the local folder
   MODEL=$($PY -m common.run.fetch "$MODEL" "$REVISION") || exit 1
 fi
 
-# run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists (or was deleted by KEEP after a
-# later round used it), else run with a log and a timing line.
+# run STAGE ROUND OUTPUT CMD...: skip when OUTPUT exists (or KEEP deleted it), else run with a log and a timing
 run() {
   local stage=$1 round=$2 output=$3; shift 3
   if [ -e "$output" ] || [ -e "$output.deleted" ]; then echo "loop: round $round $stage: done ($output)"; return; fi
@@ -198,16 +142,13 @@ WORKERS=$(nproc); WORKERS=$((WORKERS < 16 ? WORKERS : 16))  # diagnosis processe
 limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
 
 # ---------------------------------------------------------------------------- the engine
-# One vLLM server (common/engine/serve.py: vLLM's own, data parallel over the node's GPUs) for the whole
-# run, or the servers SERVER names (URL[,URL...], started by the user). It is started at the
-# first stage that plays, on the policy that stage plays (a rerun: the last complete one), loads
-# each new policy in place, sleeps on GPUs while the trainer holds them, and is stopped with its
-# whole process group when the run ends, fails or is interrupted.
+# One vLLM server (common/engine/serve.py) for the whole run, or the servers SERVER names: started at the first
+# stage that plays, it loads each new policy in place, sleeps on GPUs while the trainer holds them, and stops
+# with its process group when the run ends, fails or is interrupted.
 SERVER_STATE=$RUN/server.json
 SERVER_LOG=$RUN/logs/server.log
 GPU=$($PY -c "from common.engine.serve import cpu_build; print('' if cpu_build() else 1)")
-# the server's context holds rollouts (MAX_LEN) and evaluation (EVAL_LEN, else the model's own):
-# memplan's server_len, the rule the memory plan counts the server's KV cache by
+# the server's context holds rollouts (MAX_LEN) and evaluation (EVAL_LEN, else the model's own): memplan's rule
 SERVE_LEN=$($PY -c "import sys; from common.engine.models import model_context as c; from common.train.memplan import server_len
 print(server_len(sys.argv[1], sys.argv[2], 0 if sys.argv[2] else c(sys.argv[3])))" "$MAX_LEN" "$EVAL_LEN" "$MODEL")
 SERVE_ARGS=(--max-model-len "$SERVE_LEN" --seed "$SEED" --tensor-parallel-size "$TP" --data-parallel-size "$DP"
@@ -231,19 +172,17 @@ playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve PO
   fi
 }
 
-evaluate() {  # evaluate POLICY ROUND DIR: EVAL_TASKS (BFCL held-in, bfcl-eval's decoding; τ²: the domain's test split), Ω removed
+evaluate() {  # evaluate POLICY ROUND DIR: EVAL_TASKS, as ENV's kind names them, Ω removed
   run eval "$2" "$3/scores.json" playing "$1" $PY evaluate.py --policy "$1" --tasks "$EVAL_TASKS" \
-    $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" "${EVAL_ARGS[@]+"${EVAL_ARGS[@]}"}" --out "$3"
+    $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" "${ENV_EVAL[@]+"${ENV_EVAL[@]}"}" --out "$3"
 }
 
-ood() {  # ood POLICY TAG DIR: every bench of $OOD (its own decoding: docs/ood.md), Ω removed, into DIR/<bench>/
-  local b bench
-  for b in $OOD; do
-    bench=(-m ood.memory --suite "$b")
-    if [ "$b" = tau2 ]; then bench=(-m ood.tau --trials "$TAU_K" "${USER_ARGS[@]}"); fi
-    if [ "$b" = bfcl-heldin ]; then bench=(evaluate.py --split heldin); fi  # a τ²-trained run's BFCL score
-    run "ood-$2-$b" $((ROUNDS - 1)) "$3/$b/scores.json" playing "$1" $PY "${bench[@]}" --policy "$1" \
-      $(limit_args "$OOD_LIMIT") "${PLAY_ARGS[@]}" --out "$3/$b"
+ood() {  # ood POLICY TAG DIR: every bench of $OOD (OOD_i: its --tasks and flags), Ω removed, into DIR/<bench>/
+  local i ref bench
+  for ((i = 0; i < $(wc -w <<< "$OOD"); i++)); do
+    ref="OOD_$i[@]"; bench=("${!ref}")
+    run "ood-$2-${bench[0]}" $((ROUNDS - 1)) "$3/${bench[0]}/scores.json" playing "$1" $PY evaluate.py --policy "$1" \
+      --tasks "${bench[@]}" $(limit_args "$OOD_LIMIT") "${PLAY_ARGS[@]}" --out "$3/${bench[0]}"
   done
 }
 
@@ -257,8 +196,7 @@ train() {  # train ROUND_DIR POLICY: KL to the round-0 model, one optimiser carr
       echo "loop: the vLLM server of $SERVER_STATE did not go to sleep (log $SERVER_LOG); not training beside it" >&2
       return 1; }
   fi
-  # one process, accelerate launch over NPROC, or in a SLURM allocation of several nodes one
-  # accelerate launch per node through srun (common/train/launch.py)
+  # one process, accelerate launch over NPROC, or one per SLURM node through srun (common/train/launch.py)
   words=$($PY -m common.train.launch "$PY" "$NPROC" "$ACCEL_CONFIG") || return 1
   mapfile -t launch <<< "$words"
   "${launch[@]}" train_grpo.py --model "$2" --rollouts "$1/rollouts.jsonl" --diagnoses "$1/diagnoses.jsonl" \
@@ -295,7 +233,7 @@ for ((t = 0; t < ROUNDS; t++)); do
   run rollout "$t" "$R/rollouts.jsonl" playing "$policy" $PY rollout.py --model "$policy" --tasks "$TASKS" \
     $(limit_args "$TRAIN_LIMIT") --batch "$TASKS_PER_ROUND" --round "$t" --n "$N" --interface "$R/interface.json" \
     "${COMMON_ARGS[@]}" --max-model-len "$MAX_LEN" --max-new-tokens "$MAX_NEW" \
-    --temperature "$TEMP" --seed $((SEED * 1000 + t)) --prompts "$PROMPTS" ${DOMAIN:+"${ENV_USER[@]}"} \
+    --temperature "$TEMP" --seed $((SEED * 1000 + t)) --prompts "$PROMPTS" "${ENV_PLAY[@]+"${ENV_PLAY[@]}"}" \
     --summary "$R/rollout_summary.json" --out "$R/rollouts.jsonl"
   run diagnose "$t" "$R/diagnoses.jsonl" $PY diagnose.py --tasks "$TASKS" --workers "$WORKERS" \
     --rollouts "$R/rollouts.jsonl" --out "$R/diagnoses.jsonl"

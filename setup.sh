@@ -1,16 +1,11 @@
 #!/usr/bin/env bash
-# One idempotent setup step: .venv/ with torch, vLLM, the common requirements,
-# bfcl-eval (without its 6 GB of dependencies), the OOD benches' packages and the
-# prepared task files.
-# A second run only checks (a fraction of a second). Usage: [PYTHON=python3.12] bash setup.sh
-# Before it installs anything, a run checks what the install cannot change and stops in seconds
-# naming the fix: Python >= 3.11 with venv (PYTHON names the interpreter) and, on a GPU machine,
-# an NVIDIA driver the pinned torch build runs on. After installing, it checks that torch sees the GPUs.
+# One idempotent setup step: .venv/ with torch, vLLM, the requirements, bfcl-eval (without its 6 GB of
+# dependencies), the OOD benches' packages and the task files; a second run only checks. Before any
+# install it checks Python >= 3.11 with venv and, on GPUs, the NVIDIA driver. Usage: [PYTHON=python3.12] bash setup.sh
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
-# requirements-gpu.txt's vllm==0.33.0 pins torch 2.14, built for CUDA 13, which runs on NVIDIA
-# drivers >= 580 only; an older one is found after ~10 GB of wheels unless it is checked first.
+# vllm==0.33.0 pins torch 2.14 (CUDA 13): NVIDIA drivers >= 580 only, checked before ~10 GB of wheels
 GPU_TORCH="torch 2.14 (CUDA 13)"
 MIN_DRIVER=580
 
@@ -19,8 +14,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   flavour=cpu
 fi
-# The rollout server sleeps on the GPUs while the trainer's processes use them: two processes on one
-# GPU, which a GPU in Exclusive_Process (or Prohibited) compute mode refuses, only once training starts.
+# the sleeping rollout server and the trainer share each GPU, which Exclusive_Process mode refuses late
 if [ "$flavour" = gpu ]; then
   modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>/dev/null | grep -v ', Default$' || true)
   if [ -n "$modes" ]; then
@@ -89,8 +83,7 @@ else
   "${pip[@]}" --no-deps -r requirements-nodeps.txt
   LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python -c "import torch, transformers, accelerate, peft, vllm, bfcl_eval, tau2"
   if [ "$flavour" = gpu ]; then
-    # The driver passed the check above; torch seeing the GPUs is what the stages rely on, so it
-    # is asked once, after install (the stamp is written only when it passes).
+    # torch seeing the GPUs is what the stages rely on: asked once, the stamp written only when it passes
     if ! .venv/bin/python -c "
 import sys, torch
 print(f'setup: torch {torch.__version__} (CUDA {torch.version.cuda}), NVIDIA driver $driver, GPUs: $names')

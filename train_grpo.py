@@ -1,39 +1,9 @@
 """SEAL train stage: one round of diagnosis-weighted GRPO on the round's rollouts.
 
-Joins the rollouts (token ids, loss mask, engine log-probs) with their diagnoses (reward,
-label profile), gives each trajectory its group advantage weighted by its diagnosis,
-Ã_j = w_j·A_j (common/train/grpo.py; with --turn-credit, A_j times each turn's own weight on that turn's
-tokens), and takes one AdamW step per mini-batch of whole tasks with the
-PPO-clipped token-mean loss (verl's dual clip) plus a k3 KL penalty to the initial policy.
-Writes the next policy to --out (with --save-optimizer its optimiser state too) and one
-metrics line per step.
+    python train_grpo.py --model DIR --rollouts R.jsonl --diagnoses D.jsonl --out round_001/policy [...]
+    accelerate launch --config_file configs/accelerate/fsdp_cpu.yaml train_grpo.py ... --cpu  # FSDP2
 
-The objective's options (docs/design.md §6, "The objective"; the presets' defaults: common/presets.py):
-
-    --rollout-is token-tis --rollout-is-cap 2   weigh each token's policy loss by min(π_old/μ, 2), μ the
-                                                engine's log-probs in the records (off: the paper's objective)
-    --clip-high 0.28                            DAPO's clip-higher: ratio clipped to [1 − clip, 1.28]
-    --adv-scale none                            Dr. GRPO: A = r − mean, no std division
-    --ratio-level sequence                      GSPO's length-normalised sequence ratio and clip
-    --cut mask --max-model-len 16384 [--eval-len N]   trajectories that ended for a reason that is not
-                                                the policy's failure (common/envs/__init__.py cut_stops) leave the
-                                                loss and their group's statistics (keep: they train)
-
-    python train_grpo.py --model DIR --rollouts R.jsonl --diagnoses D.jsonl \\
-        [--interface interface.json [--adaptive-rho] | --rho rho.json] [--turn-credit] --out round_001/policy \\
-        [--ref-model ROUND0_MODEL] [--save-optimizer] [--optimizer-state round_000/policy/optimizer] [--lora]
-    accelerate launch --multi_gpu --num_processes 2 train_grpo.py ... --cpu      # 2-process DDP on CPU
-    accelerate launch --config_file configs/accelerate/fsdp_cpu.yaml train_grpo.py ... --cpu  # FSDP2, 2 CPU processes
-    accelerate launch --config_file configs/accelerate/fsdp_cpu.yaml --mixed_precision bf16 \
-        train_grpo.py ... --cpu                                      # the same in the GPU presets' bf16
-    accelerate launch --config_file configs/accelerate/fsdp_4gpu.yaml train_grpo.py ...   # 7B, 4 GPUs
-
-Multi-node: the same command on every node with `--num_machines N --machine_rank R
---main_process_ip HOST --main_process_port PORT --num_processes <total GPUs>` after
-`accelerate launch` (loop.sh does it through srun: common/train/launch.py), --out on a filesystem
-all nodes share. What each flag means (groups, weights, reference, temperature, optimiser
-state, precision, memory check) and what --out and --metrics hold: docs/design.md §6 and §3.
-Bad input stops with `error: file:line: ...`, a non-zero exit and no output.
+Writes the next policy to --out and one metrics line per optimiser step (docs/design.md §6 and §3).
 """
 
 import argparse
@@ -54,35 +24,10 @@ from transformers import AutoModelForCausalLM
 from common import presets
 from common.engine import serve
 from common.engine.models import model_context, resolve_model
-from common.envs import cut_stops
+from common.envs import checks_turns, cut_stops
 from common.jsonl import RecordError, read_json, read_jsonl, write_json, write_jsonl
-from common.train import checkpoint, memplan
-from common.train.distributed import (
-    GRAD_CLIP,
-    TIMEOUT_MINUTES,
-    finish,
-    gradient_dtypes,
-    load_training_state,
-    make_accelerator,
-    reshard,
-    save_training_state,
-    sharded,
-    shared_atomic_dir,
-    whole_state_dict,
-)
-from common.train.grpo import (
-    ADV_SCALES,
-    RATIO_LEVELS,
-    ROLLOUT_IS,
-    accumulate_gradients,
-    join_round,
-    load_rho,
-    mini_batch_slices,
-    plan_micro_batches,
-    rollout_correction,
-    rollout_temperature,
-    score_trajectories,
-)
+from common.train import checkpoint, grpo, memplan
+from common.train import distributed as dist
 
 # fmt: off
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -97,42 +42,30 @@ parser.add_argument("--out", required=True, help="folder for the next policy")
 parser.add_argument("--metrics", help="default: train_metrics.jsonl in the folder that holds --out")
 parser.add_argument("--ref-model", help="the initial policy, KL reference (default: --model)")
 parser.add_argument("--no-reweight", action="store_true", help="w = 1 for every trajectory (ρ ≡ 1)")
-parser.add_argument("--adaptive-rho", action="store_true",
-                    help="ρ of this round from its own diagnoses and rewards (common/train/grpo.py adaptive_rho), "
-                         "scaling the table of --interface (else the default)")
-parser.add_argument("--turn-credit", action="store_true",
-                    help="credit by turn (seal-turn): a model token's advantage is A times its turn's weight, 0 on a "
-                         "turn verified right where A < 0 (common/train/grpo.py turn_weights)")
-parser.add_argument("--lr", type=float, help=f"default {presets.LR:g}, or {presets.LORA_LR:g} training an adapter "
-                    "(common/presets.py)")
+parser.add_argument("--adaptive-rho", action="store_true", help="this round's ρ_t from its own diagnoses (seal-adaptive)")
+parser.add_argument("--turn-credit", action="store_true", help="a model token's advantage is A times its turn's weight")
+parser.add_argument("--lr", type=float, help=f"default {presets.LR:g}, or {presets.LORA_LR:g} training an adapter")
 parser.add_argument("--kl-coef", type=float, default=presets.KL_COEF, help="0 disables the KL term and the reference")
 parser.add_argument("--clip", type=float, default=0.2)
 parser.add_argument("--clip-high", type=float, help="the clip's upper ε (DAPO's clip-higher); default --clip")
-parser.add_argument("--rollout-is", choices=ROLLOUT_IS, default=presets.ROLLOUT_IS,
-                    help="rollout correction against the engine's log-probs: truncated (tis) or masked IS, per "
-                         "token or sequence; off: none, the paper's objective")
+parser.add_argument("--rollout-is", choices=grpo.ROLLOUT_IS, default=presets.ROLLOUT_IS,
+                    help="rollout correction against the engine's log-probs; off: the paper's objective")
 parser.add_argument("--rollout-is-cap", type=float, default=presets.ROLLOUT_IS_CAP,
                     help="C: tis weighs by min(π_old/μ, C), mask drops ratios outside [1/C, C]")
-parser.add_argument("--adv-scale", choices=ADV_SCALES, default=presets.ADV_SCALE,
+parser.add_argument("--adv-scale", choices=grpo.ADV_SCALES, default=presets.ADV_SCALE,
                     help="group: (r − mean) / std (the paper's); none: r − mean (Dr. GRPO)")
-parser.add_argument("--ratio-level", choices=RATIO_LEVELS, default=presets.RATIO_LEVEL,
-                    help="token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio")
+parser.add_argument("--ratio-level", choices=grpo.RATIO_LEVELS, default=presets.RATIO_LEVEL,
+                    help="token: PPO's per-token ratio; sequence: GSPO's")
 parser.add_argument("--cut", choices=("mask", "keep"), default=presets.CUT,
-                    help="trajectories whose end is not the policy's failure (common/envs/__init__.py cut_stops): left out "
-                         "of the loss and their group's mean/std (mask), or trained as failures (keep)")
-parser.add_argument("--max-model-len", type=int, default=presets.MAX_MODEL_LEN,
-                    help="the rollouts' context (rollout.py's --max-model-len)")
-parser.add_argument("--eval-len", type=int,
-                    help="evaluation's context (default: the model's own, as bfcl-eval runs it): a rollout that "
-                         "stopped on a shorter --max-model-len's limit is cut")
-parser.add_argument("--clip-ratio-c", type=float, default=3.0,
-                    help="dual clip for A < 0 (verl's clip_ratio_c); 0 disables")
-parser.add_argument("--mini-batch-tasks", type=int, default=presets.MINI_BATCH_TASKS, help="tasks (whole groups) per optimiser step, at least")
-parser.add_argument("--zero-variance", choices=("drop", "keep"), default="drop",
-                    help="groups with equal rewards: left out (default), or kept in the loss as verl does")
+                    help="trajectories whose end is not the policy's failure: left out (mask) or trained (keep)")
+parser.add_argument("--max-model-len", type=int, default=presets.MAX_MODEL_LEN, help="the rollouts' context")
+parser.add_argument("--eval-len", type=int, help="evaluation's context (default: the model's own)")
+parser.add_argument("--clip-ratio-c", type=float, default=3.0, help="dual clip for A < 0; 0 disables")
+parser.add_argument("--mini-batch-tasks", type=int, default=presets.MINI_BATCH_TASKS, help="tasks per optimiser step, at least")
+parser.add_argument("--zero-variance", choices=("drop", "keep"), default="drop", help="groups with equal rewards")
 parser.add_argument("--max-tokens-per-micro-batch", type=int, default=presets.MICRO_TOKENS, help="padded tokens per forward")
 parser.add_argument("--epochs", type=int, default=1)
-parser.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="max gradient norm; 0 disables")
+parser.add_argument("--grad-clip", type=float, default=dist.GRAD_CLIP, help="max gradient norm; 0 disables")
 parser.add_argument("--lora", action="store_true")
 parser.add_argument("--lora-r", type=int, default=presets.LORA_RANK)
 parser.add_argument("--lora-alpha", type=int, default=32)
@@ -140,10 +73,8 @@ parser.add_argument("--gradient-checkpointing", action="store_true")
 parser.add_argument("--save-optimizer", action="store_true", help="write <out>/optimizer/")
 parser.add_argument("--optimizer-state", help="previous <out>/optimizer/ (its master weights, if any, replace --model's)")
 parser.add_argument("--policy-dtype", choices=("float32", "bfloat16", "float16"),
-                    help="dtype of the saved policy; default: the input config's 16-bit dtype when training on GPU, "
-                         "else float32 (below float32, <out>/optimizer keeps the float32 master weights)")
-parser.add_argument("--timeout", type=float, default=TIMEOUT_MINUTES,
-                    help="minutes a process waits for the others at a collective (a slow save on a busy disk)")
+                    help="the saved policy's; default: on GPU the input config's 16-bit dtype, else float32")
+parser.add_argument("--timeout", type=float, default=dist.TIMEOUT_MINUTES, help="minutes to wait at a collective")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--cpu", action="store_true", help="force CPU (Accelerator(cpu=True))")
 # fmt: on
@@ -185,22 +116,21 @@ def main(argv=None):
 
 def train(args):
     # Inputs: everything the round needs from disk, checked before a model is loaded or a file written.
-    rho = load_rho(args.interface, args.rho)
+    rho = grpo.load_rho(args.interface, args.rho)
     rollouts = read_jsonl(args.rollouts, required=ROLLOUT_FIELDS)
     diagnoses = read_jsonl(args.diagnoses, required=DIAGNOSIS_FIELDS)
     policy = read_policy(args.model, args.lora)
     stops = round_cut_stops(args, rollouts, policy)
     trajectories, adapted = join(args, rollouts, diagnoses, rho, stops)
-    temperature, warning = read_temperature(rollouts, args.rollouts)
-    check_vocabulary(trajectories, rollouts, policy.vocab_size, args.rollouts)
-    if args.rollout_is != "off":
-        check_engine_logprobs(trajectories, rollouts, args.rollouts)
+    temperature, unsampled = grpo.rollout_temperature(rollouts, args.rollouts)
+    check_tokens(trajectories, rollouts, policy.vocab_size, args.rollouts, engine=args.rollout_is != "off")
     reference = choose_reference(args.kl_coef, args.ref_model, policy)
     state_info = checkpoint.read_info(args.optimizer_state) if args.optimizer_state else None
 
-    accelerator = make_accelerator(args.cpu, args.grad_clip, args.timeout)
-    if warning and accelerator.is_main_process:
-        print(warning, file=sys.stderr)
+    accelerator = dist.make_accelerator(args.cpu, args.grad_clip, args.timeout)
+    if unsampled and accelerator.is_main_process:
+        print(f"warning: {args.rollouts}: {unsampled} of {len(rollouts)} records carry no sampling temperature; "
+              "read as temperature 1", file=sys.stderr)
     if adapted:
         accelerator.print(rho_line(adapted))
     set_seed(args.seed)
@@ -217,7 +147,7 @@ def train(args):
     old_logprobs(training.model, reference, mini_batches, temperature, accelerator)
     for mb in mini_batches:  # against the engine's log-probs, once the old ones are known
         for seq in (s for micro in mb.mine for s in micro):
-            rollout_correction(seq, args.rollout_is, args.rollout_is_cap)
+            grpo.rollout_correction(seq, args.rollout_is, args.rollout_is_cap)
     # verl's timing_s/ref and timing_s/old_log_prob
     this_round = Round(zero_var_share, temperature, reference.model, scoring + time.perf_counter() - t0, adapted,
                        sum(t.cut for t in trajectories) / len(trajectories), sorted(stops), objective(args),
@@ -228,11 +158,10 @@ def train(args):
         metrics = [nothing_to_learn(trajectories, training.global_step, this_round, accelerator)]
     save(args, policy, training, metrics, accelerator, start)
     del training  # the prepared model holds its process groups: freed with the interpreter whole
-    finish(accelerator)
+    dist.finish(accelerator)
 
 
 # ---------------------------------------------------------------- inputs
-
 ROLLOUT_FIELDS = ["task_id", "sample_index", "tokens"]
 DIAGNOSIS_FIELDS = ["task_id", "sample_index", "reward", "profile"]
 
@@ -240,7 +169,6 @@ DIAGNOSIS_FIELDS = ["task_id", "sample_index", "reward", "profile"]
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """The input policy, as --model names it."""
-
     base_path: str  # the model folder; for an adapter, its base (common/engine/models.py resolve_model)
     adapter_in: bool  # --model is a PEFT adapter folder, whose training continues
     use_lora: bool  # an adapter is trained (--lora, or an input adapter)
@@ -250,12 +178,7 @@ class Policy:
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
-    """The KL reference: where its log-probs come from (source), and its absolute folder, which
-    the metrics record as ref_model. source None: --kl-coef 0, no reference; "ref_model": a
-    separate model (--ref-model), scored before the policy is loaded; "input": the input
-    weights, whose old log-probs are the reference's; "base": the base under the input
-    adapter, scored with the adapter disabled."""
-
+    """The KL reference's source (None: no KL, "ref_model", "input" or "base": under the adapter), its folder."""
     source: str | None
     model: str | None
 
@@ -263,7 +186,6 @@ class Reference:
 @dataclasses.dataclass(frozen=True)
 class Round:
     """What every metrics line of the round records beside its step's own figures."""
-
     zero_var_share: float  # of the round's groups, those whose rewards are all equal
     temperature: float  # the rollouts' sampling temperature, at which every log-prob is taken
     ref_model: str | None  # the KL reference's absolute folder; None without KL
@@ -275,8 +197,7 @@ class Round:
     turn_credit: bool = False  # --turn-credit: every metrics line records turn_stats
 
     def recorded(self):
-        """The fields every metrics line ends with (a step's before its lr); with --adaptive-rho, the
-        round's ρ_t, whether the rule moved it, and each failure label's learnable share s_z."""
+        """The fields every metrics line ends with (a step's before its lr); --adaptive-rho's ρ_t among them."""
         out = {"objective": self.objective, "cut_share": self.cut_share, "cut_stops": self.cut_stops,
                "temperature": self.temperature, "ref_model": self.ref_model, "logprob_seconds": self.logprob_seconds}
         if self.adapted:
@@ -287,7 +208,6 @@ class Round:
 
 class Training(NamedTuple):
     """The prepared policy and its AdamW, and the global step the round starts at."""
-
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     params: list  # the trainable parameters, as prepared (FSDP2's are sharded)
@@ -295,13 +215,12 @@ class Training(NamedTuple):
 
 
 def join(args, rollouts, diagnoses, rho, stops=()):
-    """The rollouts joined with their diagnoses: trajectories with weights and advantages (--adv-scale),
-    those whose stop is in `stops` cut, and with --adaptive-rho the round's AdaptedRho (else None),
-    whose ρ_t the weights then use."""
-    trajectories, adapted = join_round(
+    """(trajectories, those whose stop is in `stops` cut; the round's AdaptedRho or None)."""
+    trajectories, adapted = grpo.join_round(
         rollouts, diagnoses, rho, reweight=not args.no_reweight, adaptive=args.adaptive_rho,
         rollouts_path=args.rollouts, diagnoses_path=args.diagnoses, adv_scale=getattr(args, "adv_scale", "group"),
         cut=(lambda r: r.get("stop") in stops) if stops else None, turn_credit=getattr(args, "turn_credit", False),
+        checked=checks_turns,
     )  # fmt: skip
     if not trajectories:
         raise RecordError(f"{args.rollouts}: no rollout records")
@@ -316,9 +235,7 @@ def objective(args):
 
 
 def round_cut_stops(args, rollouts, policy):
-    """The stop values whose trajectories --cut mask leaves out: those each record's environment names
-    (common/envs/__init__.py cut_stops), its context limit among them where the rollouts' context (--max-model-len)
-    is shorter than evaluation's (--eval-len, else the model's own). None with --cut keep."""
+    """The stops --cut mask leaves out, as each record's environment names them (none with --cut keep)."""
     if args.cut == "keep":
         return set()
     short = args.max_model_len < (args.eval_len or model_context(policy.base_path))
@@ -333,17 +250,6 @@ def rho_line(adapted):
     return f"adaptive ρ (scale {adapted.scale:.3f}): {moved}"
 
 
-def read_temperature(rollouts, path):
-    """The rollouts' sampling temperature, and the warning to print if some records carry none."""
-    temperature, unsampled = rollout_temperature(rollouts, path)
-    if not unsampled:
-        return temperature, None
-    return temperature, (
-        f"warning: {path}: {unsampled} of {len(rollouts)} records carry no sampling temperature; "
-        "read as temperature 1"
-    )
-
-
 def read_policy(model, lora):
     """What --model is (a model folder, or an adapter and its base) and what its config says."""
     base_path, adapter, _ = resolve_model(model)
@@ -354,32 +260,21 @@ def read_policy(model, lora):
     )  # fmt: skip
 
 
-def check_vocabulary(trajectories, rollouts, vocab_size, path):
-    """Every token id is one the model has (names the rollout's line)."""
+def check_tokens(trajectories, rollouts, vocab_size, path, engine):
+    """Every token id is in the vocabulary; with `engine`, every model token has the engine's log-prob."""
     lines = {(r["task_id"], r["sample_index"]): r["_line"] for r in rollouts}
     for t in (seq for traj in trajectories for seq in traj.sequences()):
+        where = f"{path}:{lines[t.task_id, t.sample_index]}"
         if vocab_size and max(t.prompt_ids + t.ids) >= vocab_size:
-            raise RecordError(
-                f"{path}:{lines[t.task_id, t.sample_index]}: token id outside the model's vocabulary ({vocab_size})"
-            )
-
-
-def check_engine_logprobs(trajectories, rollouts, path):
-    """Every model token carries the engine's log-prob (the rollout correction's μ): a record without
-    them is refused, not trained uncorrected (names the rollout's line)."""
-    lines = {(r["task_id"], r["sample_index"]): r["_line"] for r in rollouts}
-    for t in (seq for traj in trajectories for seq in traj.sequences()):
-        missing = sum(1 for e, m in zip(t.engine_logprobs, t.mask, strict=True) if m and e is None)
+            raise RecordError(f"{where}: token id outside the model's vocabulary ({vocab_size})")
+        missing = sum(1 for e, m in zip(t.engine_logprobs, t.mask, strict=True) if m and e is None) if engine else 0
         if missing:
-            raise RecordError(
-                f"{path}:{lines[t.task_id, t.sample_index]}: {missing} model token(s) without the engine's log-prob "
-                "(tokens.logprobs null): the rollout correction needs them (--rollout-is off trains without it)"
-            )
+            raise RecordError(f"{where}: {missing} model token(s) without the engine's log-prob (tokens.logprobs "
+                              "null): the rollout correction needs them (--rollout-is off trains without it)")
 
 
 def choose_reference(kl_coef, ref_model, policy):
-    """The KL reference (the paper's: the initial policy): --ref-model, else the input policy;
-    with LoRA the base with the adapter disabled (a fresh adapter starts out as the base)."""
+    """The KL reference: --ref-model, else the input policy; with LoRA the base under the adapter."""
     if kl_coef <= 0:
         return Reference(None, None)
     if policy.use_lora:
@@ -393,21 +288,16 @@ def choose_reference(kl_coef, ref_model, policy):
 
 
 # ---------------------------------------------------------------- plan
-
-
 @dataclasses.dataclass(frozen=True)
 class MiniBatch:
     """The whole groups of one optimiser step."""
-
     trajs: list  # every trajectory of the mini-batch's groups
     mine: list  # this process's micro-batches (lists of sequences: a segmented trajectory's segments apart)
     norm: int  # model tokens of the whole mini-batch, on all processes: the token-mean's denominator
 
 
 def plan_mini_batches(args, trajectories, accelerator):
-    """Whole tasks (with --zero-variance drop, those with differing rewards only), shuffled into
-    balanced mini-batches of at least --mini-batch-tasks: the same plan on every process.
-    Returns the mini-batches and the share of groups with equal rewards."""
+    """(mini-batches of whole tasks, alike on every process; the share of groups with equal rewards)."""
     by_task = {}
     for t in trajectories:
         by_task.setdefault(t.task_id, []).append(t)
@@ -416,22 +306,18 @@ def plan_mini_batches(args, trajectories, accelerator):
     tasks = live if args.zero_variance == "drop" else [tid for tid, ts in by_task.items() if not all(t.cut for t in ts)]
     random.Random(args.seed).shuffle(tasks)
     mini_batches = []
-    for start, stop in mini_batch_slices(len(tasks), args.mini_batch_tasks):
+    for start, stop in grpo.mini_batch_slices(len(tasks), args.mini_batch_tasks):
         # a cut trajectory is in no loss: its tokens count in no token-mean, its KL pulls nothing
         trajs = [t for tid in tasks[start:stop] for t in by_task[tid] if not t.cut]
         seqs = [s for t in trajs for s in t.sequences()]  # each segment is scored as its own sequence
-        plan = plan_micro_batches(
-            [s.length for s in seqs], accelerator.num_processes, args.max_tokens_per_micro_batch
-        )
+        plan = grpo.plan_micro_batches([s.length for s in seqs], accelerator.num_processes, args.max_tokens_per_micro_batch)
         mine = [[seqs[k] for k in mb] for mb in plan[accelerator.process_index]]
         mini_batches.append(MiniBatch(trajs=trajs, mine=mine, norm=sum(s.model_tokens for s in seqs)))
     return mini_batches, zero_var_share
 
 
 def check_memory(args, policy, reference, mini_batches, accelerator):
-    """On GPUs, common/train/memplan.py's plan of this update (the model's config.json, the largest
-    padded micro-batch, this run's processes and sharding) before any model loads: one that
-    cannot fit stops here, naming the flag to change, not in an out-of-memory error minutes later."""
+    """On GPUs, memplan's plan of this update before any model loads: one that cannot fit stops here."""
     if accelerator.device.type != "cuda":
         return
     tokens = max((len(m) * max(t.length for t in m) for mb in mini_batches for m in mb.mine if m), default=0)
@@ -444,74 +330,58 @@ def check_memory(args, policy, reference, mini_batches, accelerator):
         return
     gpu_mem = torch.cuda.get_device_properties(accelerator.device).total_memory
     chunk = presets.LOGPROB_CHUNK
-    plans = [memplan.train_plan(arch, accelerator.num_processes, sharded(accelerator), tokens,
+    plans = [memplan.train_plan(arch, accelerator.num_processes, dist.sharded(accelerator), tokens,
                                 args.gradient_checkpointing, gpu_mem, lora=policy.use_lora, chunk=chunk)]
     if reference.source == "ref_model":
         plans.append(memplan.reference_plan(arch, tokens, gpu_mem, chunk=chunk))
     for plan in plans:
         accelerator.print(memplan.render(plan, gpu_mem))
         if not plan.fits:
-            raise RecordError(
-                f"memory plan: {plan.title} needs {plan.peak / memplan.GIB:.1f} GiB per GPU, over the limit of "
-                f"{plan.limit / memplan.GIB:.1f} GiB: lower --max-tokens-per-micro-batch (the largest micro-batch "
-                f"pads to {tokens} tokens), add --gradient-checkpointing, or shard over more GPUs"
-            )
+            raise RecordError(f"memory plan: {plan.title} needs {plan.peak / memplan.GIB:.1f} GiB per GPU, over the "
+                              f"limit of {plan.limit / memplan.GIB:.1f} GiB: lower --max-tokens-per-micro-batch (the "
+                              f"largest micro-batch pads to {tokens} tokens), add --gradient-checkpointing, or shard "
+                              "over more GPUs")
 
 
 # ---------------------------------------------------------------- score
-
-
 def reference_logprobs(reference, mini_batches, temperature, accelerator):
-    """A separate reference model (the round-0 policy) scores every trajectory and is freed
-    before the policy is loaded: training never holds two models. The other references are
-    scored with the policy (old_logprobs)."""
+    """A separate reference model scores every trajectory and is freed before the policy loads."""
     if reference.source != "ref_model" or not mini_batches:
         return
     on_gpu = accelerator.device.type != "cpu"
-    ref = AutoModelForCausalLM.from_pretrained(
-        reference.model, dtype=torch.bfloat16 if on_gpu else torch.float32
-    ).to(accelerator.device)
-    ref.eval()
+    ref = AutoModelForCausalLM.from_pretrained(reference.model, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    ref = ref.to(accelerator.device).eval()
     with accelerator.autocast():
         for mb in mini_batches:
-            score_trajectories(ref, mb.mine, accelerator.device, "ref_logprobs", temperature)
+            grpo.score_trajectories(ref, mb.mine, accelerator.device, "ref_logprobs", temperature)
     del ref
     accelerator.free_memory()
 
 
 def load_policy(args, policy, accelerator, state_info=None):
-    """The policy (full model, or base + LoRA adapter) and its AdamW, prepared: a Training; with
-    --optimizer-state, the optimiser (and the float32 master weights, where the policy folder
-    holds fewer bits) continue from the previous round, at its global step."""
-    # a frozen base is only ever computed with: in bf16 under bf16 compute (on GPUs, or a CPU
-    # launch that asks for it), half the memory; the adapter peft adds stays float32
+    """The prepared policy (or base + LoRA adapter) and AdamW: a Training, continuing --optimizer-state."""
+    # a frozen base is only computed with: bf16 under bf16 compute; the adapter peft adds stays float32
     bf16_base = policy.use_lora and accelerator.mixed_precision == "bf16"
     model = AutoModelForCausalLM.from_pretrained(policy.base_path, dtype=torch.bfloat16 if bf16_base else torch.float32)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if policy.use_lora:
         from peft import LoraConfig, PeftModel, get_peft_model
-
         if policy.adapter_in:
             model = PeftModel.from_pretrained(model, args.model, is_trainable=True)
-            # the saved adapter names its base as found, not as the input wrote it: a
-            # relative name would point elsewhere from the new folder
+            # the saved adapter names its base as found: a relative name would point elsewhere from the new folder
             model.peft_config["default"].base_model_name_or_path = policy.base_path
         else:
             # no LoRA dropout: it would make the first step's ratio differ from 1 by noise
-            lora = LoraConfig(
-                r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                target_modules="all-linear", task_type="CAUSAL_LM",
-            )  # fmt: skip
-            model = get_peft_model(model, lora)
+            model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                                     target_modules="all-linear", task_type="CAUSAL_LM"))
     params = [p for p in model.parameters() if p.requires_grad]
     # no weight decay: a round is a handful of steps and decay would only shrink the policy
-    # --lr, else the presets': an adapter's (--lora, or an input adapter) or full fine-tuning's
     lr = args.lr if args.lr is not None else presets.LORA_LR if policy.use_lora else presets.LR
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them with sharded ones
-    dtypes = gradient_dtypes(accelerator, model, params)
+    dtypes = dist.gradient_dtypes(accelerator, model, params)
     accelerator.print(f"gradients accumulated in {dtypes['grad']}, reduced in {dtypes['reduce']}")
     if policy.use_lora:
         frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
@@ -519,34 +389,30 @@ def load_policy(args, policy, accelerator, state_info=None):
                           f"frozen base in {sorted(map(str, frozen))}")
     if not args.optimizer_state:
         return Training(model, optimizer, params, 0)
-    load_training_state(args.optimizer_state, state_info, model, optimizer, accelerator)
+    checkpoint.load(args.optimizer_state, state_info, model, optimizer)
     for g in optimizer.param_groups:
         g["lr"] = lr
     master = " and float32 master weights" if state_info.get("master_weights") else ""
-    accelerator.print(
-        f"resuming optimiser state{master} from {args.optimizer_state} (global step {state_info['global_step']})"
-    )
+    accelerator.print(f"resuming optimiser state{master} from {args.optimizer_state} "
+                      f"(global step {state_info['global_step']})")
     return Training(model, optimizer, params, state_info["global_step"])
 
 
 @torch.no_grad()
 def old_logprobs(model, reference, mini_batches, temperature, accelerator):
-    """Log-probs of the input weights (the PPO ratio's denominator), and the reference's
-    where it is the input policy or the base under the adapter."""
+    """Log-probs of the input weights (π_old), and the reference's where it is the input or the base."""
     model.eval()
     for mb in mini_batches:
-        score_trajectories(model, mb.mine, accelerator.device, "old_logprobs", temperature)
+        grpo.score_trajectories(model, mb.mine, accelerator.device, "old_logprobs", temperature)
         if reference.source == "base":
             with accelerator.unwrap_model(model).disable_adapter():
-                score_trajectories(model, mb.mine, accelerator.device, "ref_logprobs", temperature)
+                grpo.score_trajectories(model, mb.mine, accelerator.device, "ref_logprobs", temperature)
         elif reference.source == "input":
             for t in (t for micro in mb.mine for t in micro):
                 t.ref_logprobs = t.old_logprobs
 
 
 # ---------------------------------------------------------------- optimise
-
-
 def optimise(args, training, mini_batches, this_round, accelerator):
     """Every mini-batch once per epoch: one metrics line per optimiser step."""
     model, optimizer, params, global_step = training
@@ -559,10 +425,8 @@ def optimise(args, training, mini_batches, this_round, accelerator):
         # drawn from the global step, so a run split into rounds keeps one run's order
         for mb in random.Random(f"{args.seed}/{global_step}").sample(mini_batches, len(mini_batches)):
             t0 = time.perf_counter()
-            sums = accumulate_gradients(
-                model, accelerator, mb.mine, mb.norm, args.clip, args.kl_coef, args.clip_ratio_c,
-                this_round.temperature, args.clip_high, args.ratio_level,
-            )  # fmt: skip
+            sums = grpo.accumulate_gradients(model, accelerator, mb.mine, mb.norm, args.clip, args.kl_coef,
+                                             args.clip_ratio_c, this_round.temperature, args.clip_high, args.ratio_level)
             grad_norm = accelerator.clip_grad_norm_(params, max_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -571,11 +435,9 @@ def optimise(args, training, mini_batches, this_round, accelerator):
             seconds = time.perf_counter() - t0
             step += 1
             global_step += 1
-            metrics.append(
-                {"step": step, "global_step": global_step, "epoch": epoch}
-                | step_metrics(args.kl_coef, mb, sums, grad_norm, seconds, this_round, accelerator)
-                | {"lr": optimizer.param_groups[0]["lr"]}
-            )
+            metrics.append({"step": step, "global_step": global_step, "epoch": epoch}
+                           | step_metrics(args.kl_coef, mb, sums, grad_norm, seconds, this_round, accelerator)
+                           | {"lr": optimizer.param_groups[0]["lr"]})
             bar.update(1)
             bar.set_postfix(loss=f"{metrics[-1]['loss']:.4f}", reward=f"{metrics[-1]['reward_mean']:.2f}")
     bar.close()
@@ -583,8 +445,7 @@ def optimise(args, training, mini_batches, this_round, accelerator):
 
 
 def nothing_to_learn(trajectories, global_step, this_round, accelerator):
-    """The one line of a round with no optimiser step: it still records the round's weights, so
-    runs and modes stay comparable."""
+    """The one metrics line of a round with no optimiser step (its weights, for comparison)."""
     accelerator.print("no group has differing rewards: nothing to learn, the policy is written unchanged")
     return {
         "step": 0, "global_step": global_step, **weight_stats(trajectories),
@@ -600,9 +461,7 @@ def weight_stats(trajs):
 
 
 def turn_stats(trajs):
-    """Turn credit's figures: turn_zeroed_share, of the model tokens of trajectories with A < 0, those in
-    turns verified right (weight 0; None without such tokens); turn_w_mean, the mean weight of the turns
-    that hold model tokens."""
+    """Of the model tokens with A < 0 those in weight-0 turns; the mean weight of turns holding tokens."""
     neg = zeroed = 0
     ws = []
     for t in trajs:
@@ -616,10 +475,7 @@ def turn_stats(trajs):
 
 
 def logprob_mismatch(mb):
-    """(Σ |engine - trainer| old log-prob, count, Σ ratio, max ratio) over this process's model
-    tokens of a mini-batch that the engine gave a log-prob for; ratio = exp(trainer - engine),
-    the importance ratio of the trainer's input policy to the engine's samples (TRL's
-    importance_sampling_ratio)."""
+    """(Σ |engine - trainer|, count, Σ ratio, max ratio) over this process's model tokens; ratio π_old/μ."""
     mm_sum = mm_count = ratio_sum = 0.0
     ratio_max = -math.inf
     for t in (t for micro in mb.mine for t in micro):
@@ -639,63 +495,47 @@ def step_metrics(kl_coef, mb, sums, grad_norm, seconds, this_round, accelerator)
     keys = ("pg_sum", "kl_sum", "clip_count", "dual_clip_count", "tokens", "entropy_sum")
     mm_sum, mm_count, ratio_sum, ratio_max = logprob_mismatch(mb)
     seqs = [s for micro in mb.mine for s in micro]
-    # the rollout correction's truncated or masked tokens and sequences (rollout_correction)
     is_hits = [sum(s.is_hits for s in seqs), sum(s.is_hits > 0 for s in seqs), len(seqs)]
     local = [sums.get(k, 0.0) for k in keys] + [mm_sum, mm_count, ratio_sum] + is_hits
     pg, kl, clipped, dual, tokens, ent, mm_sum, mm_count, ratio_sum, hit_tokens, hit_seqs, n_seqs = accelerator.reduce(
         torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum"
     ).tolist()
-    ratio_max = accelerator.gather(torch.tensor([ratio_max], dtype=torch.float64, device=accelerator.device))
-    ratio_max = ratio_max.max().item()
+    ratio_max = accelerator.gather(torch.tensor([ratio_max], dtype=torch.float64, device=accelerator.device)).max().item()
     tokens = max(tokens, 1)
     labelled = sum(t.labelled_turns for t in mb.trajs)
     return {
-        "loss": (pg + kl_coef * kl) / tokens,
-        "pg_loss": pg / tokens,
-        "kl": kl / tokens,
-        "clip_frac": clipped / tokens,
-        "dual_clip_frac": dual / tokens,
-        "entropy": ent / tokens,
-        "rollout_is_frac": hit_tokens / tokens,  # of model tokens: truncated (tis) or masked (mask)
-        "rollout_is_seq_frac": hit_seqs / n_seqs if n_seqs else 0.0,  # of sequences: with such a token
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
-        **weight_stats(mb.trajs),
+        "loss": (pg + kl_coef * kl) / tokens, "pg_loss": pg / tokens, "kl": kl / tokens, "clip_frac": clipped / tokens,
+        "dual_clip_frac": dual / tokens, "entropy": ent / tokens,
+        # of model tokens, those truncated (tis) or masked (mask); of sequences, those with such a token
+        "rollout_is_frac": hit_tokens / tokens, "rollout_is_seq_frac": hit_seqs / n_seqs if n_seqs else 0.0,
+        "grad_norm": float(grad_norm) if grad_norm is not None else None, **weight_stats(mb.trajs),
         "wa_mean": sum(t.weight * t.advantage for t in mb.trajs) / len(mb.trajs),
         **(turn_stats(mb.trajs) if this_round.turn_credit else {}),
         "unplayed_share": sum(t.unplayed_turns for t in mb.trajs) / labelled if labelled else None,
-        "zero_var_share": this_round.zero_var_share,
-        "reward_mean": sum(t.reward for t in mb.trajs) / len(mb.trajs),
-        "model_tokens": int(tokens),
-        "tokens_per_s": sum(s.length for t in mb.trajs for s in t.sequences()) / seconds,
-        "seconds": seconds,
-        "logprob_mismatch": mm_sum / mm_count if mm_count else None,
-        "is_ratio_mean": ratio_sum / mm_count if mm_count else None,
-        "is_ratio_max": ratio_max if mm_count else None,
+        "zero_var_share": this_round.zero_var_share, "reward_mean": sum(t.reward for t in mb.trajs) / len(mb.trajs),
+        "model_tokens": int(tokens), "tokens_per_s": sum(s.length for t in mb.trajs for s in t.sequences()) / seconds,
+        "seconds": seconds, "logprob_mismatch": mm_sum / mm_count if mm_count else None,
+        "is_ratio_mean": ratio_sum / mm_count if mm_count else None, "is_ratio_max": ratio_max if mm_count else None,
         **this_round.recorded(),
     }
 
 
 # ---------------------------------------------------------------- save
-
-
 def save(args, policy, training, metrics, accelerator, start=None):
-    """The next policy, written once by the main process in --policy-dtype, and the training
-    state (written by every process, its own shard), renamed into --out together, and the
-    metrics. `start`: the probe of the weights the round started from (start_probe)."""
+    """The next policy and the training state, renamed into --out together, and the metrics."""
     model = training.model
     global_step = metrics[-1]["global_step"]
     metrics_path = args.metrics or os.path.join(os.path.dirname(os.path.abspath(args.out)), "train_metrics.jsonl")
     dtype = saved_dtype(args, policy, accelerator)
     probe = None if policy.use_lora else weights_probe(args, model, dtype, accelerator)
     accelerator.wait_for_everyone()
-    with shared_atomic_dir(args.out, accelerator) as tmp:
+    with dist.shared_atomic_dir(args.out, accelerator) as tmp:
         if args.save_optimizer:
             master = not policy.use_lora and dtype != torch.float32
-            save_training_state(
-                os.path.join(tmp, OPTIMIZER_DIR), model, training.optimizer, global_step, master, accelerator
-            )
+            checkpoint.save(os.path.join(tmp, OPTIMIZER_DIR), model, training.optimizer, global_step, master,
+                            accelerator.num_processes, accelerator.distributed_type.value, accelerator.is_main_process)
         # an adapter's folder keeps its trainable weights alone: the frozen base is never gathered
-        state_dict = whole_state_dict(model, accelerator, trainable_only=policy.use_lora)
+        state_dict = dist.whole_state_dict(model, accelerator, trainable_only=policy.use_lora)
         if accelerator.is_main_process:
             cast = {}  # tied weights share one tensor, and keep sharing it
             for k, v in state_dict.items():
@@ -715,18 +555,13 @@ def save(args, policy, training, metrics, accelerator, start=None):
                 write_json(os.path.join(tmp, serve.PROBE), probe | weights_record(args, tmp, start))
             write_jsonl(metrics_path, metrics)
     steps = sum(m["step"] > 0 for m in metrics)
-    accelerator.print(
-        f"{steps} optimiser steps; policy written to {args.out} ({str(dtype)[6:]}); metrics to {metrics_path}"
-    )
+    accelerator.print(f"{steps} optimiser steps; policy written to {args.out} ({str(dtype)[6:]}); metrics to "
+                      f"{metrics_path}")
 
 
 def weights_probe(args, model, dtype, accelerator):
-    """The log-probabilities of common/engine/serve.py's fixed probe sequence under the weights being
-    saved: a vLLM server that says it serves this policy is checked against them (a stale or
-    half-loaded engine is refused before it plays). Every process runs the forward (FSDP
-    gathers the weights in it); an adapter is checked by its name instead."""
+    """serve.py's probe log-probabilities under the weights being saved (every process runs the forward)."""
     from common.engine.models import load_tokenizer
-
     ids = serve.probe_ids(load_tokenizer(args.model))
     if len(ids) < 2:  # a tokenizer that cannot spell it: the label alone is checked
         return None
@@ -735,16 +570,14 @@ def weights_probe(args, model, dtype, accelerator):
     model.eval()
     with torch.no_grad(), accelerator.autocast():
         logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0, :-1].float()
-    reshard(model)  # FSDP2: a forward with no backward leaves the root group gathered
+    dist.reshard(model)  # FSDP2: a forward with no backward leaves the root group gathered
     model.train(training)
     lp = torch.log_softmax(logits, dim=-1).gather(1, x[0, 1:, None])[:, 0]
     return {"ids": ids, "logprobs": lp.tolist(), "dtype": str(dtype).removeprefix("torch.")}
 
 
 def start_probe(args, policy, training, state_info, accelerator):
-    """The probe's log-probabilities under the weights the round starts from, where those are the
-    --model folder's own (not float32 master weights carried in the optimiser state): what a server
-    serving that folder should give, the measure of the probe's tolerance (common/engine/serve.py)."""
+    """The probe's log-probabilities under --model's own weights: serve.py measures its tolerance on them."""
     if policy.use_lora or (state_info or {}).get("master_weights"):
         return None
     probe = weights_probe(args, training.model, None, accelerator)
@@ -752,8 +585,7 @@ def start_probe(args, policy, training, state_info, accelerator):
 
 
 def weights_record(args, folder, start):
-    """What a server check reads besides the probe: the sha256 of every saved tensor, those of the
-    previous policy (--model) for the tensors this round changed, and where the round started."""
+    """Beside the probe: every saved tensor's sha256, the previous policy's of those changed, the start."""
     digests = serve.file_digests(folder)
     before = os.path.join(args.model, serve.PROBE)
     before = read_json(before).get("sha256") if os.path.isfile(before) else None
@@ -764,15 +596,10 @@ def weights_record(args, folder, start):
 
 
 def saved_dtype(args, policy, accelerator):
-    """--policy-dtype, else: on GPU (bf16 compute) the input config's 16-bit dtype, which the
-    engines load anyway; on CPU, and for an adapter (its own master copy), float32."""
+    """--policy-dtype, else on GPU the input config's 16-bit dtype; on CPU and for an adapter float32."""
     if args.policy_dtype:
         return DTYPES[args.policy_dtype]
-    if (
-        accelerator.mixed_precision != "no"
-        and not policy.use_lora
-        and policy.saved_dtype in ("bfloat16", "float16")
-    ):
+    if accelerator.mixed_precision != "no" and not policy.use_lora and policy.saved_dtype in ("bfloat16", "float16"):
         return DTYPES[policy.saved_dtype]
     return torch.float32
 

@@ -13,7 +13,7 @@ Model: the tiny offline model (common.run.tiny) unless --model names another fol
    prompt format, the /v1/completions endpoint, up to 4096 new tokens, 100 concurrent
    requests). It talks over HTTP to a vLLM OpenAI server that this bench starts on
    127.0.0.1 with the project's .venv (float32, eager on CPU, KV cache 1 GiB, like
-   common/engine/engines.py and ood/tau.py) and stops on any exit.
+   common/engine/engines.py and τ²'s evaluation) and stops on any exit.
 2. ours: `evaluate.py --policy <model> --engine vllm --tasks data/heldin.jsonl --limit K`.
 
 It prints: per-task verdicts (and bfcl's error types) equal or not, listing those that

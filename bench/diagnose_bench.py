@@ -10,7 +10,7 @@ number written as a string, a value outside an enum, an unknown parameter, a
 missing required one, a held-out function called early; names refused unrun),
 all played through bfcl.Environment. Then, interleaved per trajectory so that machine noise hits
 both alike: "official" = bfcl.official_verdict on each trajectory's decoded calls;
-"diagnose" = common.seal.taxonomy.diagnose on its rollout record (re-derives and
+"diagnose" = common.envs.bfcl.diagnose.diagnose on its rollout record (re-derives and
 replays the calls, labels every turn; unlike the checker it does not stop at the
 first failing turn). Prints trajectories per second, the ratio on all
 trajectories (target ≤ 2) and on the oracle ones alone, the parity counts (reward and official fields equal to
@@ -29,6 +29,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from common.envs.bfcl import diagnose as bfcl_diagnose  # noqa: E402
 from common.envs.bfcl import harness as bfcl  # noqa: E402
 from common.jsonl import write_jsonl  # noqa: E402
 from common.seal import taxonomy  # noqa: E402
@@ -69,7 +70,7 @@ for _ in range(args.repeats):
         t = time.perf_counter()
         verdicts.append(bfcl.official_verdict(task, decoded))
         t1 = time.perf_counter()
-        records.append(taxonomy.diagnose(task, rec))
+        records.append(bfcl_diagnose.diagnose(task, rec))
         t2 = time.perf_counter()
         for subset in ("all", "oracle") if kind == "oracle" else ("all",):
             spent["official", subset] += t1 - t

@@ -11,7 +11,7 @@ Counts with the tiny model's tokenizer (common.run.tiny.build_cached(), or --tok
 - capability cues: tokens of system_cue() with the 3 longest lines (an upper bound);
 - error feedback: mean tokens per hint over the leakage audit's error cases
   (tests/helpers.py audit, without the synthetic env_template fills), times the number of
-  errors per trajectory: measured from --rollouts (the errors common.envs.bfcl.play.hint_errors
+  errors per trajectory: measured from --rollouts (the errors common.engine.episode.hint_errors
   gives hints for: calls that broke the schema, ran or not, or failed, plus parse
   errors), else assumed (--errors-per-trajectory).
 
@@ -32,8 +32,8 @@ sys.path.insert(0, ROOT)  # run as a script from anywhere
 
 from common.engine import calls as C  # noqa: E402
 from common.engine.chat import to_chat_tools  # noqa: E402
+from common.engine.episode import hint_errors  # noqa: E402
 from common.envs.bfcl import harness as bfcl  # noqa: E402
-from common.envs.bfcl.play import hint_errors  # noqa: E402
 from common.jsonl import read_jsonl  # noqa: E402
 from common.seal import interface as I  # noqa: E402
 from tests.helpers import audit  # noqa: E402

@@ -33,7 +33,8 @@ from common.engine import serve
 from common.engine.engines import make_engine  # noqa: E402
 from common.envs.bfcl import harness as bfcl  # noqa: E402
 from common.envs.bfcl import play
-from common.run.tiny import PRESET_TASKS, build_cached  # noqa: E402
+from common.envs.bfcl.tiny import PRESET_TASKS  # noqa: E402
+from common.run.tiny import build_cached  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--task-ids", default=None, help="training task ids (default: the tiny preset's tasks, whole)")

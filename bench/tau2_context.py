@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common import envs  # noqa: E402
 from common.envs.tau2 import tau2 as T  # noqa: E402
+from common.envs.tau2 import tiny as tau2_tiny  # noqa: E402
 from common.run import tiny  # noqa: E402
 from common.seal import interface as omega_api  # noqa: E402
 
@@ -65,8 +66,8 @@ for domain in args.domains:
             continue
         for task in [t["tau2"] for t in env.tasks.values()][:args.limit]:
             script = T.OracleScript(task, "json", shared=False)
-            engine = Longest(tiny.ScriptEngine(tok, script))
-            row, policy = tiny.tau2_play(env, task, script, engine, omega_api.initial(), evaluate=False)
+            engine = Longest(tiny.ScriptEngine(tok, lambda script=script: script.agent_text(None, None)))
+            row, policy = tau2_tiny.tau2_play(env, task, script, engine, omega_api.initial(), evaluate=False)
             openings.append(policy.counts["prompt_tokens"])
             longest.append(max(engine.longest, policy.context_len()))
             steps.append(len(row["agent_steps"]))

@@ -9,7 +9,7 @@ with their full turn-0 prompt, parsed as at least one tool call) and, per view o
 plays them: per task the samples the official checker solved, and the share of mixed groups
 (some but not all solved), GRPO's signal. The model is the cached build (`build_cached()`) unless
 --model names another. docs/learning-on-cpu.md quotes it. With --env tau2:DOMAIN: the τ² build and
-the tasks its loop plays (the domain's first TINY_TAU2_TASKS train tasks, against the scripted user),
+the tasks its loop plays (the domain's first Tau2Env.TINY_TASKS train tasks, against the scripted user),
 scored by τ²'s evaluator; no parse rate.
 """
 
@@ -21,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
 
+from common.envs.bfcl import tiny as bfcl_tiny  # noqa: E402
 from common.run import tiny  # noqa: E402
 
 MEASURE = {
@@ -33,22 +34,23 @@ MEASURE = {
 }
 
 
-def measure(model_dir, *, temperatures=(1.0, 0.7), samples=None, eval_tasks=None, tasks_path=tiny.DEFAULT_TASKS,
-            preset_path=tiny.PRESET_TASKS, env="bfcl"):
+def measure(model_dir, *, temperatures=(1.0, 0.7), samples=None, eval_tasks=None, tasks_path=bfcl_tiny.DEFAULT_TASKS,
+            preset_path=bfcl_tiny.PRESET_TASKS, env="bfcl"):
     """What the tests do not measure, on demand: the first-step parse rate on `eval_tasks`
     training tasks (greedy) and the sampled reward on the preset's tasks, per view of the tool
     list and temperature: per task the samples the official checker solved, and the share of
     mixed groups (some but not all solved), GRPO's signal."""
-    from common import envs, presets
+    from common import envs
     from common.envs.bfcl import harness as bfcl
+    from common.envs.tau2 import Tau2Env
     from common.seal import interface as omega_api
 
     m = {**MEASURE, **({"check_samples": samples} if samples else {}),
          **({"eval_tasks": eval_tasks} if eval_tasks is not None else {})}
-    if env != "bfcl":  # the τ² loop's tasks and room for its calls (common/presets.py tau2_env)
-        m.update(eval_tasks=0, check_max_new_tokens=presets.TINY_TAU2_MAX_NEW)
+    if env != "bfcl":  # the τ² loop's tasks and room for its calls (common/envs/tau2 Tau2Env.preset)
+        m.update(eval_tasks=0, check_max_new_tokens=Tau2Env.TINY_MAX_NEW)
         played = envs.load(f"{env}:train", user="scripted")
-        preset = list(played.tasks.values())[:presets.TINY_TAU2_TASKS]
+        preset = list(played.tasks.values())[:Tau2Env.TINY_TASKS]
     else:
         played = envs.load(preset_path)
         preset = list(played.tasks.values())
@@ -57,7 +59,7 @@ def measure(model_dir, *, temperatures=(1.0, 0.7), samples=None, eval_tasks=None
     if m["eval_tasks"]:
         tasks = list(bfcl.load_tasks(tasks_path).values())
         tiny._log(f"measuring the first-step parse rate: greedy first output on {m['eval_tasks']} tasks")
-        rate, _ = first_step_parse_rate(model_dir, tiny.pick_eval_tasks(tasks, m["eval_tasks"]), m["eval_max_new_tokens"])
+        rate, _ = first_step_parse_rate(model_dir, bfcl_tiny.pick_eval_tasks(tasks, m["eval_tasks"]), m["eval_max_new_tokens"])
         out["first_step_parse_rate"] = round(rate, 4)
     out["sampled_reward"] = {}
     for view, omega in (("plain", None), ("schema_cue", omega_api.initial())):

@@ -1,9 +1,4 @@
-"""Reading and writing the JSONL/JSON files that stages exchange.
-
-Reads are strict (a bad line names its file and line); writes are atomic
-(a temporary file in the same folder, renamed when complete), so an output
-file is either whole or absent.
-"""
+"""The JSONL/JSON files stages exchange: strict reads (a bad line names its file and line), atomic writes."""
 
 import contextlib
 import json
@@ -39,11 +34,6 @@ def read_jsonl(path, required=()):
     return records
 
 
-def strip_line(rec):
-    """The record without the bookkeeping key read_jsonl adds."""
-    return {k: v for k, v in rec.items() if k != "_line"}
-
-
 def read_json(path):
     if not os.path.isfile(path):
         raise RecordError(f"{path}: no such file")
@@ -74,7 +64,7 @@ def atomic_open(path):
 def write_jsonl(path, records):
     with atomic_open(path) as f:
         for rec in records:
-            f.write(json.dumps(strip_line(rec), ensure_ascii=False) + "\n")
+            f.write(json.dumps({k: v for k, v in rec.items() if k != "_line"}, ensure_ascii=False) + "\n")
 
 
 def write_json(path, obj):

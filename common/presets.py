@@ -2,26 +2,16 @@
 
     python -m common.presets PRESET [--mode MODE] [--set VAR=VALUE ...]
 
-prints the shell assignments `bash loop.sh` evaluates: each preset variable (MODEL=..., MAX_LEN=...),
-the mode's OMEGA, REWEIGHT, ADAPTIVE_RHO and TURN_CREDIT, LORA_RANK, and RECORD, the key=value settings the run's
-config.json records (common/run/runinfo.py). An unknown preset, mode or variable, or a value its setting does not
-take, stops with a message and exit status 2.
-
-A preset is a Preset: its field defaults are the paper's shared settings (docs/design.md §7), and
-each entry of PRESETS sets what its model and hardware need. Adding a preset is one entry (and,
-for a GPU model, its architecture numbers in configs/models/, which the memory plan reads). A
-field is its shell variable in lower case (--set MAX_LEN=... sets max_len); values are text, as a
-shell variable and config.json hold them ("1e-6" is recorded as "1e-6", as it always was, so an
-earlier run resumes); an empty value is unset. A stage run by hand takes its defaults from here
-too (LR, KL_COEF, MINI_BATCH_TASKS, ... below).
-
-Standard library only, Python >= 3.8: `bash loop.sh PRESET --plan` runs it with the system's
-python3 on a fresh clone, before setup.sh has installed anything.
+prints the shell assignments `bash loop.sh` evaluates: each preset variable, the mode's, RECORD (what
+config.json records) and what the environment (ENV, common/envs/__init__.py) decides: its stages' flags, what
+evaluation scores, each OOD bench's flags, the run's folder names. A bad preset, mode or value stops with exit 2.
+Standard library only, Python >= 3.8: `loop.sh PRESET --plan` runs it on a fresh clone, before setup.sh.
 """
 
 import argparse
 import dataclasses
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -35,10 +25,9 @@ class PresetError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """loop.sh's variables. Defaults: GRPO groups of N=8, 32 tasks per round, mini-batches of 8
-    tasks (4 optimiser steps a round at most: train_grpo.py leaves out groups of equal rewards and
-    spreads a leftover over the other mini-batches; 18 rounds ~ 72 update steps), lr 1e-6 (1e-5 with
-    LORA=--lora), KL 0.001,
+    """loop.sh's variables, a field each (--set MAX_LEN=... sets max_len), values as text (empty: unset).
+    Defaults, the paper's (docs/design.md §7): GRPO groups of N=8, 32 tasks a round, mini-batches of 8 tasks
+    (at most 4 optimiser steps a round; 18 rounds ~ 72), lr 1e-6 (1e-5 with LORA=--lora), KL 0.001,
     temperature 1.0, 16k context."""
 
     rounds: str = "18"  # --rounds
@@ -86,53 +75,39 @@ class Preset:
     # Disk: once round t's policy exists, earlier rounds lose their optimiser state and, unless
     # evaluated, their policy. KEEP=latest drops evaluated policies too; KEEP=all deletes nothing.
     keep: str = "evaluated"
-    # The environment trained on: bfcl (BFCL V3 multi-turn) or tau2:DOMAIN, a τ²-bench domain of its
-    # registry with a train and a test split (airline, retail, telecom, or one of the user's:
-    # docs/environments.md), whose train split the rollouts play and whose test split evaluation
-    # scores; its user simulator is USER_MODEL or USER_BASE_URL and USER_MODEL_NAME, or on CPU
-    # (tiny) the scripted ScenarioUser.
+    # The environment trained on (common/envs/__init__.py KINDS): bfcl, tau2:DOMAIN (a τ²-bench domain against
+    # USER_MODEL or USER_BASE_URL and USER_MODEL_NAME; on CPU the scripted user), mcp:DIR (docs/environments.md).
     env: str = "bfcl"
-    tasks: str = "data/train.jsonl"  # with ENV=tau2:DOMAIN: tau2:DOMAIN:train
+    tasks: str = "data/train.jsonl"  # another ENV's: ENV:train
     seed: str = "0"
-    # Out-of-distribution benches after the last round (bfcl-memory, bfcl-web, tau2; off by default);
-    # OOD_LIMIT: first K per category/domain. τ²-bench's user simulator: USER_MODEL (a model
-    # folder loop.sh serves) or USER_BASE_URL and USER_MODEL_NAME.
+    # Out-of-distribution benches after the last round (OOD_BENCHES; off by default), each an evaluate.py
+    # --tasks; OOD_LIMIT: first K per category/domain. τ²'s user simulator: USER_MODEL (a model folder the stage
+    # serves) or USER_BASE_URL and USER_MODEL_NAME.
     ood: str = ""
     ood_limit: str = ""
     user_model: str = ""
     user_base_url: str = ""
     user_model_name: str = ""
-    # Seconds one request to the user simulator may wait for its answer (rollouts and τ² evaluation):
-    # one that does not answer in time stops the stage, naming it; a 429, a 5xx or a refused connection
-    # is tried twice more first (common/envs/tau2/tau2.py). vLLM's tool-call parser of the USER_MODEL loop.sh
-    # serves (hermes for Qwen, llama3_json for Llama 3): a parser that is not the model's returns its
-    # calls as text, and on telecom, whose user acts through tool calls, the run is refused before round 0.
+    # Seconds a user-simulator request may wait (past it the stage stops; a 429 or 5xx is tried twice more),
+    # and vLLM's tool-call parser of a served USER_MODEL (hermes for Qwen, llama3_json for Llama 3).
     user_timeout: str = "180"
     user_tool_parser: str = "hermes"
-    # τ² evaluations (ENV=tau2:DOMAIN's test split, the tau2 OOD bench): episodes per task; K > 1 adds
-    # pass^1..pass^K to scores.json (τ²'s own pass^k; greedy agent and temperature-0 user, as τ² runs them)
+    # τ² evaluations: episodes per task; K > 1 adds pass^1..pass^K to scores.json (τ²'s own pass^k)
     tau_k: str = "1"
-    # What the model is shown: the prompts of bfcl-eval's handler BFCL_HANDLER, in training too
-    # (PROMPTS=template: the model's chat template, verl's convention). Evaluation runs as
-    # bfcl-eval's local inference: the model's own context and up to 4096 new tokens per call,
-    # unless EVAL_LEN / EVAL_NEW lower them (scores.json then says they are not bfcl-eval's).
+    # What the model is shown: bfcl-eval's handler BFCL_HANDLER's prompts, in training too (PROMPTS=template:
+    # the model's chat template). Evaluation: the model's own context and 4096 new tokens a call, unless
+    # EVAL_LEN / EVAL_NEW lower them (scores.json then says they are not bfcl-eval's).
     bfcl_handler: str = "QwenFCHandler"
-    # The bfcl-eval registry entry held-in scores are recorded under (evaluate.py --bfcl-model): the
-    # model's own where bfcl-eval lists it, so its result files and the leaderboard's figure match;
-    # empty: the handler's default entry.
+    # bfcl-eval's registry entry held-in scores are recorded under (evaluate.py --bfcl-model; empty: the handler's)
     bfcl_model: str = ""
     prompts: str = "bfcl"
-    # 1: the model writes <think>...</think> before its answer (Qwen3-8B, as its template defaults and
-    # as bfcl-eval runs it). QwenFCHandler re-renders earlier turns without that reasoning once a new
-    # user turn begins, so the next prompt no longer extends the tokens the model generated: the
-    # rollout continues from the re-rendered prompt as a new segment, which training scores as its own
-    # sequence (docs/prompts.md); loop.sh refuses a thinking preset any other handler or PROMPTS.
+    # 1: the model writes <think>...</think> before its answer (Qwen3-8B); QwenFCHandler drops it at a new
+    # user turn, and the rollout continues there as a new segment (docs/prompts.md)
     thinking: str = ""
     eval_len: str = ""
     eval_new: str = ""
     revision: str = ""
-    # Memory of one GPU (GiB, as torch reports it: an 80 GB H100 has 79.6) for the memory plan
-    # (common/train/memplan.py). Empty: a CPU preset.
+    # Memory of one GPU (GiB, as torch reports it) for the memory plan (common/train/memplan.py); empty: CPU
     gpu_mem_gib: str = ""
     report_to: str = "none"  # experiment trackers (Accelerate's log_with names, comma-separated; all; none)
 
@@ -155,6 +130,7 @@ CHOICES = {"keep": ("evaluated", "latest", "all"), "prompts": ("bfcl", "template
            "rollout_is": ("off", "token-tis", "token-mask", "seq-tis", "seq-mask"), "adv_scale": ("group", "none"),
            "ratio_level": ("token", "sequence"), "cut": ("mask", "keep")}
 GPU_COUNTS = ("1", "2", "4", "8")  # GPUS: the node sizes configs/accelerate/ has an FSDP file for
+OOD_BENCHES = ("bfcl-heldin", "bfcl-memory", "bfcl-web", "tau2")  # OOD's names, each an evaluate.py --tasks
 # config.json's keys for the fields whose key is not the field's name: what earlier runs recorded,
 # what a resume compares and what readers of config.json use.
 RECORDED_AS = {"accel_config": "accelerate_config", "temp": "temperature", "max_len": "max_model_len",
@@ -224,11 +200,8 @@ MODES = {
 # The modes beyond the paper: research modes no GPU run has tested (evaluate.py --compare marks their rows).
 RESEARCH_MODES = ("seal-adaptive", "seal-turn")
 
-# The learning rates an empty LR takes: the paper's for full fine-tuning, and 10x that for a LoRA
-# adapter, whose B starts at 0 and moves ~lr a step (at 1e-6 the adapter's ΔW after 72 steps is ~10x
-# smaller than full fine-tuning's; LoRA's best rate is ~10x full fine-tuning's across model sizes,
-# Schulman et al., "LoRA Without Regret", 2025). loop.sh passes the one used to train_grpo.py --lr,
-# config.json records it, --plan and --brief print it.
+# The learning rates an empty LR takes: the paper's for full fine-tuning, 10x that for a LoRA adapter (whose B
+# starts at 0; LoRA's best rate is ~10x full fine-tuning's, Schulman et al., "LoRA Without Regret", 2025).
 LR_FULL = "1e-6"
 LR_LORA = "1e-5"
 
@@ -255,22 +228,10 @@ HANDLER = Preset.bfcl_handler  # --handler
 ENGINE = Preset.engine  # --engine
 USER_TIMEOUT = float(Preset.user_timeout)  # --user-timeout (τ² tasks)
 USER_TOOL_PARSER = Preset.user_tool_parser  # --user-tool-parser (τ² tasks)
-# The tiny preset on ENV=tau2:DOMAIN: the first K tasks of the domain's train split (TRAIN_LIMIT), the
-# ones its model's warm start learnt (common/run/tiny.py tau2_examples), as data/tiny.jsonl's 8 are on BFCL,
-# and room for a τ² call in MAX_NEW (airline's update_reservation_flights is 100 of the tiny model's tokens).
-TINY_TAU2_TASKS, TINY_TAU2_MAX_NEW = 8, 160
-# A GPU preset's rollout context on ENV=tau2:DOMAIN. The oracle's episodes reach 12.4k tokens (airline,
-# retail; telecom 7.8k) of which the opening prompt is 5.1-7.4k (bench/tau2_context.py with Qwen's
-# tokenizer, docs/benchmarks.md): 16k would leave a served user simulator's longer messages and a
-# policy that explores 1.3x the oracle's longest episode; 32k leaves 2.6x.
-TAU2_MAX_LEN = 32768
 LORA_RANK = 16  # train_grpo.py --lora-r, and the rank the vLLM server is started for
 # Positions projected onto the vocabulary at once (common/train/grpo.py sequence_logprobs; the memory plan
-# counts one chunk). The log-prob pass peaks at about LOGPROB_CHUNK x vocabulary x 14 bytes in
-# backward (bf16 logits, their float32 copy, log-softmax and its gradient): 2.2 GB at Qwen2.5's
-# 152,064 entries, against 5.7-7.4 GB for ONE float32 copy of a 10k-13k-token sequence. 1024 rows
-# keep the projection a large matmul (full GPU throughput); a 12k-token micro-batch is 12 chunks,
-# launch overhead negligible.
+# counts one chunk): ~LOGPROB_CHUNK x vocabulary x 14 bytes in backward, 2.2 GB at Qwen2.5's 152,064 entries,
+# and still a large matmul.
 LOGPROB_CHUNK = 1024
 
 
@@ -302,10 +263,7 @@ def resolve(name, sets=(), found=0):
         raise PresetError(f"ROLLOUT_IS_CAP={preset.rollout_is_cap}: the rollout correction's cap, a number above 1")
     if preset.clip_high and not _number(preset.clip_high, above=0):
         raise PresetError(f"CLIP_HIGH={preset.clip_high}: the clip's upper ε, a positive number (empty: CLIP's)")
-    if preset.env != "bfcl":
-        preset = tau2_env(preset, changes)
-    elif "bfcl-heldin" in preset.ood.split():
-        raise PresetError("OOD=bfcl-heldin is a τ²-trained run's (ENV=tau2:DOMAIN); held-in is this run's own score")
+    preset = environment(preset, changes)
     if preset.gpu_mem_gib:
         preset = place(preset, changes, found)
     if not preset.lr:
@@ -328,28 +286,45 @@ def positive(text):
         return False
 
 
-def tau2_env(preset, changes):
-    """A preset on ENV=tau2:DOMAIN: its rollouts play the domain's train split (unless TASKS is set),
-    against a user simulator, which a GPU preset must name."""
-    import re
-    if not re.fullmatch(r"tau2:\w+", preset.env):
-        raise PresetError(f"ENV={preset.env}: use bfcl or tau2:DOMAIN (a τ²-bench domain, e.g. tau2:airline)")
-    if preset.user_model and (preset.user_base_url or preset.user_model_name):
-        raise PresetError("USER_MODEL, or USER_BASE_URL with USER_MODEL_NAME: one user simulator")
-    if bool(preset.user_base_url) != bool(preset.user_model_name):
-        raise PresetError("USER_BASE_URL and USER_MODEL_NAME go together")
-    if preset.gpu_mem_gib and not (preset.user_model or preset.user_base_url):
-        raise PresetError(f"ENV={preset.env} needs a user simulator: --set USER_MODEL=DIR (served beside the "
-                          "policy), or --set USER_BASE_URL=URL --set USER_MODEL_NAME=NAME")
-    if "tau2" in preset.ood.split():
-        raise PresetError(f"OOD=tau2 scores the τ² domains, the one this run trains on (ENV={preset.env}) among "
-                          "them: use --set OOD=\"bfcl-heldin bfcl-memory\" (BFCL held-in out of distribution)")
-    tiny = {"train_limit": str(TINY_TAU2_TASKS), "max_new": str(TINY_TAU2_MAX_NEW)} \
-        if preset.model == "offline-tiny" else {}
-    if preset.gpu_mem_gib and int(preset.max_len) < TAU2_MAX_LEN:
-        tiny["max_len"] = str(TAU2_MAX_LEN)
-    return dataclasses.replace(preset, tasks=preset.tasks if "tasks" in changes else f"{preset.env}:train",
-                               **{f: v for f, v in tiny.items() if f not in changes})
+def environment(preset, changes):
+    """The preset as ENV's kind changes it (common/envs/__init__.py preset), its OOD benches checked: another
+    ENV than the default plays its train split unless TASKS is set."""
+    from common import envs
+    if preset.env.split(":", 1)[0] not in envs.KINDS:
+        raise PresetError(f"ENV={preset.env}: an environment of {', '.join(envs.KINDS)} (common/envs/__init__.py)")
+    if preset.env != Preset.env and "tasks" not in changes:
+        preset = dataclasses.replace(preset, tasks=f"{preset.env}:train")
+    preset = dataclasses.replace(preset, **envs.preset(preset, changes))
+    for bench in preset.ood.split():
+        if bench not in OOD_BENCHES:
+            raise PresetError(f"OOD={preset.ood}: the benches are {', '.join(OOD_BENCHES)}")
+        envs.eval_args(preset, bench)  # a bench that cannot run here stops now
+    return preset
+
+
+def slug(text):
+    return "-" + re.sub(r"[^\w.]+", "-", text).strip("-") if text else ""
+
+
+def folders(env):
+    """(the run name's suffix, the base model's folder's) on ENV=`env`: none on the default, else
+    -DOMAIN and -tau2-DOMAIN (a run name PRESET-MODE-DOMAIN; base-PRESET-tau2-DOMAIN)."""
+    if env in ("", Preset.env):
+        return "", ""
+    return slug(env.split(":", 1)[-1]), slug(env)
+
+
+def env_shell(p):
+    """What ENV's kind decides for loop.sh, as {variable: value or [words]}: ENV_PLAY (rollout.py's flags),
+    EVAL_TASKS and ENV_EVAL (evaluate.py's), OOD_0, OOD_1, ... (each bench's --tasks and flags), the folders."""
+    from common import envs
+    run, base = folders(p.env)
+    tasks = envs.kind_of(p.env).eval_tasks(p.env)
+    out = {"ENV_PLAY": envs.play_args(p), "EVAL_TASKS": tasks, "ENV_EVAL": envs.eval_args(p, tasks),
+           "RUN_SUFFIX": run, "BASE_SUFFIX": base}
+    for i, bench in enumerate(p.ood.split()):
+        out[f"OOD_{i}"] = [bench, *envs.eval_args(p, bench)]
+    return out
 
 
 def place(preset, changes, found):
@@ -401,8 +376,11 @@ def shell(preset, preset_name, mode_name):
     lines += [f"OMEGA={shlex.quote(settings['omega'])}", f"REWEIGHT={shlex.quote(settings['reweight'])}",
               f"ADAPTIVE_RHO={shlex.quote(settings['adaptive_rho'])}",
               f"TURN_CREDIT={shlex.quote(settings['turn_credit'])}",
-              f"LORA_RANK={LORA_RANK}", "RECORD=(" + " ".join(shlex.quote(f"{k}={v}") for k, v in settings.items()) + ")"]
-    return "\n".join(lines)
+              f"LORA_RANK={LORA_RANK}"]
+    for var, value in env_shell(preset).items():
+        lines.append(f"{var}=" + (shlex.quote(value) if isinstance(value, str) else
+                                  "(" + " ".join(shlex.quote(w) for w in value) + ")"))
+    return "\n".join(lines + ["RECORD=(" + " ".join(shlex.quote(f"{k}={v}") for k, v in settings.items()) + ")"])
 
 
 def main(argv=None):
@@ -419,5 +397,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from common import presets  # the module the environments import: one PresetError
+
+    presets.main()
 

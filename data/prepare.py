@@ -2,12 +2,9 @@
 
     python data/prepare.py            # data/train.jsonl, data/heldin.jsonl, data/tiny.jsonl
 
-Reads bfcl-eval's JSON files directly (importing bfcl_eval.utils would create
-folders in site-packages) and joins questions, ground truth and tool schemas
-into one record per task (docs/design.md §3). Skips the work when the files are current.
-
-data/tiny.jsonl holds the `tiny` preset's tasks (see `tiny_tasks`): training tasks
-cut to their first turn, which the official checker scores like any task.
+Reads bfcl-eval's JSON files directly (importing bfcl_eval.utils would create folders in site-packages)
+and joins questions, ground truth and tool schemas into one record per task (docs/design.md §3); the
+tiny preset's tasks are training tasks cut to their first turn. Skips the work when the files are current.
 """
 
 import hashlib
@@ -23,20 +20,13 @@ from common.jsonl import write_json, write_jsonl  # noqa: E402
 BFCL_VERSION = "2026.3.23"
 CATEGORIES = ["base", "miss_func", "miss_param", "long_context"]
 HERE = os.path.dirname(os.path.abspath(__file__))
-# The tiny preset: per category, the first TINY_PER_CATEGORY training tasks whose first
-# turn needs at most TINY_MAX_CALLS calls (a 1 M CPU model can learn to write those),
-# cut to their first TINY_TURNS turn(s).
+# the tiny preset: per category, the first training tasks whose first turn needs at most TINY_MAX_CALLS
+# calls (a 1 M CPU model can learn to write those), cut to their first TINY_TURNS turn(s)
 TINY_PER_CATEGORY, TINY_MAX_CALLS, TINY_TURNS = 2, 2, 1
-CLASS_DOC_FILES = {
-    "GorillaFileSystem": "gorilla_file_system.json",
-    "MathAPI": "math_api.json",
-    "MessageAPI": "message_api.json",
-    "TwitterAPI": "posting_api.json",
-    "TicketAPI": "ticket_api.json",
-    "TradingBot": "trading_bot.json",
-    "TravelAPI": "travel_booking.json",
-    "VehicleControlAPI": "vehicle_control.json",
-}
+CLASS_DOC_FILES = {"GorillaFileSystem": "gorilla_file_system.json", "MathAPI": "math_api.json",
+                   "MessageAPI": "message_api.json", "TwitterAPI": "posting_api.json", "TicketAPI": "ticket_api.json",
+                   "TradingBot": "trading_bot.json", "TravelAPI": "travel_booking.json",
+                   "VehicleControlAPI": "vehicle_control.json"}
 
 
 def bfcl_data_dir():
@@ -63,42 +53,29 @@ def build_tasks(data_dir):
         name = f"BFCL_v4_multi_turn_{cat}.json"
         answers = {a["id"]: a["ground_truth"] for a in read_lines(os.path.join(data_dir, "possible_answer", name))}
         for entry in read_lines(os.path.join(data_dir, name)):
-            # Same tool list as bfcl-eval's populate_test_cases_with_predefined_functions:
-            # every function of the involved classes, minus the held-out ones until their turn,
-            # which are listed in the entry's order (bfcl-eval announces them in that order).
+            # bfcl-eval's populate_test_cases_with_predefined_functions: the involved classes' functions,
+            # minus the held-out ones until their turn, in the entry's order (as bfcl-eval announces them)
             tools = [doc for cls in entry["involved_classes"] for doc in docs[cls]]
             missed = {}
             for turn, names in entry.get("missed_function", {}).items():
                 missed[turn] = [next(t for t in tools if t["name"] == name) for name in names]
                 tools = [t for t in tools if t["name"] not in names]
-            tasks[entry["id"]] = {
-                "id": entry["id"],
-                "category": cat,
-                "questions": entry["question"],
-                "initial_config": entry["initial_config"],
-                "involved_classes": entry["involved_classes"],
-                "tools": tools,
-                "missed_function": missed,
-                "long_context": cat == "long_context",
-                "ground_truth": answers[entry["id"]],
-            }
+            tasks[entry["id"]] = {"id": entry["id"], "category": cat, "questions": entry["question"],
+                                  "initial_config": entry["initial_config"], "involved_classes": entry["involved_classes"],
+                                  "tools": tools, "missed_function": missed, "long_context": cat == "long_context",
+                                  "ground_truth": answers[entry["id"]]}
     return tasks
 
 
 def first_turns(task, k):
-    """`task` cut to its first `k` turns: a task of its own (id suffixed `_<k>turn`) that the
-    official checker scores on those turns exactly as on the whole task's."""
+    """`task` cut to its first `k` turns, a task of its own (id suffixed `_<k>turn`)."""
     return {**task, "id": f"{task['id']}_{k}turn", "questions": task["questions"][:k],
             "ground_truth": task["ground_truth"][:k],
             "missed_function": {t: v for t, v in task["missed_function"].items() if int(t) < k}}
 
 
 def tiny_tasks(train):
-    """The tiny preset's tasks, derived from training tasks only (file order).
-
-    The categories are variants of the same scenarios (`multi_turn_base_2` and
-    `multi_turn_miss_func_2` share their questions): each scenario number is taken once.
-    """
+    """The tiny preset's tasks from training tasks (file order), each scenario number once across categories."""
     out, taken = [], set()
     for cat in CATEGORIES:
         fit = [t for t in train if t["category"] == cat and len(t["ground_truth"][0]) <= TINY_MAX_CALLS

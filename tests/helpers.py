@@ -39,6 +39,7 @@ from common.engine.engines import Generation
 from common.envs.bfcl import harness as bfcl
 from common.envs.bfcl import prompts
 from common.envs.bfcl.harness import ground_truth_calls
+from common.envs.bfcl.play import HINT_RULES
 from common.seal.interface import CAPABILITY_TEXT, error_hint, tool_view
 from common.seal.taxonomy import LABELS, RHO
 
@@ -557,21 +558,21 @@ def audit(task, omega):
 
             for call in bfcl.ground_truth_calls(task, turn):
                 for case, error in _call_errors(call, tools):
-                    check(turn, case, error, error_hint(error, tools, omega))
+                    check(turn, case, error, error_hint(error, tools, omega, HINT_RULES))
                 wrong = {k: _missing_value(v) for k, v in call["arguments"].items()}
                 if wrong != call["arguments"]:
                     _, errors = sandbox.run_calls([{"name": call["name"], "arguments": wrong}])
                     if errors[0]:
-                        check(turn, "exec_wrong_value", errors[0], error_hint(errors[0], tools, omega))
+                        check(turn, "exec_wrong_value", errors[0], error_hint(errors[0], tools, omega, HINT_RULES))
                 sandbox.run_calls([call])
                 results, errors = env.run_calls([call])
                 if errors[0]:
-                    check(turn, "exec_ground_truth", errors[0], error_hint(errors[0], tools, omega))
+                    check(turn, "exec_ground_truth", errors[0], error_hint(errors[0], tools, omega, HINT_RULES))
                 seen += results
         for lit in task_literals:
             for template in AUDIT_ENV_TEMPLATES:
                 error = json.dumps({"error": template.format(v=lit)})
-                check(turn, "env_template", error, error_hint(error, tools, omega))
+                check(turn, "env_template", error, error_hint(error, tools, omega, HINT_RULES))
     return out
 
 

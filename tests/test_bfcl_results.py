@@ -125,7 +125,7 @@ def test_all_800_tasks_result_files_are_scored_as_the_leaderboard_scores_them(tm
     without --partial-eval (it refuses a category with an entry missing). Played here: the oracle
     on the first two tasks of each category; the others as unplayed entries (no turn), which both
     checkers fail as force-terminated."""
-    import evaluate
+    from common.envs.bfcl import evaluate
 
     tasks, _ = evaluate.split_tasks("all")
     played = {t["id"] for t in bfcl.first_per_category(tasks, 2)}

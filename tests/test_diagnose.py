@@ -9,6 +9,7 @@ import sys
 import pytest
 from helpers import REFUSED_KINDS, SCHEMA_KINDS, bfcl_eval_decoded, oracle, perturbations, rollout
 
+from common.envs.bfcl import diagnose as D
 from common.envs.bfcl import harness as bfcl
 from common.envs.bfcl import replay
 from common.jsonl import write_jsonl
@@ -50,7 +51,7 @@ def test_reward_parity_with_the_official_checker(tasks):
     rewards = collections.Counter()
     for task in map(tasks.get, sample):
         for kind, (record, decoded) in built(task).items():
-            rec = taxonomy.diagnose(task, record)
+            rec = D.diagnose(task, record)
             verdict = bfcl.official_verdict(task, decoded)
             assert rec["official"] == verdict and rec["reward"] == int(verdict["valid"]), (task["id"], kind)
             raw = bfcl.official_verdict(task, bfcl_eval_decoded(record))

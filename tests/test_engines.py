@@ -7,8 +7,8 @@ import pytest
 from common.engine.engines import Generation, make_engine
 from common.engine.models import resolve_model
 from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import tiny
 from common.envs.bfcl.prompts import first_prompt
-from common.run import tiny
 
 MAX_LEN = 16384
 

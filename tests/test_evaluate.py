@@ -1,6 +1,7 @@
-"""evaluate.py's task sets: `--split all` is every multi-turn task bfcl-eval ships (the BFCL
-leaderboard's 800), of which the paper's train/held-in split is a partition; nothing is played here
-but a few oracle tasks."""
+"""evaluate.py, every environment's evaluation through the seam: BFCL's task sets (`--split all` is every
+multi-turn task bfcl-eval ships, the leaderboard's 800, of which the paper's split is a partition), a τ²
+split and τ²-bench's domains, each kind's flags refused for another's tasks; nothing is played here but a
+few oracle tasks and one tiny-model episode."""
 
 import json
 import os
@@ -8,7 +9,9 @@ import subprocess
 import sys
 
 import evaluate
+from common import envs
 from common.engine import playargs
+from common.envs.bfcl import evaluate as bfcl_eval
 from common.envs.bfcl import harness as bfcl
 from common.envs.bfcl import results as bfcl_results
 
@@ -16,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_all_is_bfcl_evals_800_tasks_and_the_papers_split_partitions_them():
-    tasks, which = evaluate.split_tasks("all")
+    tasks, which = bfcl_eval.split_tasks("all")
     assert which == "bfcl-eval's 800 multi-turn tasks" and len(tasks) == bfcl_results.LEADERBOARD_TASKS
     assert [t["id"] for t in tasks] == [f"multi_turn_{c}_{i}" for c in bfcl.CATEGORIES for i in range(200)]
     assert all(t["category"] in t["id"] and bfcl_results.bfcl_entry(t["id"]) for t in tasks)
@@ -26,12 +29,12 @@ def test_all_is_bfcl_evals_800_tasks_and_the_papers_split_partitions_them():
     assert set(split["train"]) | set(split["heldin"]) == {t["id"] for t in tasks}
     # the same records as the split's files: a held-in task scores the same in either run
     by_id = {t["id"]: t for t in tasks}
-    heldin, _ = evaluate.split_tasks("heldin")
+    heldin, _ = bfcl_eval.split_tasks("heldin")
     assert len(heldin) == 400 and all(t == by_id[t["id"]] for t in heldin)
     assert [t["id"] for t in bfcl.first_per_category(tasks, 2)] == [
         f"multi_turn_{c}_{i}" for c in bfcl.CATEGORIES for i in range(2)]
     # a task file still replaces the split
-    tiny, which = evaluate.split_tasks("all", os.path.join(ROOT, "data", "tiny.jsonl"))
+    tiny, which = bfcl_eval.split_tasks("all", os.path.join(ROOT, "data", "tiny.jsonl"))
     assert which == os.path.relpath(os.path.join(ROOT, "data", "tiny.jsonl"))
     assert tiny and all(t["id"].endswith("_1turn") for t in tiny)
 
@@ -66,8 +69,9 @@ def test_evaluation_plays_as_bfcl_eval_unless_a_flag_departs_and_names_each_depa
 
     def spec_and_differs(*flags):
         args = evaluate.parser.parse_args(["--policy", tiny_model, *flags])
-        spec = playargs.eval_spec(args, evaluate.parser, decoding=args.decoding)
-        return spec, evaluate.bfcl_settings(spec, context)
+        env = envs.load(args.tasks, args, evaluate.parser, evaluation=True)  # BFCL held-in: bfcl-eval's decoding
+        spec = playargs.eval_spec(args, evaluate.parser, decoding=env.decoding)
+        return spec, bfcl_eval.bfcl_settings(spec, context)
 
     spec, differs = spec_and_differs()
     assert differs == [] and spec.temperature["temperature"] == 0.001 and spec.omega is None and spec.rerender
@@ -95,24 +99,22 @@ def _read(out):
             for r in rows], json.loads((out / "scores.json").read_text())
 
 
-def test_a_tau2_split_is_scored_through_the_seam_as_ood_tau_scores_it(tmp_path):
-    """evaluate.py --tasks tau2:DOMAIN:SPLIT writes what python -m ood.tau --domain DOMAIN --split SPLIT
-    writes for the same tasks: the same episodes and the same scores.json, pass^k included (the oracle:
-    gold actions, a scripted user, τ²'s evaluator)."""
-    seam, bench = tmp_path / "seam", tmp_path / "bench"
+def test_a_tau2_split_is_scored_through_the_seam_with_pass_k(tmp_path):
+    """evaluate.py --tasks tau2:DOMAIN:SPLIT: τ²'s evaluator with pass^k (the oracle: gold actions, a scripted
+    user), and none of bfcl-eval's files; --tasks tau2:DOMAIN without a split is the paper's task set."""
+    seam = tmp_path / "seam"
     res = _run("evaluate.py", "--policy", "oracle", "--tasks", "tau2:airline:test", "--limit", "1", "--trials", "2",
                "--out", str(seam))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "pass^2 over 2 trials" in res.stdout
-    res = _run("-m", "ood.tau", "--policy", "oracle", "--domain", "airline", "--split", "test", "--limit", "1",
-               "--trials", "2", "--out", str(bench))
-    assert res.returncode == 0, res.stderr[-3000:]
-    (rows, scores), (bench_rows, bench_scores) = _read(seam), _read(bench)
+    rows, scores = _read(seam)
     assert set(scores) == TAU2_SCORE_KEYS | {"airline"}
-    assert {**scores, "seconds": 0} == {**bench_scores, "seconds": 0} and rows == bench_rows
     assert scores["split"] == "test" and scores["tasks"] == {"airline": 1} and scores["airline"] == 100.0
     assert scores["pass_k"]["airline"] == {"1": 100.0, "2": 100.0} and [r["trial"] for r in rows] == [0, 1]
     assert not (seam / "result").exists() and not (seam / "rollouts.jsonl").exists()  # bfcl-eval's files: BFCL's
+    res = _run("evaluate.py", "--policy", "oracle", "--tasks", "tau2:retail", "--limit", "1", "--out", str(tmp_path / "p"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _read(tmp_path / "p")[1]["split"] == "the paper's set"
 
 
 def test_a_model_plays_a_tau2_split_against_the_scripted_user(tmp_path, tiny_model):
@@ -131,15 +133,17 @@ def test_a_model_plays_a_tau2_split_against_the_scripted_user(tmp_path, tiny_mod
 def test_bad_tasks_and_flags_of_another_environment_are_refused(tmp_path):
     out = tmp_path / "none"
     for args, message in [
-            (["--tasks", "tau2:airline"], "τ² tasks are named tau2:DOMAIN:SPLIT"),
+            (["--tasks", "tau2:airline:test:x"], "τ² tasks are named tau2:DOMAIN:SPLIT"),
             (["--tasks", "tau2:nosuch:test"], "τ² domain 'nosuch'"),
             (["--tasks", "tau2:airline:nosuch"], "Invalid task split name: nosuch"),
-            (["--tasks", "no/such/tasks.jsonl"], "no such task file (a BFCL task file, or tau2:DOMAIN:SPLIT)"),
-            (["--tasks", "tau2:airline:test", "--split", "heldin"], "--split is BFCL's"),
+            (["--tasks", "no/such/tasks.jsonl"], "no such task file (a BFCL task file, or KIND:..."),
+            (["--tasks", "tau2:airline:test", "--split", "heldin"], "--split: for bfcl tasks, not tau2:airline:test"),
+            (["--tasks", "bfcl-memory", "--split", "all"], "--split and --bfcl-model are BFCL multi-turn's"),
+            (["--memory-scenario", "student"], "--memory-backend and --memory-scenario are for --tasks"),
             (["--tasks", "tau2:airline:test", "--trials", "0"], "must be at least 1"),
             (["--tasks", "tau2:airline:test", "--scripted-user"], "takes no user simulator"),
-            (["--split", "heldin", "--scripted-user"], "are for τ² tasks (--tasks tau2:DOMAIN:SPLIT)"),
-            (["--trials", "2"], "are for τ² tasks")]:
+            (["--split", "heldin", "--scripted-user"], "--scripted-user: for tau2 tasks, not BFCL held-in"),
+            (["--trials", "2"], "--trials: for tau2 tasks")]:
         res = _run("evaluate.py", "--policy", "oracle", *args, "--out", str(out))
         assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, (args, res.stderr)
     assert not out.exists()

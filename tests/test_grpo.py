@@ -32,7 +32,6 @@ from common.train.grpo import (
     kl_k3,
     load_rho,
     mini_batch_slices,
-    padding_share,
     plan_micro_batches,
     rollout_correction,
     rollout_temperature,
@@ -488,6 +487,13 @@ def test_mini_batch_slices_spread_leftovers(n, size, sizes):
     slices = mini_batch_slices(n, size)
     assert [b - a for a, b in slices] == sizes
     assert [i for a, b in slices for i in range(a, b)] == list(range(n))
+
+
+def padding_share(lengths, micro_batches):
+    """Share of padded positions over all positions the micro-batches compute."""
+    real = sum(lengths[i] for mb in micro_batches for i in mb)
+    padded = sum(len(mb) * max(lengths[i] for i in mb) for mb in micro_batches if mb)
+    return (padded - real) / padded if padded else 0.0
 
 
 def test_length_grouping_reduces_padding():
@@ -1033,8 +1039,10 @@ def test_turn_credit_clears_only_turns_the_environment_verified(tmp_path):
     assert turn_weights(["invalid_tool_call"], ends, -1.0, 2.0, {"invalid_tool_call": 3.0}) == [2.0]  # clipped
     tau = [turned("t", 0, [(1, "answer"), (1, "answer")], [5], [1, 0, 2], [1, 0, 1], env="tau2:airline"),
            turned("t", 1, [(1, "answer"), (1, "answer")], [5], [3, 0, 4], [1, 0, 1], env="tau2:airline")]
+    from common.envs import checks_turns  # the stage asks the registry and hands grpo the answer
+
     fail, _ = turn_join(tmp_path, tau, [labelled("t", 0, 0, ["pass", "state_mismatch"]),
-                                        labelled("t", 1, 1, ["pass", "pass"])], turn_credit=True)
+                                        labelled("t", 1, 1, ["pass", "pass"])], turn_credit=True, checked=checks_turns)
     assert fail.turn_weights == [fail.weight, 1.0] and fail.weight == 1.0
 
 

@@ -8,6 +8,7 @@ import helpers
 import pytest
 
 from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl.play import HINT_RULES
 from common.jsonl import RecordError
 from common.seal import interface as I
 
@@ -141,8 +142,8 @@ def test_call_error_hints(error, cls, expect):
 ])
 def test_env_error_hints(error, cls, expect):
     error = error if isinstance(error, str) else json.dumps(error)
-    assert I.error_class(error)[0] == cls
-    hint = I.error_hint(error, LOGIN, I.initial())
+    assert I.error_class(error, HINT_RULES)[0] == cls
+    hint = I.error_hint(error, LOGIN, I.initial(), HINT_RULES)
     assert expect in hint
     assert "7" not in hint and "seal" not in hint  # never echoes the error's values
 
@@ -152,7 +153,9 @@ def test_no_rule_no_hint():
     assert I.error_hint(json.dumps({"result": "ok"}), LOGIN, I.initial()) is None
     # An execution error is never read as a call rejection, and vice versa.
     assert I.error_class(json.dumps({"error": "unknown tool cd"}))[0] is None
-    assert I.error_class("cd: 'x': No such file or directory")[0] is None
+    assert I.error_class("cd: 'x': No such file or directory", HINT_RULES)[0] is None
+    # an environment's own failures are its rules' (BFCL's file system), not Ω's generic ones
+    assert I.error_class(json.dumps({"error": "cd: 'x': No such file or directory"}))[0] is None
 
 
 def test_literal_rule():
@@ -179,13 +182,13 @@ def test_leakage_audit_all_training_tasks(tasks):
     for case in ("unknown_tool", "unknown_parameter", "missing_parameter", "wrong_type", "parse_json",
                  "parse_python", "exec_wrong_value", "env_template"):
         assert by_case.get(case, 0) > 100, case
-    assert {I.error_class(c["error"])[0] for c in hinted if c["case"] == "exec_wrong_value"} >= \
+    assert {I.error_class(c["error"], HINT_RULES)[0] for c in hinted if c["case"] == "exec_wrong_value"} >= \
         {"bad_path", "not_found", "not_logged_in", "invalid_value"}
 
 
 def test_audit_catches_a_leaky_hint(tasks, monkeypatch):
     """The audit has teeth: a hint that echoed the error (and so the ground truth) is caught."""
-    monkeypatch.setattr(helpers, "error_hint", lambda error, tools, omega: error)
+    monkeypatch.setattr(helpers, "error_hint", lambda error, tools, omega, rules=(): error)
     some = list(tasks.values())[::20]
     leaked = [c for task in some for c in helpers.audit(task, I.initial()) if c["leaks"]]
     assert len(leaked) > 50 and any(c["case"] == "env_template" for c in leaked)

@@ -16,11 +16,10 @@ from helpers import Teacher, in_process, seq_logprob
 
 from common.engine import calls as C
 from common.engine.engines import make_engine
+from common.envs.bfcl import diagnose as bfcl_diagnose
 from common.envs.bfcl import harness as bfcl
-from common.envs.bfcl import play
+from common.envs.bfcl import play, tiny
 from common.jsonl import write_jsonl
-from common.run import tiny
-from common.seal import taxonomy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = 3  # real samples per task
@@ -47,7 +46,7 @@ def batch(tiny_model, tiny_server, tmp_path_factory):
         for k, r in enumerate(group):
             r["sample_index"] = k
         records += group
-    diagnoses = [taxonomy.diagnose(next(t for t in tasks if t["id"] == r["task_id"]), r) for r in records]
+    diagnoses = [bfcl_diagnose.diagnose(next(t for t in tasks if t["id"] == r["task_id"]), r) for r in records]
     folder = tmp_path_factory.mktemp("learning")
     write_jsonl(folder / "rollouts.jsonl", records)
     write_jsonl(folder / "diagnoses.jsonl", diagnoses)

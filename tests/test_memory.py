@@ -1,7 +1,7 @@
-"""BFCL V4 memory (ood/memory.py, python -m ood.memory) against bfcl-eval's own data,
-backend classes and checker.
+"""BFCL V4 memory (common/envs/bfcl/memory.py, evaluate.py --tasks bfcl-memory) against bfcl-eval's own
+data, backend classes and checker.
 
-The oracle and the tiny model run through ood/memory.py as a command. The notetaker scenario is the
+The oracle and the tiny model run through evaluate.py as a command. The notetaker scenario is the
 cheapest (5 short prerequisite conversations), so the end-to-end runs use it.
 """
 
@@ -14,14 +14,14 @@ import sys
 
 import pytest
 
-from ood import memory
+from common.envs.bfcl import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTETAKER_PREREQS = 5
 
 
 def evaluate_cli(out, *extra, env=None):
-    cmd = [sys.executable, "-m", "ood.memory", "--suite", "bfcl-memory", "--out", str(out), *extra]
+    cmd = [sys.executable, "evaluate.py", "--tasks", "bfcl-memory", "--out", str(out), *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=600)
 
@@ -189,7 +189,7 @@ def test_tiny_model_plays_a_scenario_end_to_end(tmp_path, tiny_model, tiny_serve
 def test_web_search_without_a_key_is_a_clear_error(tmp_path):
     out = tmp_path / "web"
     env = {k: v for k, v in os.environ.items() if k != memory.SEARCH_KEY}
-    res = subprocess.run([sys.executable, "-m", "ood.memory", "--suite", "bfcl-web", "--policy", "oracle",
+    res = subprocess.run([sys.executable, "evaluate.py", "--tasks", "bfcl-web", "--policy", "oracle",
                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode != 0 and memory.SEARCH_KEY in res.stderr
     assert not out.exists()

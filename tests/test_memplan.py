@@ -407,5 +407,6 @@ def test_the_user_server_gets_the_share_and_context_its_plan_counts():
     from vllm.config.cache import CacheConfig
     (field,) = [f for f in dataclasses.fields(CacheConfig) if f.name == "gpu_memory_utilization"]
     assert field.default.default == 0.92  # vLLM's own: what the server took before it was given 0.9
-    script = open(os.path.join(ROOT, "loop.sh")).read()
-    assert "from common.train.memplan import user_serve_args" in script
+    p = presets.resolve("qwen7b", ["ENV=tau2:retail", "USER_MODEL=/m/u", "GPUS=4"])
+    words = presets.env_shell(p)["ENV_PLAY"]  # the flags loop.sh gives rollout.py, and evaluate.py likewise
+    assert words[words.index("--user-serve-args") + 1] == memplan.user_serve_args(p.max_len)

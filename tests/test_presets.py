@@ -11,14 +11,15 @@ import sys
 import pytest
 
 from common import presets
+from common.envs.tau2 import Tau2Env
 from common.presets import PRESETS, Preset
 from common.train import memplan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_PRESETS = [name for name, p in PRESETS.items() if p.gpu_mem_gib]
 # Values a shell mangles unless each is quoted: spaces, quotes, $, a glob, a newline, nothing.
-AWKWARD = {"USER_MODEL_NAME": "a b  'c' \"d\" $HOME `x` *", "OOD": "bfcl-memory tau2", "EXTRA_TRAIN": "--cpu\n--x",
-           "SERVER": ""}
+AWKWARD = {"USER_MODEL_NAME": "a b  'c' \"d\" $HOME `x` *", "USER_BASE_URL": "http://h/v1", "OOD": "bfcl-memory tau2",
+           "EXTRA_TRAIN": "--cpu\n--x", "SERVER": ""}
 
 
 def cli(*args):
@@ -74,8 +75,7 @@ def test_a_stage_run_by_hand_takes_the_presets_defaults():
         assert (args.engine, args.handler, args.max_steps_per_turn, args.call_format) == (
             d.engine, d.bfcl_handler, int(d.max_steps), d.call_format)
     assert (ev.max_model_len, ev.max_new_tokens) == (None, playargs.BFCL_MAX_NEW_TOKENS)
-    from ood import tau
-    for args in (roll, tau.parser.parse_args(["--policy", "oracle", "--out", "o"])):  # the τ² user simulator's
+    for args in (roll, ev):  # the τ² user simulator's
         assert (args.user_timeout, args.user_tool_parser) == (float(d.user_timeout), d.user_tool_parser)
     train = train_grpo.parser.parse_args(["--model", "m", "--rollouts", "r", "--diagnoses", "d", "--out", "o"])
     assert (train.kl_coef, train.mini_batch_tasks, train.max_tokens_per_micro_batch, train.lora_r) == (
@@ -296,15 +296,15 @@ def test_env_tau2_plays_a_domains_train_split_and_checks_its_user():
     assert presets.resolve("tiny", ["ENV=tau2:airline"]).tasks == "tau2:airline:train"
     assert presets.resolve("tiny", ["ENV=tau2:airline", "TASKS=tau2:airline:test"]).tasks == "tau2:airline:test"
     assert presets.resolve("tiny").env == "bfcl" and presets.resolve("tiny").tasks == "data/tiny.jsonl"
-    # tiny on τ²: the tasks its model's warm start learnt (common/run/tiny.py) and room for a τ² call
+    # tiny on τ²: the tasks its model's warm start learnt (common/envs/tau2/tiny.py) and room for a τ² call
     tiny = presets.resolve("tiny", ["ENV=tau2:airline"])
-    assert (tiny.train_limit, tiny.max_new) == (str(presets.TINY_TAU2_TASKS), str(presets.TINY_TAU2_MAX_NEW))
+    assert (tiny.train_limit, tiny.max_new) == (str(Tau2Env.TINY_TASKS), str(Tau2Env.TINY_MAX_NEW))
     assert presets.resolve("tiny", ["ENV=tau2:airline", "TRAIN_LIMIT=3", "MAX_NEW=64"]).train_limit == "3"
     user = ["USER_BASE_URL=http://h/v1", "USER_MODEL_NAME=u"]
     gpu = presets.resolve("qwen3-4b", ["ENV=tau2:airline", "GPUS=4", *user])
     assert gpu.train_limit == ""
     # a GPU preset's training context on τ²: sized from the oracle's episodes (bench/tau2_context.py)
-    assert gpu.max_len == str(presets.TAU2_MAX_LEN) == "32768" and presets.resolve("qwen3-4b", ["GPUS=4"]).max_len == "16384"
+    assert gpu.max_len == str(Tau2Env.MAX_LEN) == "32768" and presets.resolve("qwen3-4b", ["GPUS=4"]).max_len == "16384"
     assert presets.resolve("qwen3-4b", ["ENV=tau2:airline", "GPUS=4", "MAX_LEN=20000", *user]).max_len == "20000"
     assert presets.resolve("tiny", ["ENV=tau2:airline"]).max_len == presets.resolve("tiny").max_len
     res = subprocess.run(["bash", "loop.sh", "qwen3-4b", "--plan", "--set", "ENV=tau2:retail", "--set", "GPUS=4",
@@ -315,7 +315,10 @@ def test_env_tau2_plays_a_domains_train_split_and_checks_its_user():
                           (["ENV=tau2:airline", "TAU_K=0"], "TAU_K=0: τ²'s trials per task"),
                           (["ENV=tau2:airline", "OOD=bfcl-memory tau2"], "OOD=tau2 scores the τ² domains"),
                           (["ENV=tau2:airline", "USER_BASE_URL=http://h/v1"], "go together"),
-                          (["OOD=bfcl-heldin"], "OOD=bfcl-heldin is a τ²-trained run's"),
+                          (["OOD=bfcl-heldin"], "OOD=bfcl-heldin is another environment's run's"),
+                          (["OOD=tau2"], "OOD tau2 needs a user simulator"),
+                          (["OOD=nope"], "the benches are bfcl-heldin"),
+                          (["ENV=nope:x"], "ENV=nope:x: an environment of bfcl, tau2"),
                           (["ENV=tau2:airline", "USER_MODEL=/m", "USER_BASE_URL=http://h/v1", "USER_MODEL_NAME=n"],
                            "one user simulator")]:
         with pytest.raises(presets.PresetError, match=message):

@@ -16,6 +16,7 @@ import pytest
 from helpers import Script, theirs
 
 from common.engine import calls as C
+from common.engine import episode
 from common.envs.bfcl import harness as bfcl
 from common.envs.bfcl import play, prompts
 
@@ -28,7 +29,7 @@ def ours(task, engine, handler="QwenFCHandler", fmt="json"):
                          rerender=True)
     traj = play.Rerendered(task, 0, spec, engine.tokenizer, engine.stop_ids)
     engine.traj = traj
-    play.run([traj], engine, spec, progress=False)
+    episode.run([traj], engine, spec, progress=False)
     return traj.record(0, "script"), traj
 
 

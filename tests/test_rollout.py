@@ -2,7 +2,7 @@
 
 The turn protocol (bfcl-eval's loop, and Ω's decode-failure rule) is checked on
 the tiny model's own outputs through the recorded fields, and its decision rule
-(`play.turn_action`) on real environment steps. One prompt-rendering case needs
+(`episode.turn_action`) on real environment steps. One prompt-rendering case needs
 a fixed bad call (a cue rendered after it) and uses `Scripted`: fixed texts
 tokenised by the real tokenizer, against the real environment.
 """
@@ -15,11 +15,11 @@ import sys
 import pytest
 from helpers import Scripted
 
+from common.engine import episode
 from common.engine.chat import Renderer
 from common.engine.engines import Generation, make_engine
 from common.envs.bfcl import harness as bfcl
-from common.envs.bfcl import play, prompts
-from common.run import tiny
+from common.envs.bfcl import play, prompts, tiny
 from common.seal import interface as omega_api
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,8 +57,8 @@ def conversation(task, record, omega=None):
                 contents = list(step["results"])
                 if step["parse_error"] and record["decode_failure"] == "feedback":  # skipped blocks: Ω's
                     contents.append(f"Error: could not parse tool calls: {step['parse_error']}")
-                for i, err in enumerate(play.hint_errors(step)[:len(contents)]):
-                    hint = omega_api.error_hint(err, bfcl.tools_at(task, t), omega) if err else None
+                for i, err in enumerate(episode.hint_errors(step)[:len(contents)]):
+                    hint = omega_api.error_hint(err, bfcl.tools_at(task, t), omega, play.HINT_RULES) if err else None
                     contents[i] += f"\n{hint}" if hint else ""
                 msgs += [{"role": "tool", "content": c} for c in contents]
     return msgs
@@ -82,7 +82,7 @@ def check_record(task, rec, tokenizer, omega=None):
     steps = [s for turn in rec["turns"] for s in turn["steps"]]
     assert len(runs) == len(steps)
     for run, step in zip(runs, steps, strict=True):
-        assert play.decode(tokenizer, Generation(run, [], "stop"), {tokenizer.eos_token_id}) == step["text"]
+        assert episode.decode(tokenizer, Generation(run, [], "stop"), {tokenizer.eos_token_id}) == step["text"]
     # No drift: the prompt is bfcl-eval's QwenFCHandler prompt, and the whole context decodes
     # to what that handler adds around the model's own outputs for the conversation rebuilt
     # from the transcript (token-in/token-out).
@@ -131,7 +131,7 @@ def test_same_seed_same_records_on_hf(tiny_model, tasks):
 def test_context_limit_stops_the_trajectory_without_crashing_the_batch(tiny_model, tasks):
     short, long_ = tasks["multi_turn_base_105"], tasks["multi_turn_base_0"]
     engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
-    plen = len(play.Trajectory(short, 0, play.PlaySpec(), engine.tokenizer).prompt_ids)
+    plen = len(play.Trajectory(short, 0, play.PlaySpec(), engine.tokenizer).log.prompt_ids)
     recs, _ = play.play([short, long_], 1, engine, play.PlaySpec(max_model_len=plen + 12, max_new_tokens=64),
                         progress=False)
     assert recs[0]["stop"] == "context_limit" and recs[0]["turns"][-1]["end"] == "context_limit"
@@ -175,20 +175,20 @@ def test_turn_action_is_bfcl_eval_loop(tasks):
                                              '<tool_call>{"name": "ls", "arguments": {'])
     assert call["calls"] and not answer["calls"] and garbage["parse_error"]
     for rule in ("end_turn", "feedback"):
-        assert play.turn_action(answer, 1, rule, 20) == "end_turn"
-        assert [play.turn_action(call, k, rule, 20) for k in (1, 20, 21)] == ["continue", "continue", "force_quit"]
-    assert play.turn_action(garbage, 1, "end_turn", 20) == "end_turn"
-    assert play.turn_action(garbage, 1, "feedback", 20) == "continue"
-    assert play.turn_action(garbage, 21, "feedback", 20) == "force_quit"
+        assert episode.turn_action(answer, 1, rule, 20) == "end_turn"
+        assert [episode.turn_action(call, k, rule, 20) for k in (1, 20, 21)] == ["continue", "continue", "force_quit"]
+    assert episode.turn_action(garbage, 1, "end_turn", 20) == "end_turn"
+    assert episode.turn_action(garbage, 1, "feedback", 20) == "continue"
+    assert episode.turn_action(garbage, 21, "feedback", 20) == "force_quit"
     # A <tool_call> block bfcl-eval skips does not stop the others: the step runs them and goes on.
     partial, = env_steps(task, ['<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": ls}\n</tool_call>'])
     assert len(partial["calls"]) == 1 and partial["parse_error"]
-    assert play.turn_action(partial, 1, "end_turn", 20) == "continue"
+    assert episode.turn_action(partial, 1, "end_turn", 20) == "continue"
     # A schema break or a refused name is still a step with calls: bfcl-eval ran (or tried) it.
     broken, refused = env_steps(task, ['<tool_call>\n{"name": "cd", "arguments": {"folder": 7}}\n</tool_call>',
                                        '<tool_call>\n{"name": "rm_all", "arguments": {}}\n</tool_call>'])
     assert broken["schema_errors"][0] and refused["schema_errors"][0]
-    assert play.turn_action(broken, 1, "end_turn", 20) == play.turn_action(refused, 1, "end_turn", 20) == "continue"
+    assert episode.turn_action(broken, 1, "end_turn", 20) == episode.turn_action(refused, 1, "end_turn", 20) == "continue"
 
 
 @pytest.mark.parametrize("omega_kind, rule", [("absent", "end_turn"), ("off", "end_turn"), ("initial", "feedback")])
@@ -206,7 +206,7 @@ def test_play_loop_follows_the_decode_failure_rule_of_omega(tiny_model, tasks, t
         assert rec["decode_failure"] == rule
         for t, turn in enumerate(rec["turns"]):
             steps = turn["steps"]
-            actions = [play.turn_action(s, k + 1, rule, limit) for k, s in enumerate(steps)]
+            actions = [episode.turn_action(s, k + 1, rule, limit) for k, s in enumerate(steps)]
             assert all(a == "continue" for a in actions[:-1]), actions  # only a turn's last step may end it
             ends = {"end_turn": ("decode_error" if steps[-1]["parse_error"] else "answer"), "force_quit": "step_limit"}
             if t < len(rec["turns"]) - 1 or rec["stop"] == "done":
@@ -217,7 +217,7 @@ def test_play_loop_follows_the_decode_failure_rule_of_omega(tiny_model, tasks, t
                 assert turn["end"] != "decode_error"
             failures += sum(s["parse_error"] is not None for s in steps)
         check_record(tasks[rec["task_id"]], rec, tokenizer, omega)
-    print(f"\n{omega_kind}: {failures} undecodable outputs, turn ends {play.summary(recs)['turn_ends']}")
+    print(f"\n{omega_kind}: {failures} undecodable outputs, turn ends {episode.summary(recs)['turn_ends']}")
 
 
 def test_cues_reach_the_prompt_masked_and_counted(tasks, tokenizer):
@@ -239,8 +239,8 @@ def test_cues_reach_the_prompt_masked_and_counted(tasks, tokenizer):
     assert rec["stats"]["cue_tokens"] >= len(tokenizer(step["feedback"], add_special_tokens=False)["input_ids"])
     check_record(task, rec, tokenizer, omega)
     # Evaluation: with Ω absent or switched off the prompt is the plain one, byte for byte.
-    plain = play.Trajectory(task, 0, play.PlaySpec(), tokenizer).prompt_ids
-    assert play.Trajectory(task, 0, play.PlaySpec(omega=omega_api.off()), tokenizer).prompt_ids == plain
+    plain = play.Trajectory(task, 0, play.PlaySpec(), tokenizer).log.prompt_ids
+    assert play.Trajectory(task, 0, play.PlaySpec(omega=omega_api.off()), tokenizer).log.prompt_ids == plain
     assert plain != rec["tokens"]["prompt_ids"]
 
 

@@ -2,9 +2,9 @@
 percent per group to two decimals, means over the rounded group scores, and each table's own
 reading of a group without results."""
 
-import evaluate
+from common.envs.bfcl import evaluate, memory
+from common.envs.tau2 import tau2 as tau
 from common.run.scores import mean, percent_by_group
-from ood import memory, tau
 
 
 def rows(key, value, **groups):

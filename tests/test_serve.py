@@ -584,7 +584,7 @@ def test_a_tied_policy_refreshes_its_output_layer_and_a_server_without_the_exten
     bare = fake_vllm(label="seal:/the/last/policy", extension=False)  # a server a user started without it
     with pytest.raises(RecordError, match=r"answered 500.*ties its output layer to its embeddings: an in-place "
                                           r"load needs the server started with --worker-extension-cls "
-                                          r"common\.serve\.WorkerExtension"):
+                                          r"common\.engine\.serve\.WorkerExtension"):
         serve.reload([bare.url], policy)
     assert bare.label == "seal:/the/last/policy"  # not labelled with a policy it may not serve
 

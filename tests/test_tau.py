@@ -1,4 +1,4 @@
-"""τ²-bench through python -m ood.tau (ood/tau.py), on τ²'s own orchestrator and evaluator.
+"""τ²-bench through evaluate.py --tasks tau2[:DOMAIN...], on τ²'s own orchestrator and evaluator.
 
 The oracle (gold actions replayed as model text, gold user actions by a scripted user)
 must score 100 and a lazy oracle must not; the tiny model plays one task per domain as
@@ -18,15 +18,16 @@ import urllib.parse
 
 import pytest
 
+from common.envs.tau2 import tau2 as tau
 from common.envs.tau2 import tau2 as tau2_env
-from ood import tau
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW_KEYS = {"domain", "task_id", "reward", "termination", "error", "reward_info", "agent_steps", "transcript"}
 
 
-def evaluate(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "ood.tau", *args], cwd=ROOT, capture_output=True,
+def evaluate(*args, timeout=600):  # τ²-bench's three domains unless --tasks names others
+    tasks = () if "--tasks" in args else ("--tasks", "tau2")
+    return subprocess.run([sys.executable, "evaluate.py", *tasks, *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
@@ -141,19 +142,19 @@ def test_tiny_model_plays_each_domain_against_served_user(tmp_path, tiny_model, 
     args = ["--policy", tiny_model, "--server", tiny_server, "--user-model", tiny_model, "--limit", "1",
             "--engine", "vllm", "--max-new-tokens", "24", "--user-max-tokens", "24", "--max-episode-steps", "4",
             "--max-model-len", "16384", "--out", str(out)]
-    res = evaluate(*args, "--domain", "telecom", timeout=900)
+    res = evaluate(*args, "--tasks", "tau2:telecom", timeout=900)
     assert res.returncode == 1 and "answers a tool offer with text, not a tool call" in res.stderr, res.stderr[-4000:]
     assert "--user-tool-parser (USER_TOOL_PARSER)" in res.stderr and "--tool-call-parser hermes" in res.stderr
     assert "Traceback" not in res.stderr and not (out / "results.jsonl").exists() and not (out / "scores.json").exists()
     port = int(re.search(r"at http://127\.0\.0\.1:(\d+)/v1 answers", res.stderr).group(1))
     assert not _servers(tiny_model, port)
     t0 = time.perf_counter()
-    res = evaluate(*args, "--domain", "retail,airline", "--concurrency", "2", timeout=900)
+    res = evaluate(*args, "--tasks", "tau2:retail,airline", "--concurrency", "2", timeout=900)
     seconds = time.perf_counter() - t0
     assert res.returncode == 0, res.stderr[-4000:]
     rows, scores = read_out(out)
     port = urllib.parse.urlparse(scores["user_simulator"]["base_url"]).port
-    assert not _servers(tiny_model, port)  # the server ood/tau.py started is gone
+    assert not _servers(tiny_model, port)  # the server evaluate.py started is gone
     assert [r["domain"] for r in rows] == ["retail", "airline"]
     for r in rows:
         assert ROW_KEYS <= set(r) and 0.0 <= r["reward"] <= 1.0
@@ -174,7 +175,7 @@ def test_trials_give_taus_pass_k(tmp_path):
     pass_hat_k; a task solved in 2 of 3 trials counts 2/3 at pass^1, 1/3 at pass^2, 0 at pass^3."""
     import random
     out = tmp_path / "oracle"
-    res = evaluate("--policy", "oracle", "--domain", "airline", "--limit", "2", "--trials", "2", "--out", str(out))
+    res = evaluate("--policy", "oracle", "--tasks", "tau2:airline", "--limit", "2", "--trials", "2", "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     rows, scores = read_out(out)
     draw = random.Random(300)
@@ -195,7 +196,7 @@ def test_trials_give_taus_pass_k(tmp_path):
 def test_bad_input_clear_error_and_no_output(tmp_path, tiny_model):
     out = tmp_path / "none"
     res = evaluate("--policy", tiny_model, "--out", str(out))
-    assert res.returncode != 0 and "needs a user simulator" in res.stderr
+    assert res.returncode != 0 and "need one user simulator" in res.stderr
     with socket.socket() as s:  # a port that nobody answers on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -354,7 +355,7 @@ TIMEOUT = 3  # --user-timeout of the tests: seconds
 
 def test_a_user_endpoint_that_never_answers_stops_the_stage(tmp_path, tiny_model, fake_user):
     """A socket that accepts and never answers, and an endpoint that lists its model but holds every
-    chat request: rollout.py and python -m ood.tau stop within two timeouts of the first request
+    chat request: rollout.py and evaluate.py stop within two timeouts of the first request
     (their error line; the interpreter's teardown follows), naming the endpoint, exit 1, no output."""
     silent = fake_user("silent")
     out = tmp_path / "r.jsonl"
@@ -365,7 +366,7 @@ def test_a_user_endpoint_that_never_answers_stops_the_stage(tmp_path, tiny_model
     assert not list(tmp_path.iterdir())
 
     holding = fake_user("hang")
-    res, done = timed(["-m", "ood.tau", "--policy", tiny_model, "--engine", "hf", "--domain", "airline",
+    res, done = timed(["evaluate.py", "--policy", tiny_model, "--engine", "hf", "--tasks", "tau2:airline",
                        "--limit", "1", "--max-new-tokens", "16", "--max-episode-steps", "4", "--user-base-url",
                        holding.url, "--user-model-name", "u", "--user-timeout", str(TIMEOUT),
                        "--out", str(tmp_path / "ood")])
@@ -396,7 +397,7 @@ def test_a_user_endpoint_that_answers_tool_offers_with_text(tmp_path, tiny_model
     assert "--enable-auto-tool-choice" in res.stderr and "telecom" in res.stderr
     (_, check), = texting.chats
     assert check["tool_choice"] == "auto" and {t["function"]["name"] for t in check["tools"]} >= {"check_status_bar"}
-    res = evaluate("--policy", tiny_model, "--engine", "hf", "--domain", "telecom", "--limit", "1",
+    res = evaluate("--policy", tiny_model, "--engine", "hf", "--tasks", "tau2:telecom", "--limit", "1",
                    "--user-base-url", texting.url, "--user-model-name", "u", "--out", str(tmp_path / "ood"))
     stopped(res, says="answers a tool offer with text, not a tool call")
     assert "--enable-auto-tool-choice" in res.stderr and len(texting.chats) == 2
@@ -407,7 +408,7 @@ def test_a_user_endpoint_that_answers_tool_offers_with_text(tmp_path, tiny_model
     record, = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["user_simulator"] == f"u at {texting.url}" and record["turns"][0]["user"] == \
         "I want to cancel my booking."
-    res = evaluate("--policy", tiny_model, "--engine", "hf", "--domain", "retail", "--limit", "1",
+    res = evaluate("--policy", tiny_model, "--engine", "hf", "--tasks", "tau2:retail", "--limit", "1",
                    "--max-new-tokens", "16", "--max-episode-steps", "4", "--user-base-url", texting.url,
                    "--user-model-name", "u", "--out", str(tmp_path / "ood"))
     assert res.returncode == 0, res.stderr[-3000:]

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from common.engine import calls as calls_api
+from common.envs.tau2 import diagnose as D
 from common.envs.tau2 import tau2 as T
 from common.jsonl import RecordError
 
@@ -40,7 +41,7 @@ def scripted(tau2, domain, task_id, outputs):
 
     row = tau2.play(domain, task, players, 50, "json")
     record = T.episode_record(row, NO_TOKENS, 0, 0, "scripted", "scripted", 0.0)
-    return record, T.diagnose(tau2, domain, task, record)
+    return record, D.diagnose(tau2, domain, task, record)
 
 
 GOLD = call("create_task", user_id="user_1", title="Important Meeting")
@@ -94,14 +95,14 @@ def test_the_reward_is_taus_evaluator_on_the_transcript(tau2):
         for c in m.get("tool_calls") or []:
             c["arguments"]["title"] = "Edited"
     with pytest.raises(RecordError, match="does not replay"):
-        T.diagnose(tau2, "mock", task, edited)
+        D.diagnose(tau2, "mock", task, edited)
     broken = json.loads(json.dumps(record))
     broken["turns"][0]["steps"][0]["calls"] = [["create_task"]]
     with pytest.raises(RecordError, match="turn 0 is not a τ² rollout's turn"):
-        T.diagnose(tau2, "mock", task, broken)
+        D.diagnose(tau2, "mock", task, broken)
     edited["transcript"][1]["role"] = "wizard"
     with pytest.raises(RecordError, match="not a τ² transcript"):
-        T.diagnose(tau2, "mock", task, edited)
+        D.diagnose(tau2, "mock", task, edited)
 
 
 def test_splits_and_playable_tasks(tau2):
@@ -174,7 +175,7 @@ def test_the_user_flags_belong_to_tau2_tasks(tmp_path, tiny_model):
     res = _stage("rollout.py", "--model", tiny_model, "--tasks", "tau2:mock:base", "--out", out)
     assert res.returncode == 2 and "τ² tasks need one user" in res.stderr
     res = _stage("rollout.py", "--model", tiny_model, "--tasks", "data/tiny.jsonl", "--scripted-user", "--out", out)
-    assert res.returncode == 2 and "a user simulator is for τ² tasks" in res.stderr
+    assert res.returncode == 2 and "--scripted-user: for tau2 tasks, not data/tiny.jsonl" in res.stderr
     res = _stage("diagnose.py", "--tasks", "tau2:mock", "--rollouts", out, "--out", out)
     assert res.returncode == 1 and "tau2:DOMAIN:SPLIT" in res.stderr
     assert not os.path.exists(out)
@@ -227,7 +228,7 @@ def test_a_round_trains_on_tau2_rollouts(tiny_model, tau2, tmp_path):
     records = real + [T.rollouts(tau2, "mock", [task], 1, t, spec, T.SCENARIO, concurrency=1)[0][0] for t in (right, wrong)]
     for k, r in enumerate(records):
         r["sample_index"] = k
-    diagnoses = [T.diagnose(tau2, "mock", task, r) for r in records]
+    diagnoses = [D.diagnose(tau2, "mock", task, r) for r in records]
     rewards = [d["reward"] for d in diagnoses]
     assert rewards[2:] == [1.0, 0.0]
     assert [m["step"] for m in train_one_round(tiny_model, records, diagnoses, tmp_path)] == [1]
@@ -248,7 +249,7 @@ def test_a_users_own_domain(tau2, monkeypatch):
     τ²'s evaluator and labelled like any domain's."""
     from common import envs
     monkeypatch.setenv("SEAL_TAU2_DOMAINS", SHOP)
-    env = envs.load("tau2:shop:train", "scripted")
+    env = envs.load("tau2:shop:train", user="scripted")
     assert list(env.tasks) == ["two_mugs", "one_teapot"] and env.categories == ["shop"]
     order = call("place_order", item_id="i2", quantity=1)
     for task_id, outputs, label, evidence in [
@@ -385,7 +386,7 @@ def test_rollouts_against_a_served_user_simulator(tmp_path, tiny_model, tiny_ser
     assert res.returncode == 0, res.stderr[-3000:]
     res = _stage("rollout.py", "--model", tiny_model, "--tasks", "data/tiny.jsonl", "--max-episode-steps", "6",
                  "--out", str(out))
-    assert res.returncode == 2 and "a user simulator is for τ² tasks" in res.stderr
+    assert res.returncode == 2 and "--max-episode-steps: for tau2 tasks" in res.stderr
 
 
 def test_async_episodes_send_their_own_generations(tau2, tiny_model, tiny_server):

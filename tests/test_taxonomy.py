@@ -1,4 +1,4 @@
-"""The label rules of common/seal/taxonomy.py, one real BFCL task per rule (no mocks).
+"""The label rules of common/envs/bfcl/diagnose.py (Ψ, common/seal/taxonomy.py), one real BFCL task per rule (no mocks).
 
 Each test plays a trajectory through the real environment (tests/helpers.py),
 perturbs one turn of the ground truth and checks that exactly the expected label
@@ -10,6 +10,7 @@ import os
 import pytest
 from helpers import ANSWER, GARBAGE, gt_calls, oracle, play, rollout, text
 
+from common.envs.bfcl import diagnose as D
 from common.envs.bfcl import harness as bfcl
 from common.envs.bfcl import replay
 from common.seal import taxonomy
@@ -39,7 +40,7 @@ def call(name, **arguments):
 def diagnose(task, built):
     """The diagnosis, after checking its reward against the official checker on the same calls."""
     record, decoded = built
-    rec = taxonomy.diagnose(task, record)
+    rec = D.diagnose(task, record)
     assert rec["official"] == bfcl.official_verdict(task, decoded)
     assert rec["reward"] == int(rec["official"]["valid"])
     return rec
@@ -54,7 +55,7 @@ def turns_of(task, built):
 
 def test_labels_rho_and_rules_agree():
     assert set(taxonomy.RHO) == set(taxonomy.LABELS) and len(taxonomy.LABELS) == 8
-    assert [z for z, _ in taxonomy.FAILURE_RULES] == taxonomy.LABELS[2:]
+    assert list(D.FAILURE_RULES) == taxonomy.PRIORITY == taxonomy.LABELS[2:]
     assert taxonomy.RHO["invalid_tool_call"] == 2.0 and taxonomy.RHO["response_mismatch"] == 0.9
 
 
@@ -153,8 +154,8 @@ def test_argument_matching_rule(train, base0):
     gt = gt_calls(base0)
     # Schema defaults: ls() and ls(a=False) are the same call; a 'None' string default means absent.
     tools = bfcl.tools_at(base0, 0)
-    assert taxonomy._args(call("ls"), tools) == taxonomy._args(call("ls", a=False), tools) == {"a": False}
-    assert taxonomy._args(call("echo", content="hi"), tools) == {"content": "hi"}
+    assert D._args(call("ls"), tools) == D._args(call("ls", a=False), tools) == {"a": False}
+    assert D._args(call("echo", content="hi"), tools) == {"content": "hi"}
     # A wrong call corrected later in the turn is no mismatch (the turn passes anyway).
     fixed = [gt[1][0], call("grep", file_name="final_report.pdf", pattern="x"), gt[1][1]]
     assert diagnose(base0, play(base0, [gt[0], fixed, gt[2], gt[3]]))["turn_labels"][1] == "pass"
@@ -218,24 +219,24 @@ def test_priority_decides_when_rules_compete(base0):
     # mkdir with another name: argument_mismatch and state_mismatch both apply -> argument_mismatch.
     built = play(base0, [wrong0] + gt[1:])
     turn = turns_of(base0, built)[0]
-    assert taxonomy.argument_mismatch(turn) and taxonomy.state_mismatch(turn)
+    assert D.argument_mismatch(turn) and D.state_mismatch(turn)
     assert diagnose(base0, built)["turn_labels"][0] == "argument_mismatch"
     # Add an unparsable output before it: invalid_tool_call outranks both.
     built = rollout(base0, [[GARBAGE, text(wrong0), ANSWER]] + [[text(c), ANSWER] for c in gt[1:]])
     turn = turns_of(base0, built)[0]
     assert (
         taxonomy.invalid_tool_call(turn)
-        and taxonomy.argument_mismatch(turn)
-        and taxonomy.state_mismatch(turn)
+        and D.argument_mismatch(turn)
+        and D.state_mismatch(turn)
     )
     assert diagnose(base0, built)["turn_labels"][0] == "invalid_tool_call"
     # A failed last call and a never-called function: recovery_failure outranks missing_tool_call.
     built = play(base0, [gt[0], [gt[1][0], call("cat", file_name="nope.txt")], gt[2], gt[3]])
     turn = turns_of(base0, built)[1]
     assert (
-        taxonomy.recovery_failure(turn)
-        and taxonomy.missing_tool_call(turn)
-        and taxonomy.response_mismatch(turn)
+        D.recovery_failure(turn)
+        and D.missing_tool_call(turn)
+        and D.response_mismatch(turn)
     )
     assert diagnose(base0, built)["turn_labels"][1] == "recovery_failure"
 

@@ -16,6 +16,7 @@ from helpers import Script, theirs
 from transformers import AutoTokenizer
 
 from common.engine import calls as C
+from common.engine import episode
 from common.envs.bfcl import harness as bfcl
 from common.envs.bfcl import play, prompts
 
@@ -58,7 +59,7 @@ def train_play(task, engine):
     spec = play.PlaySpec(temperature=1.0, max_model_len=1 << 30, max_new_tokens=4096)
     traj = play.Trajectory(task, 0, spec, engine.tokenizer, engine.stop_ids)
     engine.traj = traj
-    play.run([traj], engine, spec, progress=False)
+    episode.run([traj], engine, spec, progress=False)
     return traj.record(0, "script")
 
 
@@ -278,6 +279,7 @@ def test_a_thinking_model_on_tau2_trains_segment_by_segment(thinking_model, tmp_
     from helpers import Scripted, train_one_round
 
     from common.envs.bfcl.play import PlaySpec
+    from common.envs.tau2 import diagnose as D
     from common.envs.tau2 import tau2 as T
     from common.seal import interface as omega_api
     from common.train.grpo import token_segments
@@ -308,6 +310,6 @@ def test_a_thinking_model_on_tau2_trains_segment_by_segment(thinking_model, tmp_
         first_text = record["turns"][0]["steps"][0]["text"].split("</think>")[-1].strip()
         assert all(first_text in t and t.endswith("<|im_start|>assistant\n") for t in texts[1:])
         assert "plan 0" in tok.decode(segs[0]["prompt_ids"] + segs[0]["ids"], skip_special_tokens=False)
-    diagnoses = [T.diagnose(tau2, "mock", task, r) for r in records]
+    diagnoses = [D.diagnose(tau2, "mock", task, r) for r in records]
     assert [d["reward"] for d in diagnoses] == [1.0, 0.0]
     assert [m["step"] for m in train_one_round(thinking_model, records, diagnoses, tmp_path)] == [1]

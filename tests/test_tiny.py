@@ -1,4 +1,5 @@
-"""The tiny offline model: tokenizer, chat template, model folder, warm start (common/run/tiny.py)."""
+"""The tiny offline model: tokenizer, chat template, model folder (common/run/tiny.py), and its warm start on
+BFCL and τ² (common/envs/bfcl/tiny.py, common/envs/tau2/tiny.py)."""
 
 import json
 import os
@@ -8,6 +9,9 @@ import pytest
 from common.engine import calls as C
 from common.engine.chat import to_chat_tools
 from common.envs.bfcl import harness as bfcl
+from common.envs.bfcl import tiny as bfcl_tiny
+from common.envs.tau2 import Tau2Env
+from common.envs.tau2 import tiny as tau2_tiny
 from common.run import tiny
 
 SAMPLES = [
@@ -40,7 +44,7 @@ def tok(tiny_model):
 
 @pytest.fixture(scope="module")
 def train_tasks():
-    return list(bfcl.load_tasks(tiny.DEFAULT_TASKS).values())
+    return list(bfcl.load_tasks(bfcl_tiny.DEFAULT_TASKS).values())
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -170,17 +174,17 @@ def test_model_folder_loads(tiny_model, tok):
 
 def test_conversation_uses_real_tool_results(train_tasks):
     task = train_tasks[0]
-    msgs = tiny.conversation(task)
+    msgs = bfcl_tiny.conversation(task)
     assert msgs[0] == task["questions"][0][0]
     calls, err = C.parse(msgs[1]["content"], "json")
     assert err is None and calls == bfcl.ground_truth_calls(task, 0)
     tool_msgs = [m for m in msgs[2:2 + len(calls)]]
     assert [m["role"] for m in tool_msgs] == ["tool"] * len(calls)
     assert "current_working_directory" in tool_msgs[0]["content"]  # cd's real result
-    assert msgs[2 + len(calls)] == {"role": "assistant", "content": tiny.DONE_ANSWER}
+    assert msgs[2 + len(calls)] == {"role": "assistant", "content": bfcl_tiny.DONE_ANSWER}
     # a turn with empty ground truth gets a plain answer and no calls
     empty = next(t for t in train_tasks if not t["ground_truth"][0])
-    m = tiny.conversation(empty)
+    m = bfcl_tiny.conversation(empty)
     assert m[1]["role"] == "assistant" and "<tool_call>" not in m[1]["content"]
 
 
@@ -211,8 +215,8 @@ def test_build_cached_reuses(tiny_model, capsys):
 def test_near_misses_fail_where_the_ground_truth_passes():
     # The warm start teaches each preset call task its ground truth and a near miss; GRPO's
     # groups are mixed only if the official checker tells the two apart.
-    for task in bfcl.load_tasks(tiny.PRESET_TASKS).values():
-        right, miss = tiny.conversation(task), tiny.conversation(task, miss=True)
+    for task in bfcl.load_tasks(bfcl_tiny.PRESET_TASKS).values():
+        right, miss = bfcl_tiny.conversation(task), bfcl_tiny.conversation(task, miss=True)
         gt = bfcl.ground_truth_calls(task, 0)
         if not gt:
             assert miss is None  # an abstention has no near miss
@@ -233,14 +237,13 @@ def test_tau2_build_learns_the_episodes_its_loop_plays(tok):
     (the last write's string argument suffixed, or the closing message without what the user must be
     told) 0, so sampled groups can be mixed. Its examples train only on what the rollouts' own
     policy generated: the script's messages and their closing <|im_end|>, nothing the user or a tool said."""
-    from common.presets import TINY_TAU2_TASKS
-    scripts = tiny.tau2_scripts("tau2:airline", True)
-    assert len(scripts) == TINY_TAU2_TASKS
+    scripts = tau2_tiny.tau2_scripts("tau2:airline", True)
+    assert len(scripts) == Tau2Env.TINY_TASKS
     misses = {}
     for env, task, make in scripts:
-        assert tiny.tau2_play(env, task, make(False))[0]["reward"] == 1.0, task.id
+        assert tau2_tiny.tau2_play(env, task, make(False))[0]["reward"] == 1.0, task.id
         if make(True) is not None:
-            row, _ = tiny.tau2_play(env, task, make(True))
+            row, _ = tau2_tiny.tau2_play(env, task, make(True))
             misses[task.id] = row["reward"]
             sent = [c for m in row["transcript"] if m["role"] == "assistant" for c in m.get("tool_calls") or []]
             if any(c["arguments"] != a.arguments for c, a in zip(sent, task.evaluation_criteria.actions, strict=False)):
@@ -248,7 +251,7 @@ def test_tau2_build_learns_the_episodes_its_loop_plays(tok):
     # airline's first tasks: 7 and 9 write (cancel_reservation), 3 only reads and must tell a figure
     assert misses == {"3": 0.0, "7": 0.0, "9": 0.0}
     env, task, make = next(s for s in scripts if s[1].id == "9")
-    examples, weights = tiny.tau2_examples([(env, task, make)], tok, 256, 0.4)
+    examples, weights = tau2_tiny.tau2_examples([(env, task, make)], tok, 256, 0.4)
     script, texts = make(False), []
     while not script.told:
         texts.append(script.agent_text(None, None))

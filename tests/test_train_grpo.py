@@ -460,11 +460,10 @@ def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_p
     """Real HF-engine rollouts of the tiny model at T = 0.7: the trainer's old log-probs, taken
     at the records' temperature, are the engine's (which are log softmax(logits / 0.7))."""
     from common.engine.engines import make_engine, sampling_params
+    from common.envs.bfcl import diagnose as bfcl_diagnose
     from common.envs.bfcl import harness as bfcl
-    from common.envs.bfcl import play
+    from common.envs.bfcl import play, tiny
     from common.jsonl import write_jsonl
-    from common.run import tiny
-    from common.seal import taxonomy
 
     task = next(t for t in bfcl.load_tasks(tiny.PRESET_TASKS).values() if t["ground_truth"][0])
     engine = make_engine("hf", tiny_model, max_model_len=16384, seed=0)
@@ -473,7 +472,7 @@ def test_logprob_mismatch_vanishes_at_the_sampling_temperature(tiny_model, tmp_p
     engine.close()
     assert [r["sampling"] for r in records] == [sampling_params(0.7)] * 3  # plain sampling at 0.7
     # real diagnoses, with rewards set so that the group has something to learn on any build
-    diagnoses = [taxonomy.diagnose(task, r) | {"reward": k % 2} for k, r in enumerate(records)]
+    diagnoses = [bfcl_diagnose.diagnose(task, r) | {"reward": k % 2} for k, r in enumerate(records)]
     write_jsonl(tmp_path / "rollouts.jsonl", records)
     write_jsonl(tmp_path / "diagnoses.jsonl", diagnoses)
     out = str(tmp_path / "policy")

@@ -1,29 +1,9 @@
-"""Tool calls: decode untrusted model text as bfcl-eval does, check against the schemas, render.
-
-Model output never reaches bfcl-eval's `eval()`-based executor as written. It is
-decoded into (name, literal arguments) and, when its name is a method the task's
-environment dispatches (common.envs.bfcl.harness decides), rendered by `render()` into a call
-string built from `repr()` of plain Python literals. Two formats, each decoded
-into the same calls as bfcl-eval's own decoder for it (what runs, and so the
-score, is what its harness would give), computed without its `eval()`s:
-
-- "json":   Qwen's `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks
-            (QwenFCHandler: a block that is not JSON is skipped, the others run)
-- "python": a Python list of calls, `[func(a=1, b='x'), g()]` (ToolACE; OSSHandler's
-            default_decode_execute_prompting: keyword arguments only, a bare name is
-            its text, arithmetic on literals is folded)
-
-Where bfcl-eval's decoder would compute something we must not (a nested call it
-would run) or pass a value our records cannot hold (tuple, bytes, complex, nan),
-or past our size bounds, the output is refused as a decode failure; docs/differences.md
-(§3) lists these. Ground-truth strings are read
-as Python reads them (`parse_ground_truth`). A call is the dict
-`{"name": str, "arguments": {param: value}}`. `validate` checks a call against
-the schemas listed at that moment: its verdict labels the call and chooses a
-hint, it does not decide execution. Every reason is a short sentence meant to be
-shown to the model.
+"""Tool calls: untrusted model text decoded as bfcl-eval's decoder does ("json" <tool_call> blocks or a "python"
+list of calls) into literal arguments, never eval'd; what would compute is refused (docs/differences.md §3).
+`validate` checks a call against the tools listed now; `render` writes it as bfcl-eval's executor takes it.
 """
 import ast
+import contextlib
 import json
 import math
 import operator
@@ -44,16 +24,8 @@ class CallError(ValueError):
 
 
 # ----------------------------------------------------------------------------- parsing
-
-
 def parse(text, fmt):
-    """(calls, error) for one model output, decoded as bfcl-eval's decoder for the format decodes it.
-
-    No calls and no error is a plain answer. An error with no calls is an output
-    bfcl-eval's decoder fails on (its turn ends in evaluation); an error with calls
-    names the `<tool_call>` blocks bfcl-eval's Qwen decoder skipped while running the
-    rest (we run the rest too, and the error is Ω's feedback in training).
-    """
+    """(calls, error) of one model output; an error with calls names the blocks bfcl-eval skips."""
     if fmt not in ("json", "python"):
         raise ValueError(f"unknown call format {fmt!r}")
     if len(text) > MAX_TEXT_CHARS:
@@ -68,19 +40,14 @@ def parse(text, fmt):
 
 
 def parse_ground_truth(text, params):
-    """(calls, error) for a ground-truth call string, as Python reads it when bfcl-eval's checker
-    runs it raw: literal arguments, positional ones bound by the method's signature
-    (`params`: {name: [parameter names in order]}, common.envs.bfcl.harness.methods)."""
+    """(calls, error) of a ground-truth string as Python reads it, positional arguments bound by `params`."""
     try:
-        calls = _parse_source(text, params)
+        return _parse_source(text, params), None
     except CallError as e:
         return [], str(e)
-    return calls, None
 
 
 # -- Qwen: QwenFCHandler._parse_query_response_prompting + decode_execute + convert_to_function_call
-
-
 def parse_json_calls(text):
     if "</think>" in text:  # bfcl-eval decodes only what follows the reasoning
         text = text.split("</think>")[-1].lstrip("\n")
@@ -122,15 +89,13 @@ def parse_json_calls(text):
 
 
 # -- Python list: default_decode_execute_prompting + ast_parse + resolve_ast_by_type + parse_nested_value
-
 CALL_START_RE = re.compile(r"[\[(]|[A-Za-z_][\w.]*\s*\(")
 FOLD_MAX_BITS = 256  # integer arithmetic is folded only while it stays this small
 NESTED_KEY_BREAKERS = "'\\\n\r\x00"  # parse_nested_value writes keys as '{k}': these would change or break them
 
 
 def parse_python_calls(text):
-    """The calls bfcl-eval's prompting decoder gives, computed without its eval()s: bare names
-    become strings, arithmetic on literals is folded (bounded), positional arguments are dropped."""
+    """The calls bfcl-eval's prompting decoder gives, without its eval()s."""
     src = text.strip("`\n ")
     if not src.startswith("["):
         src = "[" + src
@@ -139,8 +104,7 @@ def parse_python_calls(text):
     try:
         return _decode_python(src.strip().strip("'"))
     except CallError:
-        # Text that does not even start like a call is an answer (bfcl-eval fails to decode
-        # it, and its turn ends all the same).
+        # text that does not even start like a call is an answer (its turn ends all the same)
         if not CALL_START_RE.match(text.strip("`\n ")):
             return []
         raise
@@ -174,8 +138,7 @@ def _decode_python(src):
 
 
 def _resolve_call(node):
-    """resolve_ast_call: a name from the attribute path (its base dropped unless a plain name),
-    keyword arguments only (a later duplicate wins; `**x` is written as the keyword None)."""
+    """resolve_ast_call: the attribute path's name, keyword arguments only (`**x` as the keyword None)."""
     parts, func = [], node.func
     while isinstance(func, ast.Attribute):
         parts.append(func.attr)
@@ -231,9 +194,7 @@ def _resolve(node, key):
 
 
 def _nested(value, key):
-    """parse_nested_value's reading of a decoded value: a dict whose values are all dicts is
-    written as a nested call (bfcl-eval's executor would run it: refused here), an empty one
-    makes the decoder fail, and other dicts get their keys written as strings."""
+    """parse_nested_value's reading: a dict of dicts is a nested call (refused); keys become strings."""
     if not isinstance(value, dict):
         return value
     if not value:
@@ -257,9 +218,7 @@ FOLD_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.
 
 
 def _fold(node, key):
-    """The value Python gives an expression of literals and operators (what bfcl-eval's eval()
-    gives), or CallError where Python raises, where sizes would grow past our bounds, or where
-    the expression holds anything else (a name, a call: computing it would mean running it)."""
+    """The value of an expression of literals and operators (bfcl-eval's eval()), bounded, or CallError."""
     if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, bool, type(None))):
         return node.value
     if isinstance(node, (ast.List, ast.Tuple)):
@@ -299,8 +258,6 @@ def _check_fold(op, left, right, key):
 
 
 # -- ground-truth strings: Python's own reading (literals only, positional arguments bound)
-
-
 def _parse_source(text, params):
     body = _parse_expression(text.strip()).body
     nodes = body.elts if isinstance(body, (ast.List, ast.Tuple)) else [body]
@@ -338,9 +295,7 @@ def _dotted(func):
     while isinstance(func, ast.Attribute):
         parts.append(func.attr)
         func = func.value
-    if not isinstance(func, ast.Name):
-        return None
-    return ".".join([func.id] + parts[::-1])
+    return ".".join([func.id] + parts[::-1]) if isinstance(func, ast.Name) else None
 
 
 def _literal(node, key):
@@ -357,11 +312,6 @@ def _literal(node, key):
         raise CallError(f"argument {key}: {type(value).__name__} values are not allowed")
     _check_value(value, key, 0)
     return value
-
-
-def _check_name(name):
-    if not NAME_RE.match(name) or len(name) > 64:
-        raise CallError(f"invalid function name {name[:40]!r}")
 
 
 def _check_value(value, key, depth):
@@ -393,17 +343,14 @@ def _check_value(value, key, depth):
 
 
 # ----------------------------------------------------------------------------- validation
-
 TYPE_NAMES = {"string": "a string", "integer": "an integer", "float": "a number", "boolean": "true or false",
               "array": "a list", "dict": "an object", "any": "any value"}
+VALUE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+               dict: "an object", type(None): "null"}
 
 
 def validate(call, tools):
-    """None if `call` fits one of `tools` (the schemas listed now), else the reason.
-
-    Labels and hints only: bfcl-eval runs a call that breaks its schema, or names
-    a tool not listed yet, all the same (common.envs.bfcl.harness.Environment does too).
-    """
+    """None if `call` fits one of `tools` (listed now), else the reason: for labels and hints only."""
     by_name = {t["name"]: t for t in tools}
     tool = by_name.get(call["name"])
     if tool is None:
@@ -422,25 +369,19 @@ def validate(call, tools):
     return None
 
 
+TYPE_CHECKS = {"string": str, "integer": int, "float": (int, float), "number": (int, float), "boolean": bool,
+               "array": list, "tuple": list, "dict": dict, "object": dict}  # a bool counts only as a boolean
+
+
 def _check_type(value, schema, where):
     kind = schema.get("type", "any")
-    ok = {
-        "string": lambda v: isinstance(v, str),
-        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        "boolean": lambda v: isinstance(v, bool),
-        "array": lambda v: isinstance(v, list),
-        "tuple": lambda v: isinstance(v, list),
-        "dict": lambda v: isinstance(v, dict),
-        "object": lambda v: isinstance(v, dict),
-        "any": lambda v: True,
-    }.get(kind, lambda v: True)
+    types = TYPE_CHECKS.get(kind)  # "any", or a type not listed: anything
     # An optional parameter whose schema default is None accepts an explicit None.
     if value is None and "default" in schema and schema["default"] is None:
         return None
-    if not ok(value):
-        return f"{where} must be {TYPE_NAMES.get(kind, kind)}, got {_type_name(value)}"
+    if types and not (isinstance(value, types) and (kind == "boolean" or not isinstance(value, bool))):
+        got = VALUE_NAMES.get(type(value), type(value).__name__)
+        return f"{where} must be {TYPE_NAMES.get(kind, kind)}, got {got}"
     enum = enum_values(schema)
     if enum is not None:
         for v in (value if kind == "array" and "enum" not in schema else [value]):
@@ -464,35 +405,21 @@ ENUM_NOTE_RE = re.compile(r"\[Enum\]: (\[[^\]]*\])")
 
 
 def enum_values(schema):
-    """Allowed values: the schema's `enum`, or the `[Enum]: [...]` note BFCL writes into descriptions
-    (its multi-turn docs have no `enum` keys; for an array the note constrains the items)."""
+    """Allowed values: the schema's `enum`, or the `[Enum]: [...]` note BFCL writes into descriptions."""
     if "enum" in schema:
         return schema["enum"]
     m = ENUM_NOTE_RE.search(schema.get("description", ""))
-    if m:
-        try:
-            values = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            return None
+    with contextlib.suppress(json.JSONDecodeError):
+        values = json.loads(m.group(1)) if m else None
         return values if isinstance(values, list) else None
     return None
 
 
-def _type_name(value):
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
-
-
 # ----------------------------------------------------------------------------- rendering
-
-
 def render(call):
-    """The call string bfcl-eval's executor and checker take: `name(k=<repr>, ...)`.
-
-    Names and keys must match NAME_RE and values are plain literals, so the
-    string cannot contain anything but one literal call (CallError otherwise).
-    """
-    _check_name(call["name"])
+    """`name(k=<repr>, ...)`, as bfcl-eval's executor takes it: nothing but one literal call, else CallError."""
+    if not NAME_RE.match(call["name"]) or len(call["name"]) > 64:
+        raise CallError(f"invalid function name {call['name'][:40]!r}")
     parts = []
     for key, value in call["arguments"].items():
         if not NAME_RE.match(key) or len(key) > 64:
@@ -510,14 +437,11 @@ def format_calls(calls, fmt):
 
 
 # ----------------------------------------------------------------------------- results
-
 EXEC_ERROR_PREFIX = "Error during execution:"  # how bfcl-eval's executor reports an exception
 
 
 def result_error(result):
-    """The failure a tool result reports, or None: the exception after EXEC_ERROR_PREFIX or the
-    value of an {"error": ...} payload. Here rather than in common.envs.bfcl.harness so that the modules that
-    must not load bfcl-eval (common.seal.interface) read results as the environment does."""
+    """The failure a tool result reports (after EXEC_ERROR_PREFIX, or an {"error": ...} payload), or None."""
     if result.startswith(EXEC_ERROR_PREFIX):
         return result[len(EXEC_ERROR_PREFIX):].strip()
     if result.startswith("{") and '"error"' in result:  # cheap test first: results can be large

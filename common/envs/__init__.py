@@ -1,73 +1,88 @@
-"""The environment a stage plays and judges: `--tasks` names it.
+"""The environments: a stage's `--tasks` and a run's ENV name one; KINDS is every kind (docs/environments.md).
 
-    --tasks data/train.jsonl       BFCL V3 multi-turn: bfcl-eval's classes and checker (common/envs/bfcl/harness.py)
-    --tasks tau2:airline:train     a τ²-bench domain's split: τ²'s orchestrator, user simulator and
-                                   evaluator (common/envs/tau2/tau2.py); any domain in τ²'s registry
-
-What the stages need of an environment is four things, and nothing else differs between them:
-
-    env.categories                       what scores and summaries are grouped by, in order
-    env.tasks                            the tasks by id: dicts with "id" and "category"
-    env.play(tasks, n, engine, spec, round_=, policy=)   rollout records (docs/design.md §3)
-    env.diagnose(task, rollout)          a diagnosis record: the environment's own reward, a
-                                         label per user turn (common/seal/taxonomy.py), the profile
-
-and, for training, which ends of its episodes are not the policy's failure under evaluation's rules
-(train_grpo.py --cut mask leaves them out of the loss): cut_stops(record, short_context) below; and
-whether its checker judges each user turn on its own (checks_turns(record): turn credit clears a
-turn labelled pass only where the checker verified it at that turn, docs/design.md §6).
-
-For the views (common/run/report.py, common/run/view.py, common/run/tracking.py), each class answers for a
-run's `env` setting (KIND or KIND:DOMAIN; KINDS below, kind_of) without loading anything else:
-columns(env) and view_categories(env), the evaluation's score columns and the viewer's categories;
-eval_title(env, scores) and plot_title(env); eval_tasks(env) and view_tasks(source), the tasks whose
-task_view(task) the viewer and trackers show beside the plays (τ²'s: none, its records carry the user
-turns); and, across runs, compare_columns(scores), score_notes(sc) and references(scores).
-
-A new environment is one more class here, its line in KINDS, and the module that plays it; the stages
-do not change.
+A kind is a class; the stages, loop.sh (through common/presets.py), the tiny build and the views ask it and
+never test which it is. Required: __init__(source), play, diagnose, cut_stops, CHECKS_TURNS, evaluate and the
+views (columns, view_categories, eval_title, plot_title, eval_tasks, view_tasks, task_view, compare_columns,
+score_notes, references). Optional, with the defaults below: preset, play_args, eval_args (a run's settings,
+standard library only: they run before setup.sh), add_args and from_args (its stage flags), tiny (the tiny
+model's warm start).
 """
 
 from common.envs.bfcl import BFCL
-from common.envs.tau2 import TAU2, Tau2Env
+from common.envs.tau2 import Tau2Env
 from common.jsonl import RecordError
 
-
-def is_tau2(tasks):
-    return tasks.startswith(TAU2)
+KINDS = {"bfcl": BFCL, "tau2": Tau2Env}  # a run's ENV is KIND or KIND:..., its --tasks too
 
 
-def load(tasks, user=None, user_log=None, max_steps=None):
-    """The environment of `--tasks` (a BFCL task file, or tau2:DOMAIN:SPLIT). A τ² episode's
-    settings: `user`, its user simulator ("scripted", common/envs/tau2/tau2.py ScenarioUser, or a tau2.User,
-    whose server, if it names a local model, runs during play() with its log at `user_log`), and
-    `max_steps`, τ²'s orchestrator steps an episode may take (default τ²'s 200)."""
-    if is_tau2(tasks):
-        return Tau2Env(tasks, user, user_log, max_steps or 200)
-    if user is not None or max_steps is not None:
-        raise RecordError(f"{tasks}: BFCL tasks script their user turns; a user simulator is for τ² tasks")
-    return BFCL(tasks)
+def kind_of(setting):
+    """The class of a run's ENV, a `--tasks` value or a record's "env": the kind before the first colon; a
+    BFCL task file, a BFCL bench (bfcl-memory) or nothing is BFCL."""
+    return KINDS.get((setting or "").split(":", 1)[0], BFCL)
+
+
+def add_args(parser, evaluation=False):
+    """Every kind's own flags on a stage's parser (`evaluation`: evaluate.py's); load refuses those of a kind
+    other than the tasks'."""
+    parser.kind_flags = {}
+    for name, kind in KINDS.items():
+        before = list(parser._actions)
+        if hasattr(kind, "add_args"):
+            kind.add_args(parser.add_argument_group(f"{name} tasks"), evaluation)
+        parser.kind_flags[name] = [a for a in parser._actions if a not in before]
+
+
+def load(tasks, args=None, parser=None, evaluation=False, **settings):
+    """The environment of `--tasks`: from a stage's parsed flags (`args`, `parser` after add_args), or built
+    with the kind's own `settings` (a τ² user: `user="scripted"`)."""
+    kind = kind_of(tasks)
+    if parser is None:
+        return kind(tasks, **settings)
+    for name, actions in parser.kind_flags.items():
+        given = [a.option_strings[0] for a in actions if KINDS[name] is not kind and getattr(args, a.dest) != a.default]
+        if given:
+            parser.error(f"{', '.join(given)}: for {name} tasks, not {tasks or 'BFCL held-in'}")
+    return kind.from_args(tasks, args, parser, evaluation) if hasattr(kind, "from_args") else kind(tasks)
 
 
 def cut_stops(record, short_context):
-    """The `stop` values that cut a rollout record of its environment (a τ² record names it in "env"):
-    ends that are not the policy's failure under evaluation's rules. `short_context`: the rollouts'
-    context is shorter than evaluation's, so that a context limit is training's own, not evaluation's."""
+    """The `stop` values that cut a rollout record of its environment from the loss (train_grpo.py --cut mask):
+    ends that are not the policy's failure under evaluation's rules. `short_context`: the rollouts' context is
+    shorter than evaluation's, so that a context limit is training's own."""
     return kind_of(record.get("env")).cut_stops(short_context)
 
 
 def checks_turns(record):
-    """Whether the environment of a rollout record checks every user turn on its own, so that a turn
-    its diagnosis labels pass or correct_abstention was verified right at that turn (BFCL: bfcl-eval's
-    state and response checkers after each turn), or judges the episode once (τ²: the database at the
-    end, the actions, what was communicated)."""
+    """Whether the record's environment verifies every user turn on its own (BFCL's checkers after each turn),
+    so that turn credit may trust a turn labelled pass, or judges the episode once (τ²)."""
     return kind_of(record.get("env")).CHECKS_TURNS
 
 
-KINDS = {"bfcl": BFCL, "tau2": Tau2Env}  # the environment kinds: a run's `env` setting is KIND or KIND:DOMAIN
+# ----------------------------------------------------------------------------- a run's settings (stdlib only)
 
 
-def kind_of(setting):
-    """The environment class of a run's `env` setting ("bfcl", "tau2:DOMAIN"), a `--tasks` value or a
-    record's "env": the kind before the first colon; a BFCL task file, or nothing, is BFCL."""
-    return KINDS.get((setting or "").split(":", 1)[0], BFCL)
+def preset(p, changes):
+    """ENV's kind's changes to the resolved preset `p` ({field: value}; `changes`: the --set fields, which
+    it leaves alone); it refuses a setting it cannot run with (common.presets.PresetError)."""
+    kind = kind_of(p.env)
+    return kind.preset(p, changes) if hasattr(kind, "preset") else {}
+
+
+def play_args(p):
+    """rollout.py's flags for ENV's tasks under `p` (τ²: its user simulator)."""
+    kind = kind_of(p.env)
+    return kind.play_args(p) if hasattr(kind, "play_args") else []
+
+
+def eval_args(p, tasks):
+    """evaluate.py's flags for `tasks` (the run's evaluation, or an OOD bench) under `p`."""
+    kind = kind_of(tasks)
+    return kind.eval_args(p, tasks) if hasattr(kind, "eval_args") else []
+
+
+def tiny(setting, args):
+    """The tiny model's warm start on ENV=`setting` (common/run/tiny.py, the build's `args`)."""
+    kind = kind_of(setting)
+    if not hasattr(kind, "tiny"):
+        raise RecordError(f"ENV={setting}: this environment has no tiny model's warm start")
+    return kind.tiny(setting, args)

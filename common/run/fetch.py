@@ -2,7 +2,6 @@
 
     python -m common.run.fetch Qwen/Qwen2.5-7B-Instruct a09a35458c702b33eeacc393d103063234e8bc28
 
-loop.sh's one download (GPU presets, before round 0); a second run finds the cached snapshot.
 A failure is one line naming the model, the revision and HF_HOME, and a non-zero exit.
 """
 

@@ -1,12 +1,7 @@
-"""A run's report: runs/NAME/report.md and PNG plots, rebuilt from the artifacts; and runs side by side.
+"""A run's report: runs/NAME/report.md and PNG plots, rebuilt from the artifacts at any moment of a live run;
+and runs side by side (compare, for evaluate.py --compare).
 
     python -m common.run.report runs/NAME
-    python evaluate.py --compare runs/qwen7b-seal runs/qwen7b-vanilla ...   # compare(runs)
-    python evaluate.py --compare runs/qwen3-4b-all   # an evaluate.py --out (--split all), beside the leaderboard
-
-Reads only what the stages wrote (diagnoses, interfaces, train metrics, rollout
-summaries, timing, evaluation scores; common/run/runs.py), so it can run at any moment
-of a live run; loop.sh calls it after every round.
 """
 
 import os
@@ -21,6 +16,7 @@ from common.envs import KINDS, kind_of  # noqa: E402
 from common.jsonl import RecordError, atomic_open, read_json  # noqa: E402
 from common.presets import RESEARCH_MODES  # noqa: E402
 from common.run.runs import STAGES, Run, optional_json, optional_jsonl, round_rho  # noqa: E402
+from common.run.view import mean  # noqa: E402
 from common.seal.taxonomy import LABELS  # noqa: E402
 
 
@@ -36,34 +32,23 @@ def collect(path):
         metrics = optional_jsonl(os.path.join(folder, "train_metrics.jsonl"))
         summary = optional_json(os.path.join(folder, "rollout_summary.json")) or {}
         rho, adapted = round_rho(metrics, omega)
-        row = {
-            "round": t,
-            "reward": sum(d["reward"] for d in diag) / len(diag) if diag else None,
+        stepped = [m for m in metrics if m["step"] > 0]
+        rounds.append({
+            "round": t, "reward": mean([d["reward"] for d in diag]),
             "reward_by_category": {c: sum(d["reward"] for d in diag if d.get("category") == c)
                                    / max(1, sum(d.get("category") == c for d in diag))
                                    for c in kind_of(run.env).columns(run.env) if any(d.get("category") == c for d in diag)},
             "label_share": {z: labels.count(z) / len(labels) for z in LABELS} if labels else {},
-            "omega": omega,
-            "rho": rho, "rho_adapted": adapted,
-            "w_mean": (sum(m["w_mean"] for m in metrics) / len(metrics)) if metrics else None,
-            # the policy's entropy over model tokens, mean of the round's steps (collapse shows here)
-            "entropy": mean([m.get("entropy") for m in metrics if m["step"] > 0]),
-            "steps": sum(m["step"] > 0 for m in metrics),
-            # turn credit (seal-turn): the mean turn weight and the share of A < 0 tokens zeroed, over its steps
-            "turn_w_mean": mean([m.get("turn_w_mean") for m in metrics if m["step"] > 0]),
-            "turn_zeroed_share": mean([m.get("turn_zeroed_share") for m in metrics if m["step"] > 0]),
+            "omega": omega, "rho": rho, "rho_adapted": adapted, "w_mean": mean([m["w_mean"] for m in metrics]),
+            # the policy's entropy (collapse shows here); turn credit's mean turn weight and A < 0 tokens zeroed
+            "entropy": mean([m.get("entropy") for m in stepped]), "steps": len(stepped),
+            "turn_w_mean": mean([m.get("turn_w_mean") for m in stepped]),
+            "turn_zeroed_share": mean([m.get("turn_zeroed_share") for m in stepped]),
             "global_step": max((m.get("global_step", 0) for m in metrics), default=0),
-            "summary": summary,
-            "seconds": run.seconds(t),
-        }
-        rounds.append(row)
+            "summary": summary, "seconds": run.seconds(t),
+        })
     evals = {f"round_{t:03d}": scores for t, scores in run.evals()}
     return rounds, evals, run.base_eval(), run.config
-
-
-def mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
 
 
 def cues_text(omega):
@@ -194,13 +179,7 @@ def markdown(run, rounds, evals, base, config):
 
 
 def compare(paths):
-    """Print Table 1 (held-in) and, for runs scored with loop.sh --ood, Table 2: each preset's base
-    model once, then every evaluated round; a folder holding a scores.json (an evaluate.py --out,
-    e.g. of --split all) is one row. Below, each environment's reference figures for the rows (BFCL:
-    the leaderboard's figure of each bfcl-eval entry they were scored under). Columns, notes and
-    references are the environments' own (common/envs/__init__.py). Returns Table 1's rows of
-    (name, scores). Every row says the mode its run was trained in (— for a base model or an
-    evaluation folder)."""
+    """Print Table 1 (held-in) with the environments' reference figures, and Table 2 (OOD); Table 1's rows."""
     rows, ood, bases, modes = [], [], set(), {}
     for path in paths:
         if not os.path.isdir(path):
@@ -237,8 +216,7 @@ def compare(paths):
     return rows
 
 
-# The paper's Table 2: BFCL V4 memory per backend and its mean, web search where it ran, and
-# τ²-bench per domain and their mean, with the user simulator that τ² scores depend on.
+# the paper's Table 2: BFCL V4 memory per backend, web search, τ²-bench per domain (and its user simulator)
 OOD_COLUMNS = [("bfcl-heldin", "average", "BFCL held-in"), ("bfcl-memory", "memory_kv", "mem kv"), ("bfcl-memory", "memory_vector", "mem vector"),
                ("bfcl-memory", "memory_rec_sum", "mem rec_sum"), ("bfcl-memory", "memory", "memory avg"),
                ("bfcl-web", "web_search", "web search"), ("tau2", "retail", "τ² retail"),
@@ -246,8 +224,7 @@ OOD_COLUMNS = [("bfcl-heldin", "average", "BFCL held-in"), ("bfcl-memory", "memo
 
 
 def print_ood(rows, modes):
-    """The Table-2 block for the (name, {bench: scores}) rows that hold OOD scores (loop.sh --ood),
-    each with its run's mode (`modes`: {name: mode}; — for a base model)."""
+    """The Table-2 block of the (name, {bench: scores}) rows, each with its mode (`modes`: {name: mode})."""
     if not rows:
         return
     width = max(len(name) for name, _ in rows)

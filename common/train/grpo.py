@@ -1,46 +1,6 @@
-"""Diagnosis-guided GRPO: the numbers (advantages, SEAL weight, per-token loss) and the
-batching that feeds them to a causal LM.
-
-The SEAL weight of trajectory j (docs/design.md §6):
-
-    w_j = clip( Σ_z p_j(z) · ρ(z), 0.5, 2.0 )        -> diagnosis_weight()
-
-where p_j(z) is the fraction of j's user turns labelled z and ρ(z) the utility of label z
-(default table: common.seal.taxonomy.RHO; with --adaptive-rho, the round's own ρ_t from
-adaptive_rho() below). The advantage every model token of j receives is
-
-    Ã_j = w_j · A_j,   A_j = (r_j − mean(r_group)) / (std(r_group) + 1e-6)   -> group_advantages()
-
-With turn credit (--turn-credit, seal-turn; beyond the paper) a model token's advantage is A_j times
-its own turn's weight instead -> turn_weights(), placed on the tokens by turn_spans():
-
-    A_j > 0: w_j on every turn;   A_j < 0: clip(ρ(z_k), 0.5, 2.0) on a turn labelled z_k that failed,
-    0 on a turn labelled pass or correct_abstention that the environment verified at that turn, else w_j
-
-and the per-token loss is the PPO clipped surrogate (with verl's dual clip for A < 0) plus a k3
-KL penalty to the reference policy, averaged over all model tokens of the mini-batch
-(token-mean) -> token_loss(). Every log-prob is taken at the rollout's sampling temperature.
-
-Beyond the paper's objective, each a few lines below and a train_grpo.py flag (docs/design.md §6,
-"The objective"): the rollout correction (the engine μ sampled the tokens, not π_old: each token's
-or sequence's policy loss weighted by min(π_old/μ, C), or dropped outside [1/C, C]) ->
-rollout_correction(); an asymmetric clip [1 − ε, 1 + ε_high] (DAPO's clip-higher) and GSPO's
-length-normalised sequence ratio -> policy_ratio(), clipped_surrogate(); advantages without the
-std division (Dr. GRPO) -> group_advantages(scale="none"); trajectories the environment cut
-(an end that is not the policy's failure: common/envs/__init__.py cut_stops) left out of the loss and of
-their group's mean and std -> join_trajectories(cut=...). The policy's entropy over model tokens
-is computed in the log-prob pass itself -> token_entropy(), sequence_logprobs(entropy=True).
-
-Token alignment: a trajectory is one sequence `prompt_ids + ids`; the logits at position t
-predict the token at t+1, so the log-probability of ids[i] (sequence position P+i, P the
-prompt length) comes from the logits at position P+i-1. Only ids with mask 1 (tokens the
-model generated) carry loss; prompt, cue and tool-response tokens are context only.
-
-A trajectory whose context was re-rendered (a thinking model's new user turn: bfcl-eval's
-handler drops the earlier reasoning, docs/design.md §3) is several such sequences, its
-segments: each is scored as its own sequence, in the context the model generated it in, with
-the trajectory's advantage and weight; each model token is in exactly one of them, so the
-token-mean counts it once.
+"""Diagnosis-guided GRPO: advantages, SEAL weight, turn credit, per-token loss, and the batching that feeds them
+to a causal LM (the formulas and every option: docs/design.md §6). A sequence is `prompt_ids + ids` (a segmented
+trajectory: several); ids[i] is scored by the logits at P+i-1; only ids with mask 1 (model tokens) carry loss.
 """
 
 import contextlib
@@ -52,7 +12,6 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch.utils.checkpoint import checkpoint
 
-from common import envs
 from common.jsonl import RecordError, read_json
 from common.presets import LOGPROB_CHUNK  # positions projected onto the vocabulary at once
 from common.seal.interface import FAILURE_LABELS
@@ -61,25 +20,20 @@ from common.seal.taxonomy import RHO
 WEIGHT_MIN, WEIGHT_MAX = 0.5, 2.0
 ADV_EPS = 1e-6
 ENTROPY_ROWS = 256  # positions whose entropy is computed at once (token_entropy)
-# the choices of train_grpo.py's objective flags (common/presets.py holds the defaults the loop runs)
+# the choices of train_grpo.py's objective flags (common/presets.py holds the defaults)
 ROLLOUT_IS = ("off", "token-tis", "token-mask", "seq-tis", "seq-mask")
 ADV_SCALES = ("group", "none")
 RATIO_LEVELS = ("token", "sequence")
 
 
+def number(v):
+    """A finite int or float (not a bool): what a record's numbers must be."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 # ---------------------------------------------------------------- advantages and weights
-
-
 def group_advantages(group_ids, rewards, eps=ADV_EPS, scale="group", cut=None):
-    """A_j = (r_j - mean) / (std + eps) within each group; returns (advantages, zero-variance group ids).
-
-    std is the population standard deviation (divide by n, not n-1). verl's GRPO uses the
-    unbiased one; the two differ by a constant sqrt(n/(n-1)) per group size (1.07 for n=8).
-    Groups whose rewards are all equal get A = 0 exactly: they carry no learning signal.
-    scale "none": A_j = r_j - mean, without the std division (Dr. GRPO: the division up-weights
-    groups whose rewards barely differ). `cut` (one bool per j): trajectories left out of their
-    group's mean and std, with A = 0 (an end that was not the policy's failure says nothing of it).
-    """
+    """(A_j = (r_j - mean) / (std + eps) per group, or r_j - mean; the groups of equal rewards). `cut`: A = 0."""
     if scale not in ADV_SCALES:
         raise ValueError(f"advantage scale {scale!r}: use {' or '.join(ADV_SCALES)}")
     groups = {}
@@ -112,7 +66,6 @@ def diagnosis_weight(profile, rho, lo=WEIGHT_MIN, hi=WEIGHT_MAX):
 @dataclass(frozen=True)
 class AdaptedRho:
     """The ρ a round trains with under --adaptive-rho, and what the rule saw (train_metrics records it)."""
-
     rho: dict  # ρ_t
     learnable: dict  # s_z of every failure label the round's profiles hold
     scale: float  # c
@@ -120,23 +73,7 @@ class AdaptedRho:
 
 
 def adaptive_rho(rho, diagnoses):
-    """ρ_t of the round whose (already checked) diagnosis records, {task_id, reward, profile},
-    are `diagnoses`: the mixed-group rule of docs/design.md §6.
-
-    s_z, the learnable share of failure label z: of z's profile mass Σ_j p_j(z), the part in
-    groups whose rewards differ (the GRPO groups where the task also succeeds or fails
-    otherwise: those with A ≠ 0). Then, for every failure label the round holds,
-
-        ρ_t(z) = c · ρ(z) · (1 + s_z) / 2,    pass, correct_abstention and unseen labels: ρ(z),
-
-    c in [1, 2] chosen (bisection) so that the mean weight w over the trajectories with A ≠ 0
-    equals the one ρ gives: the rule moves the weight between labels, never its total. At c=1
-    that mean is at most the table's, at c=2 at least (f = (1 + s)/2 lies in [1/2, 1], the weight's
-    clip is monotone), so c exists in [1, 2] and ρ_t(z) stays within [ρ(z)/2, 2ρ(z)]. A label whose
-    failures all sit in mixed groups (s=1) gets twice the ρ, relative to its table value, of one
-    whose failures never do (s=0). With no failure in the round, or fewer than two failure labels
-    in mixed groups (nothing to move weight between), ρ_t is ρ and `kept` says why.
-    """
+    """ρ_t of a round's checked diagnoses {task_id, reward, profile}: the mixed-group rule, docs/design.md §6."""
     adv, flat = group_advantages([d["task_id"] for d in diagnoses], [d["reward"] for d in diagnoses])
     flat = set(flat)
     mass, mixed = {}, {}
@@ -168,8 +105,7 @@ def adaptive_rho(rho, diagnoses):
 
 
 def load_rho(interface_path=None, rho_path=None):
-    """The utility table ρ: the interface file's "rho" if it has one, else the JSON object in
-    `rho_path`, else the default common.seal.taxonomy.RHO."""
+    """ρ: the interface file's "rho" if it has one, else the JSON object in `rho_path`, else taxonomy.RHO."""
     path, rho = rho_path, RHO
     if interface_path:
         path, interface = interface_path, read_json(interface_path)
@@ -178,33 +114,18 @@ def load_rho(interface_path=None, rho_path=None):
         rho = interface["rho"] if interface.get("rho") is not None else RHO
     elif rho_path:
         rho = read_json(rho_path)
-    if not isinstance(rho, dict) or not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in rho.values()
-    ):
+    if not isinstance(rho, dict) or not all(number(v) for v in rho.values()):
         raise RecordError(f"{path}: ρ must be a JSON object mapping labels to numbers")
     return rho
 
 
 # ---------------------------------------------------------------- turn credit (seal-turn)
-
 VERIFIED_LABELS = ("pass", "correct_abstention")  # the labels of a turn the checker found right
 CHECKED_ENDS = ("answer", "decode_error")  # a turn that ended as turns end: not the limit that stopped its trajectory
 
 
 def turn_weights(labels, ends, advantage, weight, rho, checked=True, reweight=True):
-    """Each labelled turn's weight under turn credit (docs/design.md §6): a model token of turn k trains
-    with advantage A·v_k, where A is the trajectory's group advantage and w its SEAL weight:
-
-        A >= 0                         v_k = w  (a rewarded trajectory passed every turn; A = 0 trains nothing)
-        A < 0, a failure label z       v_k = clip(ρ(z), 0.5, 2)  (1 without reweighting: ρ ≡ 1)
-        A < 0, pass / abstention       v_k = 0 if the turn was verified right at that turn, else w
-
-    Verified: the environment checks each turn on its own (`checked`: common/envs/__init__.py checks_turns), the
-    turn ended as a turn ends (`ends[k]` in CHECKED_ENDS, its answer; not the step or context limit
-    that stopped the trajectory inside it), and some turn of the trajectory carries a failure label
-    (the diagnosis places the failure elsewhere). So a one-turn trajectory gets w whatever its sign:
-    with A < 0 its turn either failed, clip(ρ(z)) being its w, or is not cleared. `ends`: the rollout's
-    turns' ends, shorter than `labels` where turns were never played."""
+    """Each labelled turn's weight v_k under turn credit (docs/design.md §6)."""
     if advantage >= 0:
         return [weight] * len(labels)
     blamed = any(z not in VERIFIED_LABELS for z in labels)
@@ -219,12 +140,7 @@ def turn_weights(labels, ends, advantage, weight, rho, checked=True, reweight=Tr
 
 
 def turn_spans(segments, turns, where="rollouts"):
-    """Where each turn's model tokens lie: per token segment (token_segments' list), the (start, stop,
-    turn) of each run of mask 1 in its ids. A run of 1s is one model output (a step: the model's
-    tokens are appended whole, what follows them with mask 0), so the k-th run over all segments in
-    order is the k-th step over all turns in order; an output that kept no token (an immediate
-    non-closing stop: its step's text is empty) leaves no run, and where the counts differ the steps
-    with empty text are taken to be those. Raises RecordError where the runs still cannot be placed."""
+    """Per token segment, the (start, stop, turn) of each run of mask 1: the k-th run is the k-th step."""
     if not isinstance(turns, list) or not all(isinstance(t, dict) and isinstance(t.get("steps"), list)
                                               for t in turns):
         raise RecordError(f"{where}: turns missing or not a list of {{steps}} (turn credit places tokens on turns)")
@@ -251,38 +167,28 @@ def turn_spans(segments, turns, where="rollouts"):
 
 
 # ---------------------------------------------------------------- per-token loss
-
-
 def token_logprobs(logits, targets, temperature=1.0):
-    """log softmax(logits / temperature)[targets], both already aligned: logits[..., t, :] scores
-    targets[..., t]. The temperature is the one the rollout was sampled at (the engines record
-    log-probs of that distribution), as in verl and TRL. Called on one chunk of positions at a
-    time (sequence_logprobs), so the float32 copy of bf16 logits is one chunk's."""
+    """log softmax(logits / temperature)[targets], aligned: logits[..., t, :] scores targets[..., t]."""
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # divided after the upcast: bf16 would round the scaled logits again
     if temperature != 1.0:
         logits = logits / temperature
-    # cross_entropy is the fused log_softmax + gather: about twice as fast as
-    # gather - logsumexp in forward + backward
+    # the fused log_softmax + gather: about twice as fast as gather - logsumexp in forward + backward
     return -F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
 
 
 def kl_k3(logp, ref_logp):
     """Low-variance KL estimate per token, k3 = exp(ref - new) - (ref - new) - 1 (>= 0, unbiased)."""
-    # bounded as in verl: one token the policy has pushed far below the reference must not
-    # dominate the loss (and exp must not overflow into inf·0 = nan gradients)
+    # bounded as in verl: one token pushed far below the reference must not dominate (nor overflow into nan)
     d = torch.clamp(ref_logp - logp, -20.0, 20.0)
     return torch.clamp(torch.exp(d) - d - 1, max=10.0)
 
 
 def token_entropy(logits, temperature=1.0):
-    """Entropy of softmax(logits / temperature) at each position (the policy's, at the rollout's
-    temperature, as verl and TRL log it): logsumexp(z) − Σ p·z. Logged, never trained: no gradient."""
+    """Entropy of softmax(logits / temperature) per position, logsumexp(z) − Σ p·z: logged, no gradient."""
     with torch.no_grad():
         out = []
-        # ENTROPY_ROWS positions at a time: its float32 buffers (z, p·z) hold a quarter of a full
-        # chunk's, so that the forward stays below the chunk's backward, which the memory plan
-        # counts (common/train/memplan.py chunk_bytes); smaller blocks cost time in per-op overhead
+        # a quarter of a chunk's float32 buffers: below the chunk's backward, which memplan counts
         for rows in logits.flatten(0, -2).split(ENTROPY_ROWS):
             z = rows.float() / temperature  # a new tensor even at T = 1: the in-place steps keep logits
             lse = torch.logsumexp(z, -1)
@@ -291,10 +197,7 @@ def token_entropy(logits, temperature=1.0):
 
 
 def policy_ratio(logp, old_logp, mask=None, level="token"):
-    """π_θ/π_old of each token. level "sequence" (GSPO): every model token of a row carries the
-    row's length-normalised ratio s = exp(mean over its model tokens of log π_θ − log π_old), with
-    each token's gradient that of its own log-prob (GSPO-token's form, verl's gspo loss): summed
-    over the row, Σ_t s·∇log π_θ(y_t), GSPO's sequence gradient."""
+    """π_θ/π_old per token; "sequence" (GSPO-token): the row's exp(mean log π_θ/π_old), own gradients."""
     if level == "token":
         # bounded so that a token the policy has moved far from cannot overflow exp
         return torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
@@ -308,15 +211,7 @@ def policy_ratio(logp, old_logp, mask=None, level="token"):
 
 
 def clipped_surrogate(logp, old_logp, adv, clip=0.2, clip_ratio_c=3.0, clip_high=None, mask=None, level="token"):
-    """Per-token PPO loss with verl's dual clip, and where each clip decided it.
-
-    loss = max(-A·r, -A·clip(r, 1-c, 1+c_high)) (c_high None: c, the paper's symmetric clip;
-    above it, DAPO's clip-higher), and for A < 0 at most -A·clip_ratio_c (verl's
-    compute_policy_loss): without that cap a token whose ratio has grown far above 1 on a
-    negative advantage has an unbounded loss and gradient. clip_ratio_c 0 turns it off. r is
-    policy_ratio's, per token or (level "sequence", over `mask`'s tokens of a row) GSPO's.
-    Returns (loss, PPO-clipped mask, dual-clipped mask); both clips leave no gradient.
-    """
+    """(loss, PPO-clipped, dual-clipped) per token: max(-A·r, -A·clip(r, 1-c, 1+c_high)), ≤ -A·clip_ratio_c."""
     ratio = policy_ratio(logp, old_logp, mask, level)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + (clip if clip_high is None else clip_high))
@@ -331,50 +226,22 @@ def clipped_surrogate(logp, old_logp, adv, clip=0.2, clip_ratio_c=3.0, clip_high
 
 def token_loss(logp, old_logp, ref_logp, adv, mask, norm, clip=0.2, kl_coef=0.0, clip_ratio_c=3.0,
                clip_high=None, level="token", is_weight=None):
-    """Σ over model tokens of (is_weight·surrogate + kl_coef·k3), divided by `norm`; plus detached
-    sums for logging. `is_weight`: the rollout correction's detached weight of each token's policy
-    loss (rollout_correction; None: 1, the paper's objective), as verl's rollout_is_weights and
-    TRL's importance_sampling_ratio multiply it; the KL term is not an estimate under the
-    sampling policy's ratio and is left as it is.
-
-    `norm` is the model-token count of the whole mini-batch on all processes (token-mean),
-    so that summing micro-batch losses reproduces the mini-batch mean whatever the split.
-    """
+    """(Σ over model tokens of is_weight·surrogate + kl_coef·k3 / `norm` (token-mean), detached sums)."""
     pg, clipped, dual = clipped_surrogate(logp, old_logp, adv, clip, clip_ratio_c, clip_high, mask, level)
     if is_weight is not None:
         pg = pg * is_weight
-    per_token = pg
-    kl = None
-    if kl_coef > 0:
-        kl = kl_k3(logp, ref_logp)
-        per_token = pg + kl_coef * kl
+    kl = kl_k3(logp, ref_logp) if kl_coef > 0 else None
+    per_token = pg if kl is None else pg + kl_coef * kl
     # torch.where rather than a product: a masked-out position may hold inf/nan (padding)
     loss = torch.where(mask, per_token, 0.0).sum() / norm
-    stats = {
-        "pg_sum": torch.where(mask, pg, 0.0).sum().item(),
-        "kl_sum": torch.where(mask, kl, 0.0).sum().item() if kl is not None else 0.0,
-        "clip_count": (clipped & mask).sum().item(),
-        "dual_clip_count": (dual & mask).sum().item(),
-        "tokens": mask.sum().item(),
-    }
-    return loss, stats
+    return loss, {"pg_sum": torch.where(mask, pg, 0.0).sum().item(),
+                  "kl_sum": torch.where(mask, kl, 0.0).sum().item() if kl is not None else 0.0,
+                  "clip_count": (clipped & mask).sum().item(), "dual_clip_count": (dual & mask).sum().item(),
+                  "tokens": mask.sum().item()}
 
 
 def rollout_correction(seq, mode, cap):
-    """Set seq.is_weight, the detached weight of each of its tokens' policy loss that corrects for
-    who sampled them: the engine (μ, the record's log-probs, bf16 and its own kernels), not the
-    trainer's π_old (float32), whose ratio the PPO clip then takes. With ρ = π_old/μ per model token,
-    or (mode seq-*) the sequence's geometric mean exp(mean log ρ) over its model tokens:
-
-        token-tis, seq-tis     min(ρ, cap)                   truncated IS (TIS; verl's token/sequence
-                                                             rollout_is, TRL's *_truncate)
-        token-mask, seq-mask   1 inside [1/cap, cap], else 0 masked IS (TRL's *_mask, verl's rollout_rs)
-        off                    no weight (is_weight None): the paper's objective
-
-    Sets and returns seq.is_hits, the number of model tokens whose weight was truncated or masked
-    (with seq-*, all of a hit sequence's). A model token without the engine's log-prob cannot be corrected: RecordError
-    (train_grpo.py checks the records before any model loads).
-    """
+    """Set seq.is_weight from ρ = π_old/μ under `mode` ("off", "token-tis", ...: docs/design.md §6); returns seq.is_hits."""
     if mode not in ROLLOUT_IS:
         raise ValueError(f"rollout correction {mode!r}: use {', '.join(ROLLOUT_IS)}")
     if mode == "off":
@@ -400,15 +267,9 @@ def rollout_correction(seq, mode, cap):
 
 
 # ---------------------------------------------------------------- trajectories
-
-
 @dataclass
 class TrainingSequence:
-    """One rollout joined with its diagnosis, as the trainer needs it: the token sequence, its
-    loss mask, reward, weight and advantage, and the log-probs scored on it (common.envs.bfcl.play's
-    Trajectory is the episode being played, a different thing). A segmented rollout's first
-    segment; its further ones are `segments`, sequences of their own (sequences())."""
-
+    """A rollout joined with its diagnosis as the trainer scores it (a segmented one: its first segment)."""
     task_id: str
     sample_index: int
     prompt_ids: list
@@ -427,8 +288,7 @@ class TrainingSequence:
     is_weight: torch.Tensor | None = field(default=None, repr=False)  # rollout_correction's, aligned with ids
     is_hits: int = 0  # of its model tokens, those rollout_correction truncated or masked
     segments: list = field(default_factory=list, repr=False)  # the further segments, TrainingSequences
-    # turn credit (None without): this sequence's (start, stop, turn) runs of model tokens (turn_spans),
-    # and the trajectory's weight of each labelled turn (turn_weights) and model tokens in each
+    # turn credit (else None): this sequence's turn_spans, the trajectory's weight and model tokens per turn
     turn_spans: list | None = field(default=None, repr=False)
     turn_weights: list | None = None
     turn_tokens: list | None = None
@@ -447,8 +307,7 @@ class TrainingSequence:
 
 
 def token_segments(tokens, where="rollouts"):
-    """The sequences of a rollout record's `tokens`, checked: the tokens themselves (the first
-    segment), then each of `tokens.segments` (absent: the one sequence). Raises RecordError."""
+    """The checked sequences of a rollout record's `tokens`: itself, then each of `tokens.segments`."""
     _check_tokens(tokens, where)
     more = tokens.get("segments", [])
     if not isinstance(more, list) or not more and "segments" in tokens:
@@ -486,21 +345,9 @@ def _key(rec, where):
     return tid, idx
 
 
-def join_trajectories(
-    rollouts, diagnoses, rho, reweight=True, rollouts_path="rollouts", diagnoses_path="diagnoses",
-    adv_scale="group", cut=None, turn_credit=False,
-):
-    """Trajectories from rollout and diagnosis records (as read_jsonl returns them) joined on
-    (task_id, sample_index), with weights and group advantages (`adv_scale`: group_advantages)
-    filled in. `cut`: a function of a rollout record, true where its end is not the policy's failure
-    (common/envs/__init__.py cut_stops); such a trajectory is marked `cut`, gets A = 0 and is left out of its
-    group's mean and std (train_grpo.py leaves it out of the loss). None: nothing is cut.
-
-    Every profile label must be in `rho`, also when `reweight` is off (then w = 1, which is
-    ρ ≡ 1 for a profile whose fractions sum to one). `turn_credit`: each trajectory's turn_weights
-    (its diagnosis's turn_labels, every one in `rho`, and its rollout's turns) and each sequence's
-    turn_spans are filled in too. Raises RecordError naming file:line.
-    """
+def join_trajectories(rollouts, diagnoses, rho, reweight=True, rollouts_path="rollouts", diagnoses_path="diagnoses",
+                      adv_scale="group", cut=None, turn_credit=False, checked=None):
+    """Rollout and diagnosis records joined on (task_id, sample_index), with weights and group advantages."""
     diag_by_key = {}
     for d in diagnoses:
         where = f"{diagnoses_path}:{d.get('_line', '?')}"
@@ -508,12 +355,10 @@ def join_trajectories(
         if key in diag_by_key:
             raise RecordError(f"{where}: second diagnosis for task {key[0]} sample {key[1]}")
         reward = d["reward"]
-        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+        if not number(reward):
             raise RecordError(f"{where}: reward must be a number")
         profile = d["profile"]
-        if not isinstance(profile, dict) or not all(
-            isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1 for p in profile.values()
-        ):
+        if not isinstance(profile, dict) or not all(number(p) and 0 <= p <= 1 for p in profile.values()):
             raise RecordError(f"{where}: profile must map labels to fractions in [0, 1]")
         try:
             weight = diagnosis_weight(profile, rho)
@@ -541,23 +386,12 @@ def join_trajectories(
             raise RecordError(f"{where}: no diagnosis for task {key[0]} sample {key[1]} in {diagnoses_path}")
         d, weight = diag_by_key[key]
         segments = token_segments(r["tokens"], where)
-        first, *more = [
-            TrainingSequence(
-                task_id=key[0],
-                sample_index=key[1],
-                prompt_ids=t["prompt_ids"],
-                ids=t["ids"],
-                mask=t["mask"],
-                engine_logprobs=t["logprobs"],
-                reward=float(d["reward"]),
-                weight=weight,
-                labelled_turns=len(d.get("turn_labels") or []),
-                unplayed_turns=max(0, len(d.get("turn_labels") or []) - len(r.get("turns") or [])),
-                stop=r.get("stop"),
-                cut=bool(cut and cut(r)),
-            )
-            for t in segments
-        ]
+        labelled = len(d.get("turn_labels") or [])
+        first, *more = [TrainingSequence(
+            task_id=key[0], sample_index=key[1], prompt_ids=t["prompt_ids"], ids=t["ids"], mask=t["mask"],
+            engine_logprobs=t["logprobs"], reward=float(d["reward"]), weight=weight, labelled_turns=labelled,
+            unplayed_turns=max(0, labelled - len(r.get("turns") or [])), stop=r.get("stop"), cut=bool(cut and cut(r)),
+        ) for t in segments]
         first.segments = more
         if turn_credit:
             spans = turn_spans(segments, r.get("turns"), where)
@@ -573,9 +407,8 @@ def join_trajectories(
         trajectories.append(first)
     for key, (d, _) in diag_by_key.items():
         if key not in seen:
-            raise RecordError(
-                f"{diagnoses_path}:{d.get('_line', '?')}: no rollout for task {key[0]} sample {key[1]} in {rollouts_path}"
-            )
+            raise RecordError(f"{diagnoses_path}:{d.get('_line', '?')}: no rollout for task {key[0]} sample {key[1]} "
+                              f"in {rollouts_path}")
 
     adv, _ = group_advantages([t.task_id for t in trajectories], [t.reward for t in trajectories],
                               scale=adv_scale, cut=[t.cut for t in trajectories])
@@ -584,7 +417,7 @@ def join_trajectories(
         if turn_credit:
             r, (d, _) = records[t.task_id, t.sample_index], diag_by_key[t.task_id, t.sample_index]
             t.turn_weights = turn_weights(d["turn_labels"], [turn.get("end") for turn in r["turns"]], a, t.weight,
-                                          rho, envs.checks_turns(r), reweight)
+                                          rho, checked is None or checked(r), reweight)
         for seq in t.sequences():
             seq.advantage = a
             seq.turn_weights = t.turn_weights
@@ -592,19 +425,14 @@ def join_trajectories(
 
 
 def as_trained(trained):
-    """join_trajectories' advantage scale and cut of a round as train_grpo.py joined it, from a line of
-    its train_metrics.jsonl (`trained`; None: the round is not trained yet, the defaults), so that the
-    viewer and the trackers weigh the round as the trainer did."""
+    """join_trajectories' adv_scale and cut as train_grpo.py used them, from a train_metrics.jsonl line."""
     stops = set((trained or {}).get("cut_stops") or [])
     return {"adv_scale": ((trained or {}).get("objective") or {}).get("adv_scale", "group"),
             "cut": (lambda r: r.get("stop") in stops) if stops else None}
 
 
 def join_round(rollouts, diagnoses, rho, reweight=True, adaptive=False, **kwargs):
-    """join_trajectories with the ρ the round trains with: `rho`, or with `adaptive` the round's
-    own ρ_t (adaptive_rho, on the records the first join has checked). Returns (trajectories,
-    AdaptedRho or None). train_grpo.py, the viewer and the trackers all weigh a round here;
-    `kwargs`: join_trajectories' paths, adv_scale, cut and turn_credit."""
+    """(join_trajectories under the round's ρ: `rho`, or with `adaptive` its ρ_t, AdaptedRho or None)."""
     trajectories = join_trajectories(rollouts, diagnoses, rho, reweight, **kwargs)
     if not adaptive:
         return trajectories, None
@@ -613,14 +441,7 @@ def join_round(rollouts, diagnoses, rho, reweight=True, adaptive=False, **kwargs
 
 
 def rollout_temperature(rollouts, path="rollouts"):
-    """(T, n): the one sampling temperature of a rollout file's records (their "sampling"
-    field) and how many records carry none, read as T = 1 (files older than the field).
-
-    Raises RecordError naming file:line for a record whose temperature differs from the
-    file's first, for temperature 0 (greedy: the samples of a group are one trajectory, and
-    no distribution to take a ratio against), and for top-p / top-k sampling (the trainer
-    scores the whole softmax(logits / T), not a truncated one).
-    """
+    """(T, n): a rollout file's one sampling temperature and how many records carry none (read as 1)."""
     temperature, first, missing = None, None, 0
     for r in rollouts:
         where = f"{path}:{r.get('_line', '?')}"
@@ -630,38 +451,28 @@ def rollout_temperature(rollouts, path="rollouts"):
             t = 1.0
         else:
             t = sampling.get("temperature") if isinstance(sampling, dict) else None
-            if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            if not number(t) or t < 0:
                 raise RecordError(f"{where}: sampling.temperature must be a non-negative number")
             if t == 0:
-                raise RecordError(
-                    f"{where}: temperature 0 (greedy) rollouts cannot be trained on; sample at T > 0"
-                )
+                raise RecordError(f"{where}: temperature 0 (greedy) rollouts cannot be trained on; sample at T > 0")
             truncated = sampling.get("top_p") not in (None, 1) or sampling.get("top_k") not in (None, 0, -1) \
                 or sampling.get("min_p") not in (None, 0)
             penalised = any(sampling.get(k) not in (None, d) for k, d in
                             (("repetition_penalty", 1), ("presence_penalty", 0), ("frequency_penalty", 0)))
             if truncated or penalised:
-                raise RecordError(
-                    f"{where}: top-p / top-k / min-p sampling or penalties cannot be rescored "
-                    "(the trainer uses the full softmax at T)"
-                )
+                raise RecordError(f"{where}: top-p / top-k / min-p sampling or penalties cannot be rescored "
+                                  "(the trainer uses the full softmax at T)")
         if temperature is None:
             temperature, first = t, where
         elif t != temperature:
-            raise RecordError(
-                f"{where}: temperature {t:g} differs from {temperature:g} at {first}: one file, one temperature"
-            )
+            raise RecordError(f"{where}: temperature {t:g} differs from {temperature:g} at {first}: one file, "
+                              "one temperature")
     return (1.0 if temperature is None else float(temperature)), missing
 
 
 # ---------------------------------------------------------------- batching
-
-
 def mini_batch_slices(n_groups, size):
-    """(start, stop) of each mini-batch over `n_groups` shuffled groups: ⌊n/size⌋ mini-batches
-    (one when n < size) whose sizes differ by at most one. A leftover that does not fill a
-    mini-batch is spread over the others: an optimiser step on one or two groups would weigh
-    their few trajectories like a full step's."""
+    """(start, stop) of ⌊n/size⌋ mini-batches (at least one) over `n_groups` groups, sizes within one."""
     if n_groups <= 0:
         return []
     k = max(1, n_groups // size)
@@ -673,15 +484,7 @@ def mini_batch_slices(n_groups, size):
 
 
 def plan_micro_batches(lengths, num_processes, max_tokens, group_by_length=True):
-    """Split one mini-batch (sequence lengths) over processes and into micro-batches.
-
-    Returns, per process, a list of micro-batches (lists of indices into `lengths`). A
-    micro-batch holds as many sequences as fit in `max_tokens` once padded to its longest
-    (a longer sequence goes alone). Every process gets the same number of micro-batches,
-    padded with empty ones: FSDP gathers parameters in every forward, so all
-    processes must run the same number of them. With `group_by_length`, sequences are
-    sorted by length so that each micro-batch pads little.
-    """
+    """Per process, as many micro-batches (index lists into `lengths`, padded within `max_tokens`) as any."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     shards, load = [[] for _ in range(num_processes)], [0] * num_processes
     for i in order:  # longest first onto the least-loaded process balances the work
@@ -708,30 +511,14 @@ def plan_micro_batches(lengths, num_processes, max_tokens, group_by_length=True)
     return plans
 
 
-def padding_share(lengths, micro_batches):
-    """Share of padded positions over all positions the micro-batches compute."""
-    real = sum(lengths[i] for mb in micro_batches for i in mb)
-    padded = sum(len(mb) * max(lengths[i] for i in mb) for mb in micro_batches if mb)
-    return (padded - real) / padded if padded else 0.0
-
-
 def collate(trajs, device):
-    """Right-padded batch tensors for a micro-batch of trajectories.
-
-    Per-token tensors cover sequence positions off..T-1 (off = shortest prompt), the only
-    positions whose tokens can carry loss; `off` lets the forward pass compute logits for
-    those positions only.
-    """
+    """Right-padded batch tensors; per-token ones cover positions off..T-1 (off: the shortest prompt)."""
     T = max(t.length for t in trajs)
     off = min(len(t.prompt_ids) for t in trajs)
     B, W = len(trajs), T - off
-    input_ids = torch.zeros(B, T, dtype=torch.long)
-    attention = torch.zeros(B, T, dtype=torch.long)
+    input_ids, attention = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, W, dtype=torch.bool)
-    adv = torch.zeros(B, W)
-    old = torch.zeros(B, W)
-    ref = torch.zeros(B, W)
-    isw = torch.ones(B, W)
+    adv, old, ref, isw = torch.zeros(B, W), torch.zeros(B, W), torch.zeros(B, W), torch.ones(B, W)
     for b, t in enumerate(trajs):
         P, n = len(t.prompt_ids), len(t.ids)
         input_ids[b, : P + n] = torch.tensor(t.prompt_ids + t.ids)
@@ -749,15 +536,8 @@ def collate(trajs, device):
             ref[b, s] = t.ref_logprobs
         if t.is_weight is not None:
             isw[b, s] = t.is_weight
-    batch = {
-        "input_ids": input_ids,
-        "attention_mask": attention,
-        "mask": mask,
-        "adv": adv,
-        "old": old,
-        "ref": ref,
-        "isw": isw,
-    }
+    batch = {"input_ids": input_ids, "attention_mask": attention, "mask": mask, "adv": adv, "old": old, "ref": ref,
+             "isw": isw}
     return {k: v.to(device) for k, v in batch.items()} | {"off": off}
 
 
@@ -770,21 +550,7 @@ def _chunk_logprobs(head, hidden, targets, temperature, entropy=None, key=0):
 
 def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, mask=None, chunk=LOGPROB_CHUNK,
                       entropy=False):
-    """log p of each token at positions off..T-1 given its prefix, at `temperature`: shape (B, T - off);
-    with `entropy`, (log-probs, the policy's entropy at those positions, detached), both from each
-    chunk's one projection: no second pass.
-
-    The hidden state at position t scores the token at t+1. Only the positions where `mask`
-    (B, T - off) is set are projected onto the vocabulary (the others are 0): the model's own
-    tokens, not the prompt, tool results or user turns. They are projected `chunk` positions
-    at a time, each chunk recomputed in backward (checkpointed), so the pass holds one
-    chunk's logits whatever the sequence length. mask None: every position.
-
-    The projection runs inside the model's own call, in hooks on its output layer: whatever
-    wraps the model (DDP, FSDP2, PEFT, Accelerate's autocast) sees an ordinary forward, and
-    FSDP2 holds the output layer's weights gathered while the hooks use them; the hooks hand
-    the model these log-probs in place of its logits.
-    """
+    """log p (B, T - off) where `mask` is set [and the entropy], `chunk` positions at a time (docs/design.md §6)."""
     T = input_ids.shape[1]
     targets = input_ids[:, off:]
     mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask
@@ -802,8 +568,7 @@ def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, ma
     def project(module, args, output):
         h = hidden.pop()[:, :-1][mask]  # (N, H): the model tokens' predecessors
         t = targets[mask]
-        # at least one (possibly empty) chunk: a micro-batch without model tokens still
-        # connects every weight to the loss (DDP waits for every gradient)
+        # at least one (possibly empty) chunk: every weight joins the loss (DDP waits for every gradient)
         parts, starts = [], range(0, max(len(t), 1), chunk)
         for s in starts:
             piece = (module, h[s : s + chunk], t[s : s + chunk], temperature, entropies, s)
@@ -817,13 +582,10 @@ def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, ma
             entropies["all"] = ent.new_zeros(mask.shape).masked_scatter(mask, ent)
         return vals.new_zeros(mask.shape).masked_scatter(mask, vals)
 
-    # the post-hook goes first, so that FSDP2's own post-forward hook sees the log-probs as
-    # the output (it registers the pre-backward gather on them) with the weights still gathered
+    # the post-hook first: FSDP2's own sees the log-probs as the output, with the weights still gathered
     handles = [head.register_forward_pre_hook(keep_hidden), head.register_forward_hook(project, prepend=True)]
     try:
-        out = model(
-            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T - off + 1, use_cache=False
-        )
+        out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T - off + 1, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -831,8 +593,7 @@ def sequence_logprobs(model, input_ids, attention_mask, off, temperature=1.0, ma
 
 
 def _dummy_forward(model, device):
-    # a process with nothing to do in this micro-batch slot still runs the model, so that the
-    # collectives of FSDP (in forward) and of DDP (in backward) line up on every process
+    # a process with nothing to do in this slot still runs the model: the collectives line up on every process
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.sum() * 0.0
 
@@ -845,34 +606,15 @@ def score_trajectories(model, micro_batches, device, attr, temperature=1.0):
             _dummy_forward(model, device)
             continue
         b = collate(mb, device)
-        lp = sequence_logprobs(
-            model, b["input_ids"], b["attention_mask"], b["off"], temperature, b["mask"]
-        ).float().cpu()
+        lp = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["off"], temperature, b["mask"]).float().cpu()
         for row, t in zip(lp, mb, strict=True):
             s = len(t.prompt_ids) - b["off"]
             setattr(t, attr, row[s : s + len(t.ids)].clone())
 
 
-def accumulate_gradients(
-    model, accelerator, micro_batches, norm, clip=0.2, kl_coef=0.0, clip_ratio_c=3.0, temperature=1.0,
-    clip_high=None, level="token", entropy=True,
-):
-    """Forward and backward over this process's micro-batches of one mini-batch; returns summed stats
-    (with `entropy`, entropy_sum: the policy's entropy summed over model tokens, from the same pass).
-
-    The loss is token_loss's with each sequence's rollout-correction weights (its is_weight, set by
-    rollout_correction; None: none), `clip_high` and the ratio `level`.
-
-    `norm` is the model-token count of the whole mini-batch over all processes. The loss is
-    multiplied by the process count because DDP/FSDP average gradients over processes:
-    the synced gradient is then Σ_all tokens ∇loss / norm, the same as on one process.
-
-    DDP syncs once, in the last micro-batch's backward (no_sync before: each process adds up
-    its own full gradients). FSDP reduce-scatters in every micro-batch's backward and adds
-    into the sharded gradients: under no_sync it would hold every parameter's unsharded
-    gradient (in the float32 reduce dtype) until the last micro-batch, about 28 GiB per GPU
-    at 7B. The sum is the same up to float rounding.
-    """
+def accumulate_gradients(model, accelerator, micro_batches, norm, clip=0.2, kl_coef=0.0, clip_ratio_c=3.0,
+                         temperature=1.0, clip_high=None, level="token", entropy=True):
+    """Forward and backward of token_loss over this process's micro-batches of one mini-batch; summed stats."""
     totals = {"pg_sum": 0.0, "kl_sum": 0.0, "clip_count": 0, "dual_clip_count": 0, "tokens": 0, "entropy_sum": 0.0}
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     for k, mb in enumerate(micro_batches):
@@ -884,15 +626,12 @@ def accumulate_gradients(
                 accelerator.backward(_dummy_forward(model, accelerator.device))
                 continue
             b = collate(mb, accelerator.device)
-            out = sequence_logprobs(
-                model, b["input_ids"], b["attention_mask"], b["off"], temperature, b["mask"], entropy=entropy
-            )
+            out = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["off"], temperature, b["mask"],
+                                    entropy=entropy)
             logp, ent = out if entropy else (out, None)
             corrected = any(t.is_weight is not None for t in mb)
-            loss, stats = token_loss(
-                logp.float(), b["old"], b["ref"], b["adv"], b["mask"], max(norm, 1), clip, kl_coef, clip_ratio_c,
-                clip_high, level, b["isw"] if corrected else None,
-            )
+            loss, stats = token_loss(logp.float(), b["old"], b["ref"], b["adv"], b["mask"], max(norm, 1), clip, kl_coef,
+                                     clip_ratio_c, clip_high, level, b["isw"] if corrected else None)
             stats["entropy_sum"] = torch.where(b["mask"], ent.float(), 0.0).sum().item() if entropy else 0.0
             accelerator.backward(loss * accelerator.num_processes)
         for key in totals:

@@ -1,17 +1,10 @@
-"""The command that starts the train stage (loop.sh's train()): one process; `accelerate launch`
-over NPROC processes of this node (one process too, given an ACCEL_CONFIG); or, inside a SLURM allocation of several nodes, one
-`accelerate launch` per node through srun, each given the machine count, its machine rank
-(SLURM_NODEID, read on its own node) and the first node of the allocation as the main address.
+"""The command that starts the train stage (loop.sh's train()): one process; `accelerate launch` over
+NPROC processes of this node (or one, given an ACCEL_CONFIG); or, in a SLURM allocation of several nodes,
+one `accelerate launch` per node through srun (N nodes run N * NPROC processes; docs/hardware.md §2).
 
     python -m common.train.launch PYTHON NPROC [ACCEL_CONFIG]   # the command's words, one a line
-    train_command(python, nproc, config, env=os.environ) -> list of words; the script and its
-        arguments follow them
 
-NPROC is the processes (GPUs) of one node: N nodes run N * NPROC processes. Every node needs
-the repository, .venv and the input files at the same path, and the round folder on a
-filesystem all of them share (each process writes its shard of the optimiser state there).
-The main port is MASTER_PORT if set, else 29500 + the job id modulo 1000 (two jobs sharing
-a node do not collide).
+The main port is MASTER_PORT if set, else 29500 + the job id modulo 1000.
 """
 
 import os
@@ -23,8 +16,7 @@ import sys
 
 
 def accelerate_command(accelerate, processes, config=None, machines=1, main_ip=None, port=None):
-    """`accelerate launch` over `processes` in all; with machines > 1 the caller adds
-    `--machine_rank R` (its own node's)."""
+    """`accelerate launch` over `processes` in all; with machines > 1 the caller adds `--machine_rank R`."""
     cmd = [accelerate, "launch", "--num_processes", str(processes)]
     cmd += ["--config_file", config] if config else ["--multi_gpu"] if machines > 1 else []
     if machines > 1:
@@ -49,8 +41,7 @@ def train_command(python, nproc, config=None, env=None):
 
 
 def hostnames(nodelist):
-    """The hosts of a SLURM node list, in order: `scontrol show hostnames` where there is one,
-    else the common forms parsed here (gpu[01-03,07],login1)."""
+    """The hosts of a SLURM node list: `scontrol show hostnames`, else parsed here (gpu[01-03,07],login1)."""
     if shutil.which("scontrol"):
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
         return out.stdout.split()

@@ -1,50 +1,11 @@
-"""Per-GPU memory of the rollout server and of the train stage, from a model's architecture numbers,
-before anything loads.
+"""Per-GPU memory of the rollout server and of the train stage, from a model's architecture numbers, before
+anything loads (docs/hardware.md §8 lists every term and how each was checked).
 
     python3 -m common.train.memplan [--brief | --host] PRESET [--set VAR=VALUE ...]
 
-prints the plan of a preset (common/presets.py) with loop.sh's --set overrides (`bash loop.sh PRESET
---plan` runs it; with --brief, loop.sh's check before round 0, one line) and exits 3 when a stage
-does not fit, naming the variable to change. train_grpo.py checks train_plan() the same way before
-it loads a model on GPUs. Standard library only, Python >= 3.8: `--plan` runs it with the system's
-python3 on a fresh clone, before setup.sh has installed anything.
-
-MODEL is a hub id whose numbers ship in configs/models/<id>.json (copied from the hub's
-config.json, so planning downloads nothing) or a model folder, whose config.json is read.
-
-What is counted, per GPU (P parameters, N processes the weights are sharded over, a = bytes of
-the compute dtype: 2 (bf16) on GPU, 4 on CPU; T = tokens of the largest micro-batch =
-max(MICRO_TOKENS, MAX_LEN), since train_grpo.py puts a longer sequence in a micro-batch alone):
-- rollout server (one vLLM replica per TP GPUs): bf16 weights 2P/TP, the activation peak vLLM
-  profiles at its 8192 batched tokens, CUDA context and graphs, and the KV cache, which gets
-  what is left of gpu_memory_utilization (0.9, the share loop.sh starts it with) and is reported in full contexts
-  of the server's max_model_len (2·layers·kv_heads·head_dim·2 bytes a token). loop.sh serves
-  max(MAX_LEN, EVAL_LEN or the model's max_position_embeddings) (server_len): evaluation runs on
-  the same server at the model's own context, so the Qwen2.5 presets' server runs at 32,768
-  (toolace8b's at 131,072) while rollouts stop at MAX_LEN; vLLM refuses to start when its KV cache cannot hold one such context.
-- train stage: float32 weights, gradients (4P/N each) and AdamW's two moments (8P/N);
-  activations, counted from what each op keeps for backward (below); one log-prob chunk
-  (LOGPROB_CHUNK positions × vocabulary: the logits in the compute dtype and three float32
-  buffers: upcast or log-softmax, its gradient, the logits' gradient); FSDP2's unsharded
-  copies (two decoder layers in bf16, current and prefetched, and the root group, embeddings
-  and output layer, in bf16 with its bf16 gradient); FSDP2's float32 reduce-scatter input of
-  the largest group (reduce_scatter_input below); CUDA context, NCCL buffers and allocator slack
-  (a constant); on GPUs, what the sleeping vLLM server keeps on each GPU (VLLM_ASLEEP_GIB). The
-  log-prob chunk and the layer recomputed in backward happen at different moments: the larger
-  counts.
-- host memory at load (per node, not per GPU): every training process loads the policy whole from
-  disk before FSDP shards it (float32; a LoRA base in bf16), all at once, so N·4P (N·2P); --host,
-  loop.sh's check on the node before round 0, refuses when its available memory is smaller.
-- reference pass (before the policy loads): the bf16 reference model whole on every GPU, a
-  no-grad forward, one log-prob chunk, and on GPUs the sleeping server's residue.
-Activations per token and decoder layer: each RMSNorm keeps its float32 input, its normalised
-output and its output in the compute dtype ((4 + 2a)·hidden, twice); attention keeps q and k
-after RoPE, v and its output (a·(2·heads + 2·kv_heads)·head_dim) and a float32 log-sum-exp
-per head (Qwen3 adds its per-head q and k norms' float32 input and normalised output,
-(4 + a)·(heads + kv_heads)·head_dim); the MLP keeps gate, silu(gate), up and their product (4a·intermediate). With
-gradient checkpointing a layer keeps its input only (a·hidden) and one layer is recomputed in
-backward (its activations and the gradients in flight: RECOMPUTE = 1.1 times its activations). Checked against
-peaks measured on CPU in tests/test_memplan.py and against a GPU by bench/gpu_check.sh.
+prints a preset's plan (`loop.sh PRESET --plan`; --brief: loop.sh's one-line check before round 0; --host: the
+node's memory at load) and exits 3 when a stage does not fit, naming the variable to change. MODEL's numbers
+come from configs/models/<hub id>.json or a model folder's config.json. Standard library only (a fresh clone).
 """
 
 from __future__ import annotations  # `float | None` below, on a system python3 older than 3.10
@@ -65,27 +26,15 @@ OVERHEAD_GIB = 3.0  # CUDA context (~0.5), NCCL buffers (~1), caching-allocator 
 # The policy's server is started with this gpu_memory_utilization (common/engine/serve.py command()), not
 # vLLM's default, which is 0.92 (vllm/config/cache.py, vLLM 0.32 and 0.33).
 VLLM_UTILIZATION = 0.9
-# Each vLLM process's CUDA context: created before vLLM snapshots the GPU's free memory, so it lies
-# outside its gpu_memory_utilization share (vllm/v1/worker/utils.py request_memory: the server
-# refuses to start when less than ceil(total x share) is free at that snapshot).
+# Each vLLM process's CUDA context, outside its gpu_memory_utilization share (created before vLLM's snapshot).
 VLLM_CUDA_CONTEXT_GIB = 0.5
 VLLM_BATCHED_TOKENS = 8192  # vLLM serve's default max_num_batched_tokens on large GPUs
 VLLM_CONTEXT_GIB = 2.0  # CUDA context and CUDA graphs of a vLLM replica
-# What a vLLM engine asleep at level 2 (loop.sh's train(): weights and KV cache released) still
-# holds on each of its GPUs while the trainer uses them: its CUDA context, the CUDA-graph memory
-# pool (captured outside the sleep allocator, so never released), NCCL communicators and caching-
-# allocator residue. vLLM logs it per worker on sleep ("Sleep mode freed X GiB memory, Y GiB memory
-# is still in use", vllm/v1/worker/gpu_worker.py). An allowance, not a measurement: reports put it
-# at 0.8 GiB for a 1B model at TP 1 (NVIDIA-NeMo/RL#223) and ~7 GiB a GPU for a TP-8 MoE whose
-# graphs alone took 1.4 GiB (vllm-project/vllm#47654). bench/gpu_check.sh is where it would be
-# measured, but its GPU image has no vLLM (docs/hardware.md §7): until a vLLM node measures it
-# (the server log's line, after `python -m common.engine.serve sleep`), this figure stands.
+# What a vLLM engine asleep at level 2 still holds on each GPU while the trainer runs (CUDA context, graph
+# pool, NCCL, allocator residue): an allowance until a vLLM node measures it (docs/hardware.md §8).
 VLLM_ASLEEP_GIB = 3.0
-# A τ² user simulator served here (USER_MODEL, with ENV=tau2:DOMAIN or OOD=tau2) runs on the first GPU
-# beside the policy's server, in what that server leaves (1 - 0.9, less the two CUDA contexts). It
-# lives only inside the stages that play (rollout.py, python -m ood.tau start and stop it), while
-# the policy's server is awake; the trainer and the reference pass never see it. loop.sh starts it
-# with this gpu_memory_utilization and MAX_LEN as its context.
+# A user simulator served here (USER_MODEL) runs on the first GPU beside the policy's server, in what that
+# server leaves, only inside the stages that play; it is started with this share and MAX_LEN as its context.
 USER_UTILIZATION = 0.08
 RECOMPUTE = 1.1  # a recomputed layer in backward, over its activations: measured on CPU (tests/test_memplan.py)
 
@@ -404,8 +353,10 @@ def settings_plans(p):
 
 
 def served_user(p):
-    """Whether loop.sh serves a τ² user simulator here: USER_MODEL, for ENV=tau2:DOMAIN or OOD=tau2."""
-    return bool(p.user_model) and (p.env != "bfcl" or "tau2" in p.ood.split())
+    """Whether a stage serves USER_MODEL here, as a user simulator: the environment's or an OOD bench's flags
+    name it (common/presets.py env_shell)."""
+    from common.presets import env_shell
+    return bool(p.user_model) and any("--user-model" in v for v in env_shell(p).values() if isinstance(v, list))
 
 
 def advice(arch, k):

@@ -1,22 +1,6 @@
-"""The real BFCL multi-turn world: tasks, executable environment, official checker.
-
-Wraps bfcl-eval's executor and `multi_turn_checker` with the isolation they lack
-(docs/design.md §2):
-
-- the executor caches instances in its module globals by (model name, task id):
-  every trajectory and every checker call gets a unique `[A-Za-z0-9_]` name and
-  its cached instances are removed afterwards;
-- long_context scenario data is shared by reference at module level and mutated
-  by tool calls: the environment's instances get private copies, and the shared
-  data is restored in place after every checker run;
-- the executor `eval()`s call strings: it gets only strings rendered by
-  common.engine.calls from parsed literals, and only for the calls it would dispatch
-  itself (`methods`: public methods of the task's classes minus its deny-list),
-  whether or not they fit the schema or are listed yet; any other name is refused
-  with an error result and reaches it only as a stand-in that it refuses unrun;
-- a schema-valid call can still run for ever (MathAPI.logarithm with precision
-  987654321): every execution, ours and the checker's, runs under a deadline, and
-  the call that overruns fails with an error result like any other.
+"""The real BFCL multi-turn world: tasks, executable environment, official checker: bfcl-eval's executor and
+`multi_turn_checker` with the isolation they lack (unique instance caches, private long_context data, rendered
+literal calls only, a deadline on every execution): docs/design.md §2.
 """
 
 import contextlib
@@ -32,8 +16,7 @@ import signal
 import tempfile
 import threading
 
-# Importing bfcl_eval.constants creates result folders under BFCL_PROJECT_ROOT
-# (site-packages by default): point it at scratch space first.
+# Importing bfcl_eval.constants creates result folders under BFCL_PROJECT_ROOT (site-packages by default)
 os.environ.setdefault("BFCL_PROJECT_ROOT", os.path.join(tempfile.gettempdir(), "seal-bfcl"))
 
 from bfcl_eval.constants.default_prompts import (  # noqa: E402
@@ -52,16 +35,12 @@ TASK_FIELDS = ["id", "category", "questions", "initial_config", "involved_classe
                "missed_function", "long_context", "ground_truth"]
 EXEC_ERROR_PREFIX = C.EXEC_ERROR_PREFIX
 EXEC_DEADLINE_S = 2.0  # for one batch of calls; real tool calls take milliseconds
-# BFCL V4 memory calls are bounded, but memory_vector embeds on the CPU: seconds on a busy machine.
-MEMORY_DEADLINE_S = 60.0
-# Names execute_multi_turn_func_call refuses before its eval(), whatever they name.
-DENY_LIST = ("kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run")
-# What the checker gets for a refused call: the executor refuses it unrun (a deny-list
-# name), so the step keeps its place and an error result, as the refused name would have.
+MEMORY_DEADLINE_S = 60.0  # BFCL V4 memory_vector embeds on the CPU: seconds on a busy machine
+DENY_LIST = ("kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run")  # the executor refuses these unrun
+# what the checker gets for a refused call: refused unrun, the step keeps its place and an error result
 REFUSED_STAND_IN = "kill()"
 
-_PRISTINE_LONG = {k: copy.deepcopy(v) for k, v in vars(_long).items()
-                  if k.isupper() and isinstance(v, (dict, list))}
+_PRISTINE_LONG = {k: copy.deepcopy(v) for k, v in vars(_long).items() if k.isupper() and isinstance(v, (dict, list))}
 _counter = itertools.count()
 
 
@@ -81,11 +60,7 @@ def load_tasks(path):
 
 @contextlib.contextmanager
 def deadline(seconds=EXEC_DEADLINE_S):
-    """Raise TimeoutError inside the block after `seconds` (main thread only: SIGALRM).
-
-    bfcl-eval's executor and tools catch exceptions per call, so an overrunning call
-    becomes an error result and the calls after it still run.
-    """
+    """TimeoutError inside the block after `seconds` (main thread only: SIGALRM): an error result, as bfcl-eval's."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -110,22 +85,20 @@ def execute(*args, seconds=EXEC_DEADLINE_S, **kwargs):
         return _bare_execute(*args, **kwargs)
 
 
-# The checker calls the executor it imported: bound each of its executions too.
+# the checker calls the executor it imported: its executions under the deadline too
 _checker.execute_multi_turn_func_call = execute
 
 
 @functools.cache
 def _public_methods(class_name):
-    """{method: [parameter names in order]} as the executor maps them: inspect.ismethod on an
-    instance, names not starting with '_'."""
+    """{method: [parameter names]} as the executor maps them: an instance's public methods."""
     cls = getattr(importlib.import_module(CLASS_FILE_PATH_MAPPING[class_name]), class_name)
     return {name: list(inspect.signature(m).parameters)
             for name, m in inspect.getmembers(cls(), predicate=inspect.ismethod) if not name.startswith("_")}
 
 
 def methods(involved_classes):
-    """{name: [parameter names]} of every call bfcl-eval's executor dispatches for these classes
-    (a later class wins a shared name, as in its mapping), minus its deny-list."""
+    """{name: [parameter names]} the executor dispatches for these classes (a later class wins), minus DENY_LIST."""
     out = {}
     for cls in involved_classes:
         out.update(_public_methods(cls))
@@ -133,15 +106,7 @@ def methods(involved_classes):
 
 
 def to_executor(call, dispatchable):
-    """(call string, refusal) for one parsed call: the string the executor gets, and None if it
-    runs, else the error result the agent is shown instead.
-
-    A call runs when bfcl-eval's executor would dispatch it to a method (`dispatchable`,
-    from `methods`), schema or not; it is rendered from its literals. Anything else is
-    refused: an unknown name or a builtin (eval would raise NameError or run the
-    builtin), a private or dotted name, a deny-list name, or a parameter name that
-    cannot be rendered as a keyword. The checker then gets REFUSED_STAND_IN.
-    """
+    """(call string, None) for a call the executor would dispatch, else (REFUSED_STAND_IN, error result)."""
     name = call["name"]
     if name in DENY_LIST:
         return REFUSED_STAND_IN, f"{EXEC_ERROR_PREFIX} Function call {name} is not allowed."
@@ -173,9 +138,7 @@ def _forget(name):
 
 @contextlib.contextmanager
 def checker_run(prefix, long_context):
-    """A unique model name for one run of the checker's executions, cleaned up however the block
-    ends: the checker caches the model's instances under NAME_eval and the ground truth's under
-    NAME_ground_truth_eval, and long-context runs mutate the shared scenario data."""
+    """A unique model name for one checker run; its cached instances and the shared data cleaned up after."""
     name = unique_name(prefix)
     try:
         yield name
@@ -208,13 +171,7 @@ def tools_at(task, turn):
 
 
 def turn_messages(task, turn, new_tools=None):
-    """The user messages of `turn`.
-
-    A held-out turn (miss_func) has none: like bfcl-eval's prompting path, it
-    announces the new tools' documentation in a user message, since the tool list
-    in the system prompt cannot change without re-rendering the whole context.
-    `new_tools` overrides the schemas shown (the schema cue annotates them).
-    """
+    """The user messages of `turn`; a held-out turn announces its tools (`new_tools`: as shown) as bfcl-eval's."""
     msgs = task["questions"][turn]
     if not msgs and str(turn) in task["missed_function"]:
         docs = new_tools if new_tools is not None else task["missed_function"][str(turn)]
@@ -229,17 +186,10 @@ def is_error_result(result):
 
 
 class Environment:
-    """One trajectory's executable world for one task.
-
-        with Environment(task) as env:
-            env.start_turn(0)
-            step = env.step(model_text, fmt="json")   # calls, parse_error, results, call_errors, schema_errors
-            ...
-            env.decoded                               # per turn, per step with calls: what the checker gets
-    """
+    """One trajectory's executable world for one task: start_turn(t), step(text, fmt), decoded."""
 
     def __init__(self, task):
-        self.task = task
+        self.task, self.n_turns = task, len(task["questions"])
         self.name = unique_name()
         self.turn = -1
         self.tools = []
@@ -247,16 +197,12 @@ class Environment:
         self.decoded = []  # what the checker gets: per turn, per step with calls, rendered strings
         self.memory = None
         if any(cls.startswith("MemoryAPI_") for cls in task["involved_classes"]):
-            # BFCL V4 memory (ood/memory.py): bfcl-eval's harness creates the instance, which
-            # loads the scenario's memory snapshot, before the first turn (not under the deadline:
-            # the vector backend re-embeds the snapshot), and writes it back when a prerequisite
-            # conversation ends.
+            # BFCL V4 memory, as bfcl-eval's harness: the snapshot loaded before the first turn (no deadline:
+            # the vector backend re-embeds it), written back when a prerequisite conversation ends
             _, instances = _bare_execute([], task["initial_config"], task["involved_classes"], self.name, task["id"])
             self.memory = next(iter(instances.values()))
         if task["long_context"]:
-            # Long-context instances hold references to module-level scenario data
-            # (credit cards, bookings, transactions): create them now and give them
-            # private copies, so this trajectory's calls cannot reach the next one's.
+            # long-context instances share module-level scenario data: private copies for this trajectory
             _, instances = self._execute([])
             for inst in instances.values():
                 inst.__dict__.update(copy.deepcopy(inst.__dict__))
@@ -281,18 +227,18 @@ class Environment:
         self.decoded.append([])
         return [t for t in self.tools if t["name"] not in before] if turn > 0 else []
 
+    def user_messages(self, turn):
+        return turn_messages(self.task, turn)
+
     def step(self, text, fmt):
-        """Parse one model output, run its calls as bfcl-eval would, and return the step record's
-        fields; `schema_errors` says per call whether it broke the schema of the tools listed now."""
+        """Parse one model output and run its calls: the step record's fields."""
         calls, parse_error = C.parse(text, fmt)
         results, call_errors = self.run_calls(calls)
         return {"calls": calls, "parse_error": parse_error, "results": results, "call_errors": call_errors,
                 "schema_errors": [C.validate(call, self.tools) for call in calls]}
 
     def run_calls(self, calls):
-        """Execute parsed calls in order; (results, errors): a refused call (see to_executor) gets
-        its refusal as result and error, an executed one its result, and the result as error
-        when it reports a failure."""
+        """(results, errors) of parsed calls run in order (a refused call: its refusal as both)."""
         if not calls:
             return [], []
         strings, refusals = zip(*(to_executor(call, self.methods) for call in calls), strict=True)
@@ -302,24 +248,18 @@ class Environment:
         return results, [r if is_error_result(r) else None for r in results]
 
     def _execute(self, call_strings):
-        return execute(
-            call_strings, self.task["initial_config"], self.task["involved_classes"], self.name, self.task["id"],
-            long_context=self.task["long_context"],
-            seconds=MEMORY_DEADLINE_S if self.memory is not None else EXEC_DEADLINE_S)
+        return execute(call_strings, self.task["initial_config"], self.task["involved_classes"], self.name,
+                       self.task["id"], long_context=self.task["long_context"],
+                       seconds=MEMORY_DEADLINE_S if self.memory is not None else EXEC_DEADLINE_S)
 
 
 def official_verdict(task, decoded):
-    """bfcl-eval's multi_turn_checker verdict for per-turn, per-step call strings.
-
-    Returns {"valid": bool, "error_type": str | None, "turn": int | None}. A trajectory
-    with fewer turns than the task (stopped early) is force-terminated, as in bfcl-eval.
-    """
+    """{"valid", "error_type", "turn"}: multi_turn_checker's verdict on per-turn, per-step call strings."""
     gt = task["ground_truth"]
     if len(decoded) != len(gt):
         return {"valid": False, "error_type": "multi_turn:force_terminated", "turn": len(decoded)}
-    # The checker itself derives long_context from the id, as bfcl-eval's runner does.
-    entry = {"id": task["id"], "initial_config": task["initial_config"],
-             "involved_classes": task["involved_classes"]}
+    # the checker derives long_context from the id, as bfcl-eval's runner does
+    entry = {"id": task["id"], "initial_config": task["initial_config"], "involved_classes": task["involved_classes"]}
     with checker_run("check", task["long_context"]) as name:
         res = _checker.multi_turn_checker(decoded, gt, entry, "multi_turn", name)
     if res["valid"]:
@@ -347,6 +287,5 @@ def ground_truth_calls(task, turn):
 
 
 def ground_truth_text(task, turn):
-    """The ground truth of `turn` as a model writes it in the Python format: keyword arguments
-    only (bfcl-eval's prompting decoder drops positional ones, which some ground truth uses)."""
+    """The ground truth of `turn` in the Python format, keyword arguments only (as bfcl-eval decodes them)."""
     return C.format_calls(ground_truth_calls(task, turn), "python")

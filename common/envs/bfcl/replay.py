@@ -1,18 +1,6 @@
-"""Replay a trajectory against the ground truth, turn by turn, with bfcl-eval's own checks.
-
-bfcl-eval's `multi_turn_checker` stops at the first failing turn; diagnosis needs
-every turn. `replay()` runs the checker's own loop (same executor, same instance
-creation order, same long_context rule, the official `state_checker` and
-`response_checker`) over the whole trajectory without returning early, and keeps
-each turn's outcome. The first failure it records is the official verdict: the
-checks it skips past have no side effects and the turns it goes on executing come
-after the verdict's turn. tests/test_diagnose.py checks the equality against
-bfcl.official_verdict on perturbed trajectories of real tasks.
-
-Rollout files are not trusted (docs/design.md §3): `read_turns()` re-derives what to
-replay from each step's parsed `calls` with the environment's own gate
-(bfcl.to_executor: rendered here from literals, or refused), and re-derives each
-call's schema verdict against the tools listed at that turn.
+"""Replay a trajectory against the ground truth turn by turn with bfcl-eval's own checks: multi_turn_checker's
+loop without its early return, so every turn keeps its outcome and the first failure is the official verdict.
+What to replay is re-derived from the untrusted records through the environment's own gate (docs/design.md §3).
 """
 
 from dataclasses import dataclass, field
@@ -28,7 +16,6 @@ from common.jsonl import RecordError
 @dataclass
 class Turn:
     """The executable evidence of one ground-truth user turn."""
-
     index: int
     gt: list  # ground-truth call strings of the turn (what the checker executes)
     tools: list  # schemas available at this turn
@@ -53,11 +40,7 @@ class Turn:
 
 
 def read_turns(task, rollout_turns):
-    """One Turn per ground-truth turn, from a rollout record's `turns` (shorter if it stopped).
-
-    Reads only each step's `calls` and `parse_error`; raises RecordError on a
-    structure that is not a rollout's.
-    """
+    """One Turn per ground-truth turn from a rollout record's `turns` (their `calls` and `parse_error` only)."""
     n = len(task["ground_truth"])
     if not isinstance(rollout_turns, list) or len(rollout_turns) > n:
         raise RecordError(f"turns must be a list of at most {n} turns (the task's), "
@@ -88,8 +71,7 @@ def _read_steps(turn, record, dispatchable):
             raise RecordError(f"{where}: calls must be a list")
         strings = []
         for call in step["calls"]:
-            if not (isinstance(call, dict) and isinstance(call.get("name"), str)
-                    and isinstance(call.get("arguments"), dict)):
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict)):
                 raise RecordError(f"{where}: a call must be an object with a 'name' string and an 'arguments' object")
             call = {"name": call["name"], "arguments": call["arguments"]}
             strings.append(bfcl.to_executor(call, dispatchable)[0])  # the gate of bfcl.Environment.run_calls
@@ -102,11 +84,7 @@ def _read_steps(turn, record, dispatchable):
 
 
 def replay(task, turns):
-    """Execute the turns against the ground truth as multi_turn_checker does, never stopping.
-
-    Fills each played turn's results, state, response and failure; returns the
-    official verdict {"valid", "error_type", "turn"}, as bfcl.official_verdict would.
-    """
+    """Run the turns as multi_turn_checker does, never stopping: each turn's outcome; the official verdict."""
     # The checker derives long_context from the id, not from the task record.
     category = task["id"].rsplit("_", 1)[0]
     long_context = "long_context" in category or "composite" in category

@@ -1,49 +1,22 @@
-"""evaluate.py's plays as the result files bfcl-eval's `generate` writes, for its own runner to score.
-
-    write_result_files(out_dir, tasks, records, "Qwen/Qwen3-8B-FC")   # common.envs.bfcl.prompts.registry_name(handler)
-    # -> out_dir/result/Qwen_Qwen3-8B-FC/multi_turn/BFCL_v4_multi_turn_<category>_result.json
-    leaderboard_note("Qwen/Qwen3-4B-Instruct-2507-FC", len(tasks))   # the leaderboard's figure, or None
-
-One entry per task, as `multi_threaded_inference` and the multi-turn prompting loop
-(`BaseHandler.inference_multi_turn_prompting`) write it: `result` per turn, per step,
-the model's response as the registry entry's handler parses it
-(`_parse_query_response_prompting`: QwenFCHandler strips a `<think>` part), the token
-counts, latencies and `inference_log`, written by the handler's own `write` (file
-names, one JSON per line, sorted by bfcl's sort_key). `bfcl evaluate --partial-eval`
-then scores them with bfcl-eval's decoder and checker (docs/bfcl-results.md).
-
-Only the registry's local-model handlers (OSSHandler: a completion API that returns the
-model's text) have a response format our records hold. The model's text is never
-decoded here with bfcl-eval's `decode_execute` (QwenFCHandler's `eval()`s a call it
-finds as a string): the decoded calls logged are the ones our parser gave and the
-environment ran.
-
-LEADERBOARD holds the BFCL leaderboard's multi-turn score of the registry entries it is known
-for, to set beside a score of all 800 tasks (evaluate.py --split all).
+"""evaluate.py's plays as the result files bfcl-eval's `generate` writes (one entry per task, as its multi-turn
+prompting loop and the registry handler's own `write` produce it), for its own runner to score; and the BFCL
+leaderboard's figures (docs/bfcl-results.md). Only local-model (OSSHandler) entries; nothing is eval'd here.
 """
 
 import functools
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
-from common.envs.bfcl import (
-    prompts,  # first: it imports common.envs.bfcl.harness, which sets BFCL_PROJECT_ROOT for bfcl-eval
-)
+from common.envs.bfcl import prompts  # first: its harness import sets BFCL_PROJECT_ROOT for bfcl-eval
 from common.jsonl import RecordError
 
-# The BFCL leaderboard's multi-turn score (%) by bfcl-eval registry entry: the model run by that
-# entry's handler as bfcl-eval's local inference, over all LEADERBOARD_TASKS multi-turn tasks, the
-# unweighted mean of the four categories (as evaluate.py's average). Stated figures only.
-LEADERBOARD = {
-    "Qwen/Qwen3-4B-Instruct-2507-FC": (22.12, "BFCL leaderboard V4, last updated 2026-04-12"),
-}
+# The BFCL leaderboard's multi-turn score (%) by registry entry over all tasks (as evaluate.py's average)
+LEADERBOARD = {"Qwen/Qwen3-4B-Instruct-2507-FC": (22.12, "BFCL leaderboard V4, last updated 2026-04-12")}
 LEADERBOARD_TASKS = 800  # 4 categories x 200
 
 
 def leaderboard_note(registry_name, tasks):
-    """The leaderboard's figure for this entry in one line (None if it has none), saying whether a
-    score over `tasks` tasks compares with it: only one over all of them does."""
+    """The leaderboard's figure for this entry in one line (None if none), and whether `tasks` compares with it."""
     if registry_name not in LEADERBOARD:
         return None
     figure, source = LEADERBOARD[registry_name]
@@ -59,24 +32,21 @@ def handler(registry_name):
     # Importing the runner imports bfcl-eval's whole model registry (every provider's SDK).
     from bfcl_eval.eval_checker.eval_runner import MODEL_CONFIG_MAPPING, get_handler
     from bfcl_eval.model_handler.local_inference.base_oss_handler import OSSHandler
-
     if registry_name not in MODEL_CONFIG_MAPPING:
-        raise RecordError(f"{registry_name!r} is not in bfcl-eval's model registry "
-                          "(bfcl_eval/constants/model_config.py)")
+        raise RecordError(f"{registry_name!r} is not in bfcl-eval's model registry (bfcl_eval/constants/model_config.py)")
     cls = MODEL_CONFIG_MAPPING[registry_name].model_handler
     if not issubclass(cls, OSSHandler):  # checked first: building an API handler wants its credentials
         raise RecordError(f"{registry_name!r} is an API model in bfcl-eval's registry ({cls.__name__}); "
                           "choose a local-model entry, whose handler reads the model's text")
     h = get_handler(registry_name)
     if h.registry_dir_name.replace("_", "/") != registry_name:
-        # The runner finds a model by its folder name with every "_" read back as "/".
+        # the runner finds a model by its folder name with every "_" read back as "/"
         raise RecordError(f"bfcl-eval's runner cannot map the folder {h.registry_dir_name!r} back to {registry_name!r}")
     return h
 
 
 def write_result_files(out_dir, tasks, records, registry_name):
-    """Write `out_dir/result/<registry dir>/...` for the tasks' records (same order); returns the
-    files written. The registry folder is replaced, so it holds this evaluation only."""
+    """Write (replacing) `out_dir/result/<registry dir>/...` for the tasks' records (same order): the files."""
     h = handler(registry_name)
     result_dir = Path(out_dir) / "result"
     shutil.rmtree(result_dir / h.registry_dir_name, ignore_errors=True)
@@ -88,9 +58,7 @@ def write_result_files(out_dir, tasks, records, registry_name):
 
 
 def bfcl_entry(task_id):
-    """Whether bfcl-eval has an entry of this id (its ids end in the entry's index). A task cut to
-    its first turn (`..._1turn`, the tiny preset's, data/prepare.py) is ours: its runner cannot
-    score it, and its writer cannot even sort it."""
+    """Whether bfcl-eval has an entry of this id (its ids end in an index; not the tiny preset's `..._1turn`)."""
     return task_id.rsplit("_", 1)[-1].isdigit()
 
 
@@ -102,19 +70,17 @@ def result_entry(h, task, record):
     tokens = iter(_step_tokens(record))
     result, inputs, outputs, latency, reasoning, log = [], [], [], [], [], []
     for t, turn in enumerate(record["turns"]):
-        # What the model was shown at the turn's start, as bfcl-eval's loop logs it.
+        # what the model was shown at the turn's start, as bfcl-eval's loop logs it
         docs = prompts.announced(task, t)
         turn_log = {"begin_of_turn_query": prompts.new_tools_message(docs) if docs is not None else task["questions"][t]}
         texts, ins, outs, secs, thoughts = [], [], [], [], []
         for s, step in enumerate(turn["steps"]):
             n_in, n_out = next(tokens)
-            parsed = h._parse_query_response_prompting(SimpleNamespace(
-                choices=[SimpleNamespace(text=step["text"])],
-                usage=SimpleNamespace(prompt_tokens=n_in, completion_tokens=n_out)))
+            parsed = h._parse_query_response_prompting(prompts.response(step["text"], n_in, n_out))
             texts.append(parsed["model_responses"])
             ins.append(parsed["input_token"])
             outs.append(parsed["output_token"])
-            # Our records time trajectories, not steps: bfcl's aggregator skips a 0 as not measured.
+            # our records time trajectories, not steps: bfcl's aggregator skips a 0 as not measured
             secs.append(step.get("latency", 0.0))
             thoughts.append(parsed.get("reasoning_content", ""))
             last = s == len(turn["steps"]) - 1 and t == len(record["turns"]) - 1
@@ -134,7 +100,6 @@ def _step_log(h, step, parsed, forced_quit, steps):
     """One step's inference_log entries, in the prompting loop's order."""
     from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import is_empty_execute_response
     from bfcl_eval.model_handler.utils import convert_to_function_call
-
     log = []
     if "formatted_prompt" in step:
         log.append({"role": "inference_input", "content": {"formatted_prompt": step["formatted_prompt"]}})
@@ -161,9 +126,7 @@ def _step_log(h, step, parsed, forced_quit, steps):
 
 
 def _decoder_raised(h, step, text):
-    """Whether bfcl-eval's decode_execute fails on this output (its loop logs an error, not an empty
-    decode): our parser refused it, unless the handler's own block extraction (json.loads, no eval)
-    finds no call in it, as when every <tool_call> block is skipped."""
+    """Whether bfcl-eval's decode_execute fails here: our parser refused it and the handler's extraction finds calls."""
     if step["calls"] or not step["parse_error"]:
         return False
     extract = getattr(h, "_extract_tool_calls", None)
@@ -171,9 +134,7 @@ def _decoder_raised(h, step, text):
 
 
 def _step_tokens(record):
-    """(prompt tokens, generated tokens) per step, in play order: the step's own counts (evaluation),
-    else each step's generation is one run of mask 1 in the token record (a continuation of mask 0
-    always follows it before the next). Records without tokens (the oracle) count 0."""
+    """(prompt tokens, generated tokens) per step: its own counts, else its run of mask 1 (no tokens: 0)."""
     steps = sum(len(turn["steps"]) for turn in record["turns"])
     counted = [s for turn in record["turns"] for s in turn["steps"] if "output_tokens" in s]
     if counted and len(counted) == steps:  # evaluation re-renders every prompt: the step counts them

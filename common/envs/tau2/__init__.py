@@ -1,8 +1,8 @@
 """τ²-bench domains as an environment: τ²'s orchestrator, user simulator and evaluator."""
 
-from common.jsonl import RecordError
+import os
 
-TAU2 = "tau2:"
+from common.jsonl import RecordError
 
 
 class Tau2Env:
@@ -10,18 +10,54 @@ class Tau2Env:
     its database, τ²'s evaluator scores each episode."""
 
     CHECKS_TURNS = False  # one verdict per episode, which the labelling rules place on its turns
+    # The tiny preset on ENV=tau2:DOMAIN: the first TINY_TASKS train tasks (TRAIN_LIMIT), the ones its model's
+    # warm start learnt (common/envs/tau2/tiny.py), and room for a call in MAX_NEW (airline's
+    # update_reservation_flights is 100 of the tiny model's tokens).
+    TINY_TASKS, TINY_MAX_NEW = 8, 160
+    # A GPU preset's rollout context: the oracle's episodes reach 12.4k tokens (bench/tau2_context.py,
+    # docs/benchmarks.md); 32k leaves 2.6x that for a served user's longer messages and a policy that explores.
+    MAX_LEN = 32768
 
-    def __init__(self, source, user, user_log=None, max_steps=200):
+    def __init__(self, source, user=None, user_log=None, max_steps=200, bench=False):
+        """`source`: tau2:DOMAIN:SPLIT; with `bench` (evaluation) also tau2 (τ²-bench's domains) and
+        tau2:DOMAIN[,DOMAIN...] with or without SPLIT (none: the paper's task set)."""
         from common.envs.tau2 import tau2
-        parts = source[len(TAU2):].split(":")
-        if len(parts) != 2 or not all(parts):
+        parts = source.split(":")[1:]
+        domains = parts[0].split(",") if parts else list(tau2.DOMAINS)
+        if not (bench and len(parts) <= 2 or len(parts) == 2 and len(domains) == 1) or not all(domains + parts) \
+                or len(set(domains)) < len(domains):
             raise RecordError(f"{source}: τ² tasks are named tau2:DOMAIN:SPLIT (e.g. tau2:airline:train)")
-        self.domain, self.split = parts
-        self.source, self.categories, self.user, self.user_log = source, [self.domain], user, user_log
-        self.max_steps = max_steps
+        self.domains, self.domain, self.split = domains, domains[0], parts[1] if len(parts) == 2 else None
+        self.source, self.categories, self.user, self.user_log = source, domains, user, user_log
+        self.max_steps, self.trials, self.concurrency = max_steps, 1, None
         self.tau2 = tau2.import_tau2()
-        loaded = self.tau2.tasks(self.domain, split=self.split)  # RecordError for an unknown domain or split
-        self.tasks = {t.id: {"id": t.id, "category": self.domain, "tau2": t} for t in loaded if tau2.playable(t)}
+        self.tasks = {t.id: {"id": t.id, "category": d, "tau2": t} for d in domains  # RecordError: no such domain
+                      for t in self.tau2.tasks(d, split=self.split) if tau2.playable(t)}
+
+    @classmethod
+    def from_args(cls, source, args, parser, evaluation=False):
+        """The environment of a stage's flags (add_args): its user simulator, steps, trials."""
+        from common.envs.tau2 import tau2
+        if evaluation and any(v is not None and v < 1 for v in (args.trials, args.concurrency, args.max_episode_steps)):
+            parser.error("--trials, --concurrency and --max-episode-steps must be at least 1")
+        user = tau2.user_of_args(args, parser)  # None: the oracle's scripted user
+        log = None if evaluation else os.path.splitext(args.out)[0] + ".user.log"
+        env = cls(source, user, log, args.max_episode_steps or 200, bench=evaluation)
+        if evaluation:
+            env.trials, env.concurrency = args.trials or 1, args.concurrency
+        return env
+
+    @staticmethod
+    def add_args(parser, evaluation=False):
+        from common.envs.tau2 import tau2
+        tau2.add_user_args(parser)
+        parser.add_argument("--max-episode-steps", type=int, default=None,
+                            help="τ² tasks: orchestrator steps an episode may take (default: τ²'s 200)")
+        if evaluation:
+            parser.add_argument("--trials", type=int, default=None,
+                                help="τ² tasks: episodes per task (default 1): scores.json gets pass^1..pass^K")
+            parser.add_argument("--concurrency", type=int, default=None,
+                                help="τ² tasks: episodes at once (default: 64 on vLLM, 16 lock-step, 1 the oracle)")
 
     def play(self, tasks, n, engine, spec, *, round_=0, policy=""):
         from common.envs.tau2 import tau2
@@ -34,23 +70,82 @@ class Tau2Env:
                                  round_=round_, policy=policy, max_steps=self.max_steps)
 
     def diagnose(self, task, rollout):
-        from common.envs.tau2 import tau2
-        return tau2.diagnose(self.tau2, self.domain, task["tau2"], rollout)
+        from common.envs.tau2 import diagnose
+        return diagnose.diagnose(self.tau2, self.domain, task["tau2"], rollout)
 
     @staticmethod
     def cut_stops(short_context):
         from common.envs.tau2 import tau2
         return tau2.cut_stops(short_context)
 
-    def evaluate(self, out, policy, spec, engine, *, limit=None, trials=1, concurrency=None):
-        """Score `policy` on this split (evaluate.py --tasks tau2:DOMAIN:SPLIT): every task `trials`
-        times on the engine `engine()` opens, against this environment's user (None: `--policy oracle`,
-        the gold actions and a scripted user), by τ²'s evaluator with pass^1..pass^trials; writes
-        out/results.jsonl and out/scores.json, as `python -m ood.tau --domain DOMAIN --split SPLIT`."""
+    def evaluate(self, out, policy, spec, engine, *, limit=None, trials=None, concurrency=None):
+        """Score `policy` on these tasks (evaluate.py --tasks tau2...): every task `trials` times on the
+        engine `engine()` opens, against this environment's user (None: `--policy oracle`, the gold actions
+        and a scripted user), by τ²'s evaluator with pass^1..pass^trials: out/results.jsonl, out/scores.json."""
         from common.envs.tau2 import tau2
-        return tau2.evaluate(out, policy, spec, self.user, engine, domains=[self.domain], limit=limit,
-                             concurrency=concurrency, max_episode_steps=self.max_steps, split=self.split,
-                             trials=trials)
+        return tau2.evaluate(out, policy, spec, self.user, engine, domains=self.domains, limit=limit,
+                             concurrency=concurrency or self.concurrency, max_episode_steps=self.max_steps,
+                             split=self.split, trials=trials or self.trials)
+
+    # a run's settings (common/presets.py; standard library only)
+
+    @classmethod
+    def preset(cls, p, changes):
+        """ENV=tau2:DOMAIN: its user simulator checked (a GPU preset needs one), MAX_LEN of context on GPUs,
+        and on the tiny preset the tasks its model learnt (TRAIN_LIMIT) and room for a call (MAX_NEW)."""
+        import re
+
+        from common.presets import PresetError
+        if not re.fullmatch(r"tau2:\w+", p.env):
+            raise PresetError(f"ENV={p.env}: use bfcl or tau2:DOMAIN (a τ²-bench domain, e.g. tau2:airline)")
+        if not cls._user_args(p) and p.gpu_mem_gib:
+            raise PresetError(f"ENV={p.env} needs a user simulator: --set USER_MODEL=DIR (served beside the "
+                              "policy), or --set USER_BASE_URL=URL --set USER_MODEL_NAME=NAME")
+        if "tau2" in p.ood.split():
+            raise PresetError(f"OOD=tau2 scores the τ² domains, the one this run trains on (ENV={p.env}) among "
+                              "them: use --set OOD=\"bfcl-heldin bfcl-memory\" (BFCL held-in out of distribution)")
+        out = {"train_limit": str(cls.TINY_TASKS), "max_new": str(cls.TINY_MAX_NEW)} if p.model == "offline-tiny" else {}
+        if p.gpu_mem_gib and int(p.max_len) < cls.MAX_LEN:
+            out["max_len"] = str(cls.MAX_LEN)
+        return {f: v for f, v in out.items() if f not in changes}
+
+    @staticmethod
+    def _user_args(p):
+        """The user-simulator flags of USER_MODEL (served by the stage; on GPUs in the share the memory plan
+        counts) or USER_BASE_URL and USER_MODEL_NAME; [] for none."""
+        from common.presets import PresetError
+        if p.user_model and (p.user_base_url or p.user_model_name):
+            raise PresetError("USER_MODEL, or USER_BASE_URL with USER_MODEL_NAME: one user simulator")
+        if bool(p.user_base_url) != bool(p.user_model_name):
+            raise PresetError("USER_BASE_URL and USER_MODEL_NAME go together")
+        if p.user_model:
+            from common.train.memplan import user_serve_args
+            serve = ["--user-serve-args", user_serve_args(p.max_len)] if p.gpu_mem_gib else []
+            return ["--user-model", p.user_model, "--user-tool-parser", p.user_tool_parser,
+                    "--user-timeout", p.user_timeout, *serve]
+        if p.user_base_url:
+            return ["--user-base-url", p.user_base_url, "--user-model-name", p.user_model_name,
+                    "--user-timeout", p.user_timeout]
+        return []
+
+    @classmethod
+    def play_args(cls, p):
+        return cls._user_args(p) or ["--scripted-user"]  # on CPU without one, the scripted ScenarioUser
+
+    @classmethod
+    def eval_args(cls, p, tasks):
+        """The run's own test split may play the scripted user (CPU); τ²-bench as an OOD bench needs a model."""
+        from common.presets import PresetError
+        user = cls._user_args(p)
+        if not user and not tasks.startswith(p.env + ":"):
+            raise PresetError(f"OOD {tasks} needs a user simulator: --set USER_MODEL=DIR (served with vllm serve), "
+                              "or --set USER_BASE_URL=URL --set USER_MODEL_NAME=NAME")
+        return ["--trials", p.tau_k, *(user or ["--scripted-user"])]
+
+    @staticmethod
+    def tiny(setting, args):
+        from common.envs.tau2 import tiny
+        return tiny.WarmStart(setting, args)
 
     # the views of a run whose `env` setting is "tau2:DOMAIN"; its records carry their user turns
 
@@ -77,7 +172,7 @@ class Tau2Env:
         return f"{env}:test"
 
     @staticmethod
-    def compare_columns(scores):  # the domains of τ²'s scores (ood/tau.py's name theirs)
+    def compare_columns(scores):  # the domains of τ²'s scores
         return list(dict.fromkeys(d for sc in scores if "tau2_version" in sc for d in sc.get("tasks", {})))
 
     @staticmethod

@@ -1,53 +1,36 @@
-"""τ²-bench as an environment: a domain's tasks and splits, episodes played by our engine through
-τ²'s own orchestrator, user simulator and environment, and τ²'s own evaluator.
+"""τ²-bench as an environment: a domain's tasks and splits, episodes through τ²'s own orchestrator, user
+simulator and environment, scored by τ²'s own evaluator (evaluate.py --tasks tau2:DOMAIN:SPLIT, pass^k).
 
-Used by the stages when their tasks are a τ² domain's (common/envs/__init__.py): rollout records for
-training, their diagnosis into Ψ's labels, and evaluation with pass^k (evaluate.py --tasks
-tau2:DOMAIN:SPLIT, and `python -m ood.tau`, τ²-bench as the paper's out-of-distribution bench).
-
-The agent is our engine with the model's own chat template, τ²'s tool schemas as `tools=` and
-τ²'s agent system prompt, token-in/token-out (the ids of an episode grow by what the engine
-produced and by the template's text for what came back, never re-rendered). Model text is
-decoded by common.engine.calls into literal calls, which become τ²'s ToolCall objects; τ²'s
-environment dispatches them to its tool functions by name (no eval). An output that does not
-decode into calls is a message to the user, as from a served model whose tool parser fails.
-Where τ²'s orchestrator would raise (an empty agent message, or one more turn than the context
-holds), the episode ends as AGENT_ERROR, which τ²'s evaluator scores 0.
-
-Episodes play in threads, each driven by τ²'s (blocking) orchestrator (run_episodes): on vLLM
-servers ("async") each sends its next generation as soon as it needs it, with no barrier across
-episodes; lock-step (the HF engine) batches the prompts they wait on into one engine call (Batcher).
+The agent is our engine (ModelPolicy) with the model's chat template, τ²'s tool schemas and system prompt,
+token-in/token-out on the episode engine (common/engine/episode.py), each episode in its own thread. Model
+text is decoded into literal calls (common/engine/calls.py), which become τ²'s ToolCalls; an output without
+calls is a message to the user. Where τ²'s orchestrator would raise, the episode ends as AGENT_ERROR (0).
 """
 
 import contextlib
 import dataclasses
-import functools
 import json
 import os
-import queue
 import random
 import shlex
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from concurrent.futures import Future
 
 from common import presets
 from common.engine import calls as calls_api
-from common.engine import serve
-from common.engine.chat import after_stop, kept_output
-from common.envs.bfcl.play import decode
+from common.engine import episode, serve
+from common.engine.episode import TemplateView, run_episodes
 from common.jsonl import RecordError, write_json, write_jsonl
 from common.run.scores import mean, percent_by_group
+from common.seal import interface as omega_api
 
 DOMAINS = ("retail", "airline", "telecom")
 SPLITS = {"telecom": "base"}  # without it, telecom's task set has 2,285 tasks; the paper's is base (114)
 ORACLE_HELLO = "Hi, I need help with my account."
 ORACLE_DONE = "Done."
-EVAL_RAISED = "τ²'s evaluation raised"
 # the user_sim of the scripted ScenarioUser: no model, so its scores are not τ²-bench's
 SCENARIO = {"kind": "scripted", "note": "ScenarioUser (common/envs/tau2/tau2.py): no model; not τ²-bench's scores"}
 SCENARIO_REPLY = "I don't know. Please go on with what you can do."
@@ -367,17 +350,13 @@ def user_label(user_sim):
 
 def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy="", concurrency=None,
              max_steps=200):
-    """(records, timing): rollout records (docs/design.md §3, plus τ²'s transcript) for `n` episodes
-    of every task, in (task, sample) order, our engine sampling at `spec.temperature` against
-    `user_sim` (a served model's settings, or SCENARIO: the scripted ScenarioUser), on `spec.schedule`
-    with `concurrency` episodes at once (run_episodes), and the wall time with the part spent inside
-    the engine (and, on vLLM servers, the prompt tokens sent and those its prefix cache served)."""
-    from common.engine.engines import sampling_params
-
-    def one(job, engine):
+    """(records, timing): rollout records (docs/design.md §3, plus τ²'s transcript) of `n` episodes of every
+    task in (task, sample) order against `user_sim` (a served model's settings, or SCENARIO: the scripted
+    ScenarioUser), `concurrency` at once on `spec.schedule` (common/engine/episode.py run_episodes)."""
+    def one(job, agent):
         task, k = job
         made = []
-        players = tau2.model_players(engine, spec, user_sim)
+        players = tau2.model_players(agent, spec, user_sim)
 
         def keeping(*args):  # the policy's tokens go into the record
             made.extend(players(*args))
@@ -386,28 +365,16 @@ def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy
         row = tau2.play(domain, task, keeping, max_steps, spec.fmt, trial=k, evaluate=False)
         p = made[0]
         record = episode_record(row, p.tokens(row["transcript"]), k, round_, policy, user_label(user_sim),
-                                time.perf_counter() - start)
-        record["stats"].update(cue_tokens=p.cue_tokens, engine_seconds=p.engine_seconds)
-        record["interface_version"] = spec.omega.get("version") if spec.omega else None
+                                time.perf_counter() - start, spec.omega, p.log.cue_tokens)
         for step, hint in zip((s for t in record["turns"] for s in t["steps"]), p.feedback, strict=False):
             step["feedback"] = hint
         return record
 
     jobs = [((task.id, k), (task, k)) for task in tasks for k in range(n)]  # (engine key, episode)
-    started = time.perf_counter()
-    before = {k: getattr(engine, k) for k in ("prompt_tokens", "cached_tokens") if hasattr(engine, k)}
-    records, engine_seconds = run_episodes(jobs, one, engine, spec.schedule, concurrency)
-    if engine_seconds is None:  # one episode after another: each counted its own
-        engine_seconds = sum(r["stats"]["engine_seconds"] for r in records)
-    for r in records:
-        del r["stats"]["engine_seconds"]  # an episode's own count includes its wait for the others
-    sampling = sampling_params(spec.temperature)
-    timing = {"seconds": time.perf_counter() - started, "engine_seconds": engine_seconds}
-    timing.update({k: getattr(engine, k) - v for k, v in before.items()})
-    return [r | {"sampling": sampling} for r in records], timing
+    return episode.timed(engine, spec, lambda: episode.run_episodes(jobs, one, engine, spec.schedule, concurrency))
 
 
-def episode_record(row, tokens, sample_index, round_, policy, user, seconds):
+def episode_record(row, tokens, sample_index, round_, policy, user, seconds, omega=None, cue_tokens=0):
     """One rollout record from an episode: each user message opens a turn, each agent output is a
     step holding its calls and what came back (τ²'s tool messages: `error=True` is a call error)."""
     turns, steps = [], list(row["agent_steps"])
@@ -432,189 +399,17 @@ def episode_record(row, tokens, sample_index, round_, policy, user, seconds):
     stop = "context_limit" if row["error"] and "fills the context" in row["error"] else row["termination"]
     if turns and turns[-1]["end"] is None:
         turns[-1]["end"] = stop
-    return {"task_id": row["task_id"], "category": row["domain"], "sample_index": sample_index, "round": round_,
-            "policy": policy, "interface_version": None, "turns": turns, "stop": stop, "decode_failure": "end_turn",
-            "tokens": tokens, "stats": {"gen_tokens": sum(sum(seg["mask"]) for seg in [tokens, *tokens.get("segments", [])]), "cue_tokens": 0, "seconds": round(seconds, 3)},
-            "env": f"tau2:{row['domain']}", "user_simulator": user, "termination": row["termination"],
-            "error": row["error"], "transcript": row["transcript"]}
-
-
-def db_diff(tau2, domain, task, transcript, limit=4):
-    """Where the database after the episode differs from the gold actions' replay, as one short
-    line ("" when it does not): the two environments τ²'s own environment evaluator builds, read
-    back through the constructor it is given."""
-    from tau2.evaluator.evaluator_env import EnvironmentEvaluator
-
-    built, make = [], tau2.registry.get_env_constructor(domain)
-
-    def recording(**kwargs):  # τ²'s evaluator builds the predicted environment, then the gold one
-        built.append(make(**kwargs))
-        return built[-1]
-    EnvironmentEvaluator.calculate_reward(environment_constructor=recording, task=task, solo_mode=False,
-                                          full_trajectory=transcript)
-    if len(built) != 2:
-        return ""
-    diffs = []
-    for side in ("tools", "user_tools"):
-        made, gold = (getattr(getattr(env, side, None), "db", None) for env in built)
-        if made is None or gold is None:
-            continue
-        made, gold = made.model_dump(mode="json"), gold.model_dump(mode="json")
-        for table in sorted(set(made) | set(gold)):
-            a, b = made.get(table), gold.get(table)
-            if a == b:
-                continue
-            if isinstance(a, dict) and isinstance(b, dict):
-                rows = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-                diffs += [f"{table}[{k}] {'added' if k not in b else 'missing' if k not in a else 'changed'}"
-                          for k in rows]
-            elif isinstance(a, list) and isinstance(b, list):
-                diffs.append(f"{table}: {len(a)} rows, gold {len(b)}" if len(a) != len(b) else f"{table} changed")
-            else:
-                diffs.append(f"{table} changed")
-    more = f" (+{len(diffs) - limit} more)" if len(diffs) > limit else ""
-    return ", ".join(diffs[:limit]) + more
+    task = {"id": row["task_id"], "category": row["domain"]}
+    return episode.record(task, sample_index, round_, policy, omega, turns, stop, "end_turn", tokens, cue_tokens,
+                          seconds) | {"env": f"tau2:{row['domain']}", "user_simulator": user,
+                                      "termination": row["termination"], "error": row["error"],
+                                      "transcript": row["transcript"]}
 
 
 def stops(text):
     """Whether a user message ends the episode (τ²'s stop, transfer and out-of-scope tokens): it opens no turn."""
     from tau2.user.user_simulator import OUT_OF_SCOPE, STOP, TRANSFER
     return any(t in text for t in (STOP, TRANSFER, OUT_OF_SCOPE))
-
-
-def messages(record):
-    """A rollout record's transcript as τ²'s messages; RecordError when it is not one."""
-    from pydantic import TypeAdapter, ValidationError
-    from tau2.data_model.message import Message
-
-    try:
-        return TypeAdapter(list[Message]).validate_python(record["transcript"])
-    except ValidationError as e:
-        raise RecordError(f"not a τ² transcript: {str(e).splitlines()[0]}") from None
-
-
-def verdict(tau2, domain, task, transcript, termination):
-    """τ²'s own evaluator on an episode's `transcript` (τ²'s messages; its RewardInfo): the database
-    replayed from the transcript's tool calls against the gold actions', the action checks and the
-    communicated information, exactly as τ²'s runner scores an episode."""
-    from pydantic import ValidationError
-    from tau2.data_model.simulation import SimulationRun
-
-    try:
-        sim = SimulationRun(id="seal", task_id=task.id, start_time="", end_time="", duration=0.0,
-                            termination_reason=termination, messages=transcript)
-    except ValidationError as e:
-        raise RecordError(f"not a τ² termination: {str(e).splitlines()[0]}") from None
-    try:
-        return tau2.evaluate_simulation(simulation=sim, task=task, evaluation_type=tau2.all, solo_mode=False,
-                                        domain=domain)
-    except ValueError as e:
-        if str(e).startswith("Tool call:"):  # τ²'s replay checks every recorded tool result against a fresh run
-            raise RecordError(f"the transcript does not replay in τ²'s environment: "
-                              f"{' '.join(str(e).split())[:300]}") from None
-        # A domain's assertion that raises where its state has no answer (mock's assert_task_status
-        # on a task the agent never created): τ²'s runner fails the episode; so does this.
-        return tau2.RewardInfo(reward=0.0, info={"note": f"{EVAL_RAISED}: {type(e).__name__}: {e}"})
-
-
-# ----------------------------------------------------------------------------- diagnosis
-
-
-@dataclasses.dataclass
-class Turn:
-    """One user turn's evidence, as common/seal/taxonomy.py's τ² rules read it."""
-
-    index: int
-    parse_errors: list
-    schema_errors: list  # (call, reason) per call that broke the tool schemas
-    calls: list
-    results: list
-    errors: list  # per call: τ²'s error flag on its tool message
-
-
-@dataclasses.dataclass
-class Episode:
-    """τ²'s verdict on one episode, as common/seal/taxonomy.py's τ² rules read it."""
-
-    reward: float
-    early_end: str | None  # the termination, when it is not a stop by the user or the agent
-    db_match: bool | None
-    db_diff: str  # where the database differs from the gold replay (tables and rows)
-    failed_assertions: list
-    unmatched_actions: list  # gold actions τ²'s action check did not find
-    unmet_info: list
-    gold: list  # every gold action of the agent
-
-    def matches_gold(self, call):
-        tc = _tool_call(call)
-        return any(a.compare_with_tool_call(tc) for a in self.gold)
-
-
-def turn_evidence(index, turn, schemas):
-    """A rollout record's turn as a Turn, its schema verdicts re-derived; RecordError on a structure
-    that is not a rollout's (records are not trusted: docs/design.md §3)."""
-    try:
-        steps = turn["steps"]
-        calls = [c for s in steps for c in s["calls"]]
-        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
-                   for c in calls):
-            raise TypeError("a call is not {name, arguments}")
-        return Turn(index, [s["parse_error"] for s in steps if s["parse_error"]],
-                    [(c, why) for c in calls if (why := calls_api.validate(c, schemas))], calls,
-                    [str(r) for s in steps for r in s["results"]],
-                    [e is not None for s in steps for e in s["call_errors"]])
-    except (KeyError, TypeError, AttributeError) as e:
-        raise RecordError(f"turn {index} is not a τ² rollout's turn ({type(e).__name__}: {e})") from None
-
-
-def _tool_call(call):
-    from tau2.data_model.message import ToolCall
-    return ToolCall(id="", name=call["name"], arguments=call["arguments"])
-
-
-def diagnose(tau2, domain, task, record):
-    """The diagnosis record (docs/design.md §3) of one τ² rollout record: τ²'s own reward, and a
-    label and evidence for every user turn (common/seal/taxonomy.py's τ² rules)."""
-    from common.seal import taxonomy
-
-    missing = [k for k in ("transcript", "termination") if k not in record]
-    if missing:
-        raise RecordError(f"not a τ² rollout record (no {missing[0]!r}): was it played on BFCL tasks?")
-    transcript = messages(record)
-    info = verdict(tau2, domain, task, transcript, record["termination"])
-    # the schemas the agent was shown are the domain's, not what a record says they were
-    turns = [turn_evidence(i, turn, tau2.schemas(domain)) for i, turn in enumerate(record["turns"])]
-    crit = task.evaluation_criteria
-    gold = [a for a in (crit.actions or []) if a.requestor == "assistant"] if crit else []
-    # The database, assertion and communication checks count where the task's reward counts them;
-    # the gold actions are the episode's ground-truth calls whatever its reward basis.
-    basis = {getattr(b, "value", b) for b in (crit.reward_basis if crit else [])}
-    differs = info.db_check is not None and not info.db_check.db_match and "DB" in basis
-    episode = Episode(
-        reward=info.reward, db_diff=db_diff(tau2, domain, task, transcript) if differs else "",
-        early_end=None if record["termination"] in ("user_stop", "agent_stop")
-        else f"{record['termination']}{': ' + record['error'] if record.get('error') else ''}",
-        db_match=info.db_check.db_match if info.db_check and "DB" in basis else None,
-        failed_assertions=[f"{c.env_assertion.func_name}({c.env_assertion.arguments})"
-                           for c in info.env_assertions or [] if not c.met and "ENV_ASSERTION" in basis]
-        + [note for note in [(info.info or {}).get("note") or ""] if note.startswith(EVAL_RAISED)],
-        unmatched_actions=[c.action for c in info.action_checks or [] if not c.action_match
-                           and c.action.requestor == "assistant"],
-        unmet_info=[c.info for c in info.communicate_checks or [] if not c.met and "COMMUNICATE" in basis],
-        gold=gold)
-    labelled = [taxonomy.label_tau2_turn(t, episode) for t in turns]
-    if not labelled:  # no user turn (the user simulator failed at once): one turn, the episode's
-        labelled = [taxonomy.label_tau2_turn(Turn(0, [], [], [], [], []), episode)]
-    labels = [z for z, _ in labelled]
-    failed = [k for k, v in (info.reward_breakdown or {}).items() if v < 1]
-    official = {"valid": info.reward == 1, "reward": info.reward, "termination": record["termination"],
-                "error_type": None if info.reward == 1 else (str(getattr(failed[0], "value", failed[0])) if failed
-                                                             else record["termination"]),
-                "reward_breakdown": {str(getattr(k, "value", k)): v for k, v in (info.reward_breakdown or {}).items()},
-                "note": (info.info or {}).get("note")}
-    return {"task_id": record["task_id"], "category": record["category"], "sample_index": record["sample_index"],
-            "round": record["round"], "reward": info.reward, "official": official, "turn_labels": labels,
-            "evidence": [e for _, e in labelled], "profile": taxonomy.profile(labels)}
 
 
 def to_assistant_message(msg, text, fmt, index):
@@ -649,132 +444,81 @@ def chat_messages(messages):
 
 
 class ModelPolicy:
-    """Token-in/token-out: an episode's ids grow by the engine's ids and the template's text for
-    what came back (common.engine.chat.Renderer), never re-rendered. Keeps what training needs: the
-    opening prompt's ids, then every id after it with its mask (1: generated) and log-prob.
-
-    Ω (`spec.omega`, training only) acts where it acts on BFCL: the schema cue annotates τ²'s tool
-    schemas, capability cues follow the domain policy in the system prompt, and error feedback
-    appends a recovery hint to a tool message τ² flags error=True (chosen by the call's schema
-    break, else by τ²'s error text; common/seal/interface.py), never the answer. An output that does
-    not decode into calls is a message to the user in τ²'s protocol, so it gets no parse hint."""
+    """Our engine as τ²'s agent, token-in/token-out under the model's chat template (common/engine/episode.py
+    TemplateView and TokenLog): the ids grow by what the engine produced and the template's text for what
+    came back. Ω (training only) acts as on BFCL: the schema cue on τ²'s tool schemas, capability cues after
+    the domain policy, and a recovery hint after a tool message τ² flags error=True (by the call's schema
+    break, else τ²'s error text). An output that does not decode into calls is a message to the user in τ²'s
+    protocol, so it gets no parse hint."""
 
     def __init__(self, engine, tools, system, spec):
-        from common.engine.chat import Renderer
-        from common.seal import interface as omega_api
-
-        self.engine, self.omega, self.fmt = engine, spec.omega, spec.fmt
+        self.engine, self.omega, self.fmt, self.temperature = engine, spec.omega, spec.fmt, spec.temperature
         self.schemas = [t.openai_schema["function"] for t in tools]
         shown, cue = omega_api.tool_view(self.schemas, self.omega), omega_api.system_cue(self.omega)
-        self.renderer = Renderer(engine.tokenizer, shown, f"{system}\n\n{cue}" if cue else system)
-        self.plain = None if shown is self.schemas and not cue else Renderer(engine.tokenizer, self.schemas, system)
-        self.max_model_len, self.max_new_tokens, self.temperature = spec.max_model_len, spec.max_new_tokens, \
-            spec.temperature
-        self.prompt_ids, self.history, self.last = None, [], None  # last: (history before it, text, stop text kept)
-        self.ids, self.mask, self.logprobs = [], [], []  # of the current segment
-        self.segments, self.segment_turn = [], 0  # the finished segments (a thinking model's), the turn this one starts at
+        self.view = TemplateView(engine.tokenizer, self.schemas, shown, f"{system}\n\n{cue}" if cue else system, system)
+        self.cued = shown is not self.schemas or bool(cue)
+        self.log = episode.TokenLog(engine.tokenizer, engine.stop_ids, spec)
+        self.last = None  # the last output's text
         self.feedback = []  # per output: the hints appended to what came back from its calls
-        self.cue_tokens, self.engine_seconds = 0, 0.0
         self.counts = {"prompt_tokens": 0, "generated_tokens": 0, "generations": 0}
 
-    def context_len(self):
-        return len(self.prompt_ids) + len(self.ids)
-
     def __call__(self, history, new):
-        if self.prompt_ids is None:  # the opening: τ²'s greeting and the user's first message
-            self.history = chat_messages(history + new)
-            self.prompt_ids = self.renderer.prompt(self.history)
-            self.counts["prompt_tokens"] = len(self.prompt_ids)
-            if self.plain is not None:  # what Ω's schema and capability cues add to the prompt
-                self.cue_tokens += max(0, len(self.prompt_ids) - len(self.plain.prompt(self.history)))
+        if self.log.prompt_ids is None:  # the opening: τ²'s greeting and the user's first message
+            self.view.add_user(0, chat_messages(history + new))
+            self.log.open(self.view.prompt_ids(), self.view.plain_prompt_ids if self.cued else None)
+            self.counts["prompt_tokens"] = len(self.log.prompt_ids)
         else:
-            before, text, stop_text = self.last
-            more = self._with_hints(new, text)
-            try:
-                ids = self.renderer.ids(after_stop(self.renderer.continuation_text(before, text, more), stop_text))
-            except ValueError:
-                # A thinking model's template (Qwen3's) drops the reasoning of earlier assistant
-                # messages once a new user message follows: what the model sees next is no extension
-                # of what it generated. Go on from the template's rendering, in a new segment that
-                # the trainer scores in its own context (docs/design.md §3, as on BFCL).
-                self.history += more
-                self._new_segment(self.renderer.prompt(self.history))
+            more = self._with_hints(new, self.last)
+            self.view.add_user(None, more)
+            more_text = self.view.continuation(self.last, None, (), more)
+            if more_text is None:  # the template dropped earlier reasoning: go on from its rendering
+                turn = sum(1 for m in self.view.history if m["role"] == "user" and m["content"].strip()
+                           and not stops(m["content"]))
+                self.log.new_segment(self.view.prompt_ids(), max(turn - 1, 0))
             else:
-                self._append(ids, 0, [None] * len(ids))
-                self.history += more
-        room = self.max_model_len - self.context_len()
-        if room <= 0:
-            raise GiveUp(f"the conversation fills the context ({self.context_len()} of {self.max_model_len} tokens)")
-        t0 = time.perf_counter()
-        gen = self.engine.generate([self.prompt_ids + self.ids], [min(self.max_new_tokens, room)],
-                                   self.temperature)[0]
-        self.engine_seconds += time.perf_counter() - t0
-        text = decode(self.engine.tokenizer, gen, self.engine.stop_ids)
-        ids, logprobs, stop_text = kept_output(self.engine.tokenizer, gen, self.engine.stop_ids,
-                                               self.renderer.closing())
-        self._append(ids, 1, logprobs)
+                self.log.append(self.log.follow(more_text), 0)
+        limit = self.log.room()
+        if limit is None:
+            raise GiveUp(f"the conversation fills the context ({len(self.log)} of {self.log.max_model_len} tokens)")
+        gen = self.engine.generate([self.log.context()], [limit], self.temperature)[0]
+        text = episode.decode(self.engine.tokenizer, gen, self.engine.stop_ids)
+        self.log.take(gen, self.view.closing())
+        self.view.add_output(text)
+        self.last = text
         self.counts["generated_tokens"] += len(gen.ids)
         self.counts["generations"] += 1
-        self.last = (list(self.history), text, stop_text)
-        self.history.append({"role": "assistant", "content": text})
         self.feedback.append(None)
         return text
 
     def _with_hints(self, new, text):
         """The new messages as the model sees them: Ω's hint after each τ² error message."""
-        from common.seal import interface as omega_api
-
         msgs = chat_messages(new)
         if not (self.omega and self.omega["error_feedback"]):
             return msgs
         calls, _ = calls_api.parse(text, self.fmt)
-        hints, k = [], 0
-        for m, out in zip(new, msgs, strict=True):
-            if m.role != "tool":
-                continue
-            call = calls[k] if k < len(calls) else None
-            k += 1
-            if not m.error:
-                continue
-            # a schema break is a rejection; otherwise τ²'s "Error: ..." is the tool's own failure,
-            # which the hint rules read as an {"error": ...} result
-            reason = (call and calls_api.validate(call, self.schemas)) or \
-                json.dumps({"error": (m.content or "").removeprefix("Error: ")})
-            hint = omega_api.error_hint(reason, self.schemas, self.omega)
-            if hint:
-                out["content"] = f"{out['content']}\n{hint}"
-                hints.append(hint)
-                self.cue_tokens += len(self.engine.tokenizer(hint, add_special_tokens=False)["input_ids"])
-        if hints:
-            self.feedback[-1] = "\n".join(hints)
+        errors, k = [], 0
+        for m in new:
+            call = calls[k] if m.role == "tool" and k < len(calls) else None
+            k += m.role == "tool"
+            # a schema break is a rejection; otherwise τ²'s "Error: ..." is the tool's own failure, which the
+            # hint rules read as an {"error": ...} result
+            errors.append((call and calls_api.validate(call, self.schemas))
+                          or json.dumps({"error": (m.content or "").removeprefix("Error: ")})
+                          if m.role == "tool" and m.error else None)
+        contents, feedback = self.log.hinted([m["content"] for m in msgs], errors, self.schemas, self.omega)
+        for m, content in zip(msgs, contents, strict=True):
+            m["content"] = content
+        if feedback:
+            self.feedback[-1] = feedback
         return msgs
 
-    def _new_segment(self, prompt_ids):
-        """Close the current token segment and start one at `prompt_ids` (at the current user turn)."""
-        self.segments.append(self._segment())
-        turn = sum(1 for m in self.history if m["role"] == "user" and m["content"].strip() and not stops(m["content"]))
-        self.prompt_ids, self.ids, self.mask, self.logprobs = prompt_ids, [], [], []
-        self.segment_turn = max(turn - 1, 0)
-
-    def _segment(self):
-        seg = {"turn": self.segment_turn} if self.segment_turn else {}  # the first starts the episode
-        return seg | {"prompt_ids": self.prompt_ids, "ids": self.ids, "mask": self.mask, "logprobs": self.logprobs}
-
     def tokens(self, transcript):
-        """The record's tokens: the first segment, and `segments` after it when a thinking model's
-        context was re-rendered. An episode that ended before the agent's first output (its user
-        simulator failed at once) gets the prompt it would have been shown and nothing generated:
-        a sequence the trainer scores as any other, with no token to train."""
-        if self.prompt_ids is None:
-            self.prompt_ids = self.renderer.prompt([{"role": m["role"], "content": m.get("content") or ""}
-                                                    for m in transcript])
-        first, *more = self.segments + [self._segment()]
-        return first | ({"segments": more} if more else {})
-
-    def _append(self, ids, mask, logprobs):
-        self.ids += ids
-        self.mask += [mask] * len(ids)
-        self.logprobs += logprobs
+        """The record's tokens. An episode that ended before the agent's first output (its user simulator
+        failed at once) gets the prompt it would have been shown and nothing generated."""
+        if self.log.prompt_ids is None:
+            self.log.prompt_ids = self.view.renderer.prompt([{"role": m["role"], "content": m.get("content") or ""}
+                                                             for m in transcript])
+        return self.log.tokens()
 
 
 class OracleScript:
@@ -825,156 +569,6 @@ class OracleScript:
 
 
 # ----------------------------------------------------------------------------- engines and the user simulator
-
-
-class Batcher:
-    """The engine for concurrent episodes on the lock-step schedule (the HF engine's only): one
-    thread owns it, and whatever prompts the episodes' threads have handed in by the time it is
-    free go to the engine as one batch, each episode waiting for the whole batch."""
-
-    def __init__(self, engine):
-        self.engine, self.tokenizer, self.queue = engine, engine.tokenizer, queue.Queue()
-        self.stop_ids = engine.stop_ids
-        self.lock, self.closed, self.engine_seconds = threading.Lock(), False, 0.0
-        self.thread = threading.Thread(target=self._run, name="tau2-engine", daemon=True)
-        self.thread.start()
-
-    def generate(self, prompts, max_new_tokens, temperature):
-        futures = []
-        with self.lock:
-            if self.closed:
-                raise RuntimeError("the engine is closed")
-            for p, m in zip(prompts, max_new_tokens, strict=True):
-                futures.append(Future())
-                self.queue.put((p, m, temperature, futures[-1]))
-        return [f.result() for f in futures]
-
-    def _run(self):
-        while (item := self.queue.get()) is not None:
-            batch = [item]
-            with contextlib.suppress(queue.Empty):
-                while (more := self.queue.get_nowait()) is not None:
-                    batch.append(more)
-                self.queue.put(None)  # the stop marker came with this batch: stop after it
-            by_sampling = {}  # a temperature, or a dict of sampling settings (common/engine/engines.py)
-            for job in batch:
-                by_sampling.setdefault(json.dumps(job[2], sort_keys=True), []).append(job)
-            for jobs in by_sampling.values():
-                temperature = jobs[0][2]
-                try:
-                    t0 = time.perf_counter()
-                    gens = self.engine.generate([j[0] for j in jobs], [j[1] for j in jobs], temperature)
-                    self.engine_seconds += time.perf_counter() - t0
-                except BaseException as e:  # noqa: BLE001 - handed to the waiting episodes
-                    for j in jobs:
-                        j[3].set_exception(e)
-                    continue
-                for j, gen in zip(jobs, gens, strict=True):
-                    j[3].set_result(gen)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        with self.lock:
-            self.closed = True
-            self.queue.put(None)
-        self.thread.join()
-        with contextlib.suppress(queue.Empty):
-            while True:  # requests that came with or after the stop marker
-                if (job := self.queue.get_nowait()) is not None:
-                    job[3].set_exception(RuntimeError("the engine is closed"))
-
-
-class Requests:
-    """The engine for concurrent episodes on the async schedule (vLLM servers): each episode's
-    thread sends its own generations, one prompt each, as soon as it needs them
-    (ServerEngine.request under the episode's key: one server engine and its prefix cache, the
-    per-request seeds of submit()), with no barrier across episodes. `engine_seconds`: the wall
-    time during which some request was in flight. Closed, it refuses new requests."""
-
-    def __init__(self, engine):
-        self.engine, self.lock, self.closed = engine, threading.Lock(), False
-        self.in_flight, self.since, self.engine_seconds = 0, 0.0, 0.0
-
-    def play(self, key, job, one):
-        """`one(job, agent)`, `agent` the episode's own engine (`key`'s), released when it ends."""
-        import types
-        agent = types.SimpleNamespace(tokenizer=self.engine.tokenizer, stop_ids=self.engine.stop_ids,
-                                      generate=functools.partial(self.generate, key))
-        try:
-            return one(job, agent)
-        finally:
-            self.engine.release(key)
-
-    def generate(self, key, prompts, max_new_tokens, sampling):
-        if len(prompts) != 1:
-            raise ValueError(f"an episode generates one prompt at a time, not {len(prompts)}")
-        with self.lock:
-            if self.closed:
-                raise RuntimeError("the engine is closed")
-            if not self.in_flight:
-                self.since = time.perf_counter()
-            self.in_flight += 1
-        try:
-            return [self.engine.request(key, prompts[0], max_new_tokens[0], sampling)]
-        finally:
-            with self.lock:
-                self.in_flight -= 1
-                if not self.in_flight:
-                    self.engine_seconds += time.perf_counter() - self.since
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        with self.lock:
-            self.closed = True
-
-
-# Episodes at once by default: lock-step, the Batcher's largest batch (as before the async schedule);
-# async, as many as the engine keeps in flight up to EPISODES (each holds its own τ² environment:
-# airline's database is ~27 MB).
-BATCH, EPISODES = 16, 64
-
-
-def run_episodes(jobs, one, engine, schedule, concurrency=None):
-    """(results in job order, seconds the engine was busy or None when not counted here):
-    `one(job, agent)` for every (key, job) of `jobs`, `agent` the episode's engine, each episode
-    in its own thread under τ²'s (blocking) orchestrator, `concurrency` of them at once. Schedule
-    "async" (vLLM servers; Requests): an episode sends its next generation as soon as it needs it,
-    under its key; "lockstep" (the HF engine's only): the prompts the episodes wait on go to the
-    engine as one batch (Batcher), or one episode after another at concurrency 1. `engine` None
-    (the oracle): no engine. The first episode that raises fails the whole with its error: no
-    other starts, and those running stop at their next generation."""
-    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-
-    if engine is not None and schedule == "async" and not hasattr(engine, "request"):
-        raise ValueError(f"{type(engine).__name__} runs lock-step only (schedule 'async' needs vLLM servers)")
-    if concurrency is None:
-        concurrency = 1 if engine is None else BATCH if schedule == "lockstep" else \
-            min(EPISODES, engine.max_in_flight)
-    concurrency = max(1, min(concurrency, len(jobs)))
-    if engine is not None and schedule == "async":
-        shared = Requests(engine)
-        run = functools.partial(shared.play, one=one)
-    elif engine is not None and concurrency > 1:
-        shared = Batcher(engine)
-        run = lambda key, job: one(job, shared)  # noqa: E731
-    else:
-        return [one(job, engine) for _, job in jobs], None
-    with shared:
-        pool = ThreadPoolExecutor(concurrency, thread_name_prefix="tau2-episode")
-        try:
-            futures = [pool.submit(run, key, job) for key, job in jobs]
-            wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:
-                if f.done() and f.exception() is not None:
-                    raise f.exception()
-            results = [f.result() for f in futures]
-        finally:  # on an error or Ctrl-C, start no more episodes; running ones fail at their next call
-            pool.shutdown(wait=False, cancel_futures=True)
-    return results, shared.engine_seconds
 
 
 # A request to the user simulator that fails for a passing reason (a refused or dropped connection, a
@@ -1177,7 +771,7 @@ def serve_user(user, log):
 
 
 def add_user_args(parser):
-    """The user-simulator flags of a τ² evaluation (evaluate.py's, ood/tau.py's); user_of_args reads them."""
+    """The user-simulator flags of τ² tasks (rollout.py's, evaluate.py's); user_of_args reads them."""
     parser.add_argument("--scripted-user", action="store_true",
                         help="τ² tasks: the scripted user (ScenarioUser) instead of a model: a CPU check of the "
                              "mechanics, whose scores are not τ²-bench's")
@@ -1196,18 +790,10 @@ def add_user_args(parser):
                         help="seconds one user-simulator request may wait for its answer; past it the run stops")
 
 
-def user_flags_given(args):
-    """Whether any of add_user_args' flags departs from its default."""
-    return bool(args.scripted_user or args.user_model is not None or args.user_base_url is not None
-                or args.user_model_name is not None or args.user_max_tokens is not None or args.user_serve_args
-                or args.user_tool_parser != presets.USER_TOOL_PARSER or args.user_start_timeout != 900
-                or args.user_timeout != presets.USER_TIMEOUT)
-
-
 def user_of_args(args, parser):
     """The user simulator add_user_args' flags name: a User, "scripted", or None for `--policy oracle`
     (which replays the gold user actions itself); a missing or contradictory one is a parser error."""
-    oracle = args.policy == "oracle"
+    oracle = getattr(args, "policy", None) == "oracle"  # rollout.py plays a model
     local, remote = args.user_model is not None, args.user_base_url is not None or args.user_model_name is not None
     if oracle and (local or remote or args.scripted_user):
         parser.error("--policy oracle replays the gold user actions itself; it takes no user simulator")
@@ -1215,7 +801,7 @@ def user_of_args(args, parser):
         parser.error("--scripted-user takes no user model")
     if not oracle and not args.scripted_user:
         if local == remote:
-            parser.error("τ²-bench needs a user simulator: --user-model DIR, or --user-base-url URL "
+            parser.error("τ² tasks need one user simulator: --user-model DIR, or --user-base-url URL "
                          "--user-model-name NAME (or --scripted-user)")
         if remote and not (args.user_base_url and args.user_model_name):
             parser.error("--user-base-url and --user-model-name go together")

@@ -1,38 +1,11 @@
-"""BFCL V4 memory (and, with a search-API key, web search), played as bfcl-eval's harness plays them.
-
-    python -m ood.memory --policy DIR|oracle --out DIR [--limit K] [--engine vllm|hf] \
-        [--memory-backend kv vector rec_sum] [--memory-scenario customer|finance|healthcare|notetaker|student]
-    SERPAPI_API_KEY=... python -m ood.memory --suite bfcl-web --policy DIR --out DIR [--limit K]
-
-The policy plays as held-in evaluation plays (evaluate.py: bfcl-eval's decoding, Ω removed, the engine and
-length flags of common/engine/playargs.py); `--limit K` takes the first K questions per backend and
-the prerequisite conversations they need. Writes DIR/results.jsonl, DIR/prereqs.jsonl,
-DIR/memory_snapshot/ and DIR/scores.json (written last).
-
-What bfcl-eval 2026.3.23 does, and what we take from it (its loaders, backend classes, prompt
-constants and agentic_checker; our decoder, renderer, environment isolation and play loop):
-
-- Memory has 155 questions over 5 scenarios, each asked under three backends (memory_kv,
-  memory_vector, memory_rec_sum). Before a scenario's questions, the policy itself plays the
-  scenario's prerequisite conversations (data/memory_prereq_conversation/), in order: each one's
-  environment loads the memory snapshot the previous one wrote, and writes it back when the
-  conversation ends (common.envs.bfcl.harness.Environment, as base_handler.py's flush). Every question then
-  loads the scenario's final snapshot, independently of the other questions.
-- The system prompt is bfcl-eval's memory instruction with the core memory as it stands when the
-  conversation starts (bfcl-eval's add_memory_instruction_system_prompt), plus, for questions,
-  its answer-format instruction. Tools: the backend's docs as its loader gives them; prompts as
-  held-in evaluation builds them, by bfcl-eval's handler (common/envs/bfcl/prompts.py).
-- Score: the last output of the question's turn that does not decode into calls, checked by
-  agentic_checker against the possible answers, which line up with the questions by index.
-  Per backend the percent correct; `memory` is the mean of the three (docs/design.md §9).
-
-`--policy oracle`: prerequisite conversations are played with one memory write per conversation
-(its topic) and a plain reply per turn, so snapshots are written, chained and read as with a
-model; each question is answered with its first possible answer in bfcl-eval's answer format.
-The checker reads only that final answer.
+"""BFCL V4 memory (and, with a search-API key, web search) as bfcl-eval's harness plays them: evaluate.py
+--tasks bfcl-memory | bfcl-web (docs/ood.md). Its loaders, backend classes, prompt constants and agentic_checker;
+our decoder, renderer, isolation and play loop. A scenario's prerequisite conversations play first, in order,
+each loading the snapshot the previous one wrote; every question then loads the final one. Score: the question
+turn's last output without calls, checked against the possible answers; `memory` is the mean of the three
+backends. The oracle writes one memory per conversation and answers with the first possible answer.
 """
 
-import argparse
 import contextlib
 import copy
 import importlib
@@ -45,11 +18,7 @@ import time
 from pathlib import Path
 
 from common.engine import calls as C
-from common.engine import playargs
-from common.envs.bfcl import (  # common.envs.bfcl.harness points BFCL_PROJECT_ROOT at scratch space first
-    harness as bfcl,
-)
-from common.envs.bfcl import play
+from common.envs.bfcl import harness as bfcl  # it points BFCL_PROJECT_ROOT at scratch space first
 from common.jsonl import RecordError, atomic_dir, write_json, write_jsonl
 from common.run.scores import mean, percent_by_group
 
@@ -66,7 +35,7 @@ WEB_CATEGORIES = ["web_search_base", "web_search_no_snippet"]
 EMBEDDER = "all-MiniLM-L6-v2"  # the name memory_vector.py gives SentenceTransformer
 SEARCH_KEY = "SERPAPI_API_KEY"  # what web_search.py's search_engine_query reads
 WEB_PACKAGES = "google-search-results html2text beautifulsoup4"  # web_search.py's imports beyond ours
-NO_WEB_NOTE = (f"web search not run (it needs {SEARCH_KEY} and live pages: python -m ood.memory --suite bfcl-web); "
+NO_WEB_NOTE = (f"web search not run (it needs {SEARCH_KEY} and live pages: evaluate.py --tasks bfcl-web); "
                "the BFCL V4 figure of this folder is the memory average only")
 # The oracle's one memory write per prerequisite conversation, per backend.
 ORACLE_NOTE = {
@@ -75,21 +44,6 @@ ORACLE_NOTE = {
     "rec_sum": lambda i, topic: {"name": "memory_append", "arguments": {"text": topic}},
 }
 ORACLE_REPLY = "Noted."
-
-parser = argparse.ArgumentParser(prog="python -m ood.memory", description=__doc__.split("\n\n")[0])
-parser.add_argument("--suite", default="bfcl-memory", choices=["bfcl-memory", "bfcl-web"],
-                    help="BFCL V4 memory (default), or web search (needs a SerpAPI key)")
-parser.add_argument("--policy", required=True, help="policy folder, or 'oracle' (ground truth)")
-parser.add_argument("--out", required=True, help="output folder")
-parser.add_argument("--limit", type=int, default=None, help="first K questions per backend")
-parser.add_argument("--memory-backend", nargs="+", default=BACKENDS, choices=BACKENDS,
-                    help="the backends to run (default: all three; `memory` is their mean)")
-parser.add_argument("--memory-scenario", default=None,
-                    choices=["customer", "finance", "healthcare", "notetaker", "student"],
-                    help="only this scenario's questions and prerequisite conversations")
-playargs.add_play_args(parser, evaluation=True)
-parser.add_argument("--decoding", default="bfcl", choices=["bfcl", "greedy"],
-                    help="as evaluate.py's (bfcl: temperature 0.001 with the model's generation_config defaults)")
 
 
 def bfcl_eval_version():
@@ -229,33 +183,35 @@ def transcript(record):
     return {k: record[k] for k in ("turns", "stop", "stats") if k in record}
 
 
-# ----------------------------------------------------------------------------- the stage
-
-
-def main(argv=None):
-    args = parser.parse_args(argv)
-    spec = playargs.eval_spec(args, parser, decoding=args.decoding)  # a policy that is not a model fails here
-    if args.suite == "bfcl-web":
-        if args.memory_scenario:
-            parser.error("--memory-scenario is for --suite bfcl-memory")
+def categories(suite, backends=BACKENDS, scenario=None):
+    """The categories of `suite` (bfcl-memory: its backends'; bfcl-web: WEB_CATEGORIES), their modules
+    imported: a RecordError names what is missing (SerpAPI's key, web search's packages)."""
+    if suite == "bfcl-web":
+        if scenario:
+            raise RecordError("--memory-scenario is for bfcl-memory")
         if not os.environ.get(SEARCH_KEY):
-            parser.error(f"--suite bfcl-web needs a SerpAPI key in {SEARCH_KEY}: BFCL V4 web search queries Google "
-                         "through SerpAPI and fetches live pages (not run; --suite bfcl-memory runs offline)")
+            raise RecordError(f"bfcl-web needs a SerpAPI key in {SEARCH_KEY}: BFCL V4 web search queries Google "
+                              "through SerpAPI and fetches live pages (not run; bfcl-memory runs offline)")
         try:
             backend_module("WebSearchAPI")
         except ImportError as e:
-            parser.error(f"--suite bfcl-web: bfcl-eval's web search needs {WEB_PACKAGES} ({e})")
-        categories = WEB_CATEGORIES
-    else:
-        categories = [f"memory_{b}" for b in args.memory_backend]
-        for cat in categories:
-            backend_module(f"MemoryAPI_{cat[len('memory_'):]}")
+            raise RecordError(f"bfcl-web: bfcl-eval's web search needs {WEB_PACKAGES} ({e})") from None
+        return WEB_CATEGORIES
+    for b in backends:
+        backend_module(f"MemoryAPI_{b}")
+    return [f"memory_{b}" for b in backends]
+
+
+def evaluate_suite(out, policy, spec, engine, cats, *, scenario=None, limit=None, engine_name=None):
+    """evaluate() with the policy played by `spec` on the engine `engine()` opens (the oracle: none)."""
+    from common.envs.bfcl import play
     with contextlib.ExitStack() as stack:
         run = None
-        if args.policy != "oracle":  # the engine (and a server started for it) until the scores are written
-            run = stack.enter_context(playargs.eval_player(args, spec, os.path.join(args.out, "server.log")))
-        return evaluate(args.out, args.policy, categories, spec.fmt, run, scenario=args.memory_scenario,
-                        limit=args.limit, engine=None if run is None else args.engine)
+        if policy != "oracle":  # the engine (and a server started for it) until the scores are written
+            eng = stack.enter_context(engine())
+            run = lambda tasks: play.play(tasks, 1, eng, spec, policy=os.path.abspath(policy))[0]  # noqa: E731
+        return evaluate(out, policy, cats, spec.fmt, run, scenario=scenario, limit=limit,
+                        engine=None if run is None else engine_name)
 
 
 def evaluate(out, policy, categories, fmt, run=None, *, scenario=None, limit=None, engine=None):
@@ -341,9 +297,3 @@ def print_table(scores, title):
     if scores.get("note"):
         print(scores["note"])
 
-
-if __name__ == "__main__":
-    try:
-        main()
-    except (RecordError, play.TrajectoryFailed) as e:
-        sys.exit(f"error: {e}")
