@@ -9,10 +9,11 @@ model's warm start).
 """
 
 from common.envs.bfcl import BFCL
+from common.envs.mcp import MCP
 from common.envs.tau2 import Tau2Env
 from common.jsonl import RecordError
 
-KINDS = {"bfcl": BFCL, "tau2": Tau2Env}  # a run's ENV is KIND or KIND:..., its --tasks too
+KINDS = {"bfcl": BFCL, "tau2": Tau2Env, "mcp": MCP}  # a run's ENV is KIND or KIND:..., its --tasks too
 
 
 def kind_of(setting):
