@@ -22,6 +22,7 @@ SERVERS = {
     # another server on another port of this machine: a second host, as far as a stage can tell
     "second_server": {"max_model_len": 16384, "seed": 0},
 }
+LONG_FIRST = ("test_third_env", "test_mcp")  # a loop of their own, or a dozen real server processes
 _spawned = {}  # fixture name -> (state, process) of a server started early, not yet waited for
 _WANTED = pytest.StashKey[set]()  # the shared servers the selected tests need
 
@@ -34,7 +35,9 @@ def pytest_collection_modifyitems(config, items):
     needs = {}
     for item in items:
         needs.setdefault(item.module, set()).update(n for n in SERVERS if n in item.fixturenames)
-    items.sort(key=lambda item: bool(needs[item.module]))  # stable: a module's tests stay together
+    # stable: a module's tests stay together; the long serverless modules first, so that xdist's workers
+    # fill the time around them with short ones instead of ending on them
+    items.sort(key=lambda item: (bool(needs[item.module]), item.module.__name__ not in LONG_FIRST))
     # An xdist worker collects every test but runs the modules it is sent, which it cannot know
     # here: its servers start when a test first needs them.
     config.stash[_WANTED] = set() if os.environ.get("PYTEST_XDIST_WORKER") else set().union(*needs.values())

@@ -232,7 +232,7 @@ def test_a_failing_server_cuts_its_episode_only(bad, tokenizer):
     engine = ByTask(tokenizer, {n: text(call(n)) for n in ("crash", "hang", "bump")})
     start = time.perf_counter()
     records, _ = bad.play(list(bad.tasks.values()), 1, engine, SPEC)
-    assert time.perf_counter() - start < 20  # the hang waited its 1 s timeout, not for ever
+    assert time.perf_counter() - start < 120  # the hang waited its 1 s timeout, not for ever (loose: loaded CI)
     by_id = {r["task_id"]: r for r in records}
     assert by_id["bump"]["stop"] == "done" and "error" not in by_id["bump"]
     for name, why in (("crash", "closed the connection during tools/call crash"),
@@ -251,8 +251,8 @@ def test_garbage_on_stdout_and_ctrl_c(bad, tmp_path):
     raw = ["python", "-c", "import sys, time; sys.stdin.readline(); print('hello', flush=True); time.sleep(60)"]
     start = time.perf_counter()
     with pytest.raises(S.ServerFault, match="answered initialize and tools/list outside the protocol"):
-        S.Server(S.command_line(raw), str(tmp_path), 10)
-    assert time.perf_counter() - start < 8  # at once, not after the 10 s timeout
+        S.Server(S.command_line(raw), str(tmp_path), 120)
+    assert time.perf_counter() - start < 60  # at once, not after the 120 s timeout
     # Ctrl-C while a call waits on a server that never answers: the stage exits, the server with it
     script = textwrap.dedent(f"""
         import sys

