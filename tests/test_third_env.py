@@ -9,8 +9,9 @@ import shutil
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the tiny preset's two rounds of 8 tasks x 4 samples, on the HF engine (no server to start)
-SMALL = ["--set", "ENGINE=hf", "--set", "MAX_NEW=48", "--set", "EVAL_NEW=48"]
+# the tiny preset's two rounds, of 4 tasks x 2 samples, on the HF engine (no server to start)
+SMALL = ["--set", "ENGINE=hf", "--set", "TASKS_PER_ROUND=4", "--set", "N=2", "--set", "MAX_NEW=48",
+         "--set", "EVAL_NEW=48"]
 
 
 def git(clone, *args):
@@ -48,8 +49,8 @@ def test_a_third_environment_is_one_folder_and_one_registry_line(tmp_path):
     assert json.loads((run / "config.json").read_text())["settings"]["tasks"] == "toy:train"
     for t in (0, 1):
         rollouts = [json.loads(line) for line in open(run / f"round_00{t}" / "rollouts.jsonl")]
-        assert len(rollouts) == 32 and {r["env"] for r in rollouts} == {"toy"}
-        assert len(open(run / f"round_00{t}" / "diagnoses.jsonl").readlines()) == 32
+        assert len(rollouts) == 8 and {r["env"] for r in rollouts} == {"toy"}
+        assert len(open(run / f"round_00{t}" / "diagnoses.jsonl").readlines()) == 8
     # the trainer ran both rounds (whether it stepped depends on what the tiny model sampled: a group
     # whose samples all scored alike has no advantage)
     for t in (0, 1):

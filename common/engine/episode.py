@@ -2,11 +2,10 @@
 
     records, timing = play(tasks, n, engine, spec, session, trajectory=Trajectory, round_=t, policy=model_dir)
 
-A scripted-turn environment (BFCL, MCP) opens a session per episode, `session(task)`, with: `tools` (listed
-now), `n_turns`, `start_turn(k)` (the tools that came with turn k), `user_messages(k)`, `step(text, fmt)`
-(calls, parse_error, results, call_errors, schema_errors), `close()`, and optionally `hint_rules` (its own Ω
-hint rules, common/seal/interface.py). An environment whose own loop drives the episode (τ²'s orchestrator)
-plays each in a thread (run_episodes), its policy keeping its tokens in a TokenLog. docs/design.md §3.
+A scripted-turn environment (BFCL, MCP) opens a session per episode, `session(task)`, that answers the
+model's outputs (common/engine/session.py says what it answers). An environment whose own loop drives the
+episode (τ²'s orchestrator) plays each in a thread (run_episodes), its policy keeping its tokens in a
+TokenLog. docs/design.md §3.
 """
 
 import collections
@@ -238,7 +237,8 @@ class Trajectory:
     """One sample of one task on a scripted-turn session, token-in/token-out under the model's chat template.
     A turn ends on an output without calls; past `max_steps_per_turn` steps the task is force-quit. With Ω's
     error feedback on, an undecodable output is answered with its parse error and hint (`decode_failure`
-    "feedback", else "end_turn"). Environments subclass it for their own view of the conversation."""
+    "feedback", else "end_turn"). The session's `system` prompt comes before Ω's; its `fault` ends the episode
+    (stop "server_error"). Environments subclass it for their own view of the conversation."""
 
     def __init__(self, task, sample_index, spec, tokenizer, stop_ids=(), session=None):
         self.task, self.sample_index, self.spec, self.omega = task, sample_index, spec, spec.omega
@@ -255,6 +255,9 @@ class Trajectory:
         self.log.open(self.view.prompt_ids(), self.view.plain_prompt_ids if shown is not tools or system else None)
 
     def make_view(self, tools, shown, system):
+        own = getattr(self.env, "system", None)
+        if own:
+            return TemplateView(self.tok, tools, shown, "\n\n".join(x for x in (own, system) if x), plain_system=own)
         return TemplateView(self.tok, tools, shown, system)
 
     def turn_messages(self, turn):
@@ -294,7 +297,10 @@ class Trajectory:
         self.finish("inference_error", "inference_error")
 
     def limit(self):
-        """The generation limit of the next call, or None once the trajectory stopped on a full context."""
+        """The generation limit of the next call, or None once the trajectory stopped: on its environment's
+        fault or a full context."""
+        if getattr(self.env, "fault", None):
+            return self.finish("server_error", "server_error")
         room = self.log.room()
         if room is None:
             self.finish("context_limit", "context_limit")
@@ -364,7 +370,9 @@ class Trajectory:
     def record(self, round_, policy):
         rec = record(self.task, self.sample_index, round_, policy, self.omega, self.turns, self.stop,
                      self.decode_failure, self.log.tokens(), self.log.cue_tokens, time.perf_counter() - self.start)
-        return rec | ({"inference_error": self.error} if self.error is not None else {})
+        fault = getattr(self.env, "fault", None)
+        return rec | ({"inference_error": self.error} if self.error is not None else {}) | \
+            ({"error": fault} if fault else {})
 
 
 # ----------------------------------------------------------------------------- playing them

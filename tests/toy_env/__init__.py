@@ -11,6 +11,8 @@ import json
 import os
 import types
 
+from common.engine import session
+
 TOOLS = [
     {"name": "put", "description": "Store a value under a key.",
      "parameters": {"type": "object", "properties": {"key": {"type": "string"}, "value": {"type": "string"}},
@@ -80,17 +82,14 @@ RULES = {"invalid_tool_call": invalid_tool_call, "argument_mismatch": never, "st
          "recovery_failure": never, "missing_tool_call": missing_tool_call, "response_mismatch": never}
 
 
-class Session:
-    """One episode (common/engine/episode.py): tools, n_turns, start_turn, user_messages, step, close."""
+class Session(session.Session):
+    """One episode (common/engine/session.py): the store, and each call run on it."""
+
+    tools = TOOLS
 
     def __init__(self, task):
-        self.task, self.tools, self.n_turns, self.state = task, TOOLS, len(task["turns"]), copy.deepcopy(task["state"])
-
-    def start_turn(self, k):
-        return []  # every tool is listed from the start
-
-    def user_messages(self, k):
-        return [{"role": "user", "content": self.task["turns"][k]}]
+        super().__init__(task)
+        self.state = copy.deepcopy(task["state"])
 
     def step(self, text, fmt):
         from common.engine import calls as C
@@ -99,9 +98,6 @@ class Session:
         ran = [run_call(self.state, c) if s is None else (json.dumps({"error": s}), s) for c, s in zip(calls, schema, strict=True)]
         return {"calls": calls, "parse_error": parse_error, "results": [r for r, _ in ran],
                 "call_errors": [e for _, e in ran], "schema_errors": schema}
-
-    def close(self):
-        pass
 
 
 class Toy:

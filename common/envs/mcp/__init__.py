@@ -12,6 +12,7 @@ from common.jsonl import RecordError, write_json, write_jsonl
 from common.presets import ROOT
 
 PREFIX = "mcp:"
+WAVE = 64  # episodes whose servers run at once: one process each
 
 
 def parse(source):
@@ -63,21 +64,26 @@ class MCP:
 
     def play(self, tasks, n, engine, spec, *, round_=0, policy=""):
         """Rollout records of `n` episodes of every task (common/engine/episode.py), each on its own
-        fresh server; the servers start several at once before the episodes play."""
+        fresh server: the tasks play in waves of at most WAVE episodes, their servers started 16 at once."""
+        records, timing, per_wave = [], {}, max(1, WAVE // n)
+        for i in range(0, max(len(tasks), 1), per_wave):
+            recs, t = self._play_wave(tasks[i:i + per_wave], n, engine, spec, round_, policy)
+            records += recs
+            timing = {k: timing.get(k, 0) + v for k, v in t.items()}
+        return [r | {"env": self.env} for r in records], timing
+
+    def _play_wave(self, tasks, n, engine, spec, round_, policy):
         from concurrent.futures import ThreadPoolExecutor
 
         from common.engine import episode
-        from common.envs.mcp import server as S
         jobs = [t for t in tasks for _ in range(n)]
         with ThreadPoolExecutor(max(1, min(16, len(jobs)))) as pool:
             opened = list(pool.map(self.session, jobs))
         try:
-            records, timing = episode.play(tasks, n, engine, spec, lambda task: opened.pop(0),
-                                           trajectory=S.trajectory(episode), round_=round_, policy=policy)
+            return episode.play(tasks, n, engine, spec, lambda task: opened.pop(0), round_=round_, policy=policy)
         finally:
             for session in opened:
                 session.close()
-        return [r | {"env": self.env} for r in records], timing
 
     def diagnose(self, task, rollout):
         from common.envs.mcp import verdict

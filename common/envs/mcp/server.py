@@ -26,6 +26,7 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.shared.exceptions import MCPError
 
 from common.engine import calls as C
+from common.engine import session
 
 START_S = 30.0  # seconds a server may take to start at least (a loaded machine starts Python slowly)
 
@@ -199,27 +200,20 @@ def run_call(server, tools, call):
     return (json.dumps({"error": text}, ensure_ascii=False) if error else text), error
 
 
-class Session:
-    """One episode's environment as the episode engine plays it (common/engine/episode.py): a fresh
-    server for one task, its scripted user turns and the SDK's client for the calls: `tools` (the
-    inputSchemas), `system`, `n_turns`, start_turn(k), user_messages(k), step(text, fmt), close().
-
-    A server failure is the environment's, not the agent's: the step's remaining calls get an error
-    result, `fault` names it, and the episode ends there (Trajectory: stop "server_error")."""
+class Session(session.Session):
+    """One episode's environment (common/engine/session.py): a fresh server for one task, its
+    scripted user turns and the SDK's client for the calls. A server failure is the environment's,
+    not the agent's: the step's remaining calls get an error result, `fault` names it, and the
+    episode ends there (stop "server_error")."""
 
     def __init__(self, spec, task):
-        self.task, self.system, self.n_turns, self.fault = task, spec["system"], len(task["turns"]), None
+        super().__init__(task)
+        self.system = spec["system"]
         try:
             self.server = Server(spec["command"], spec["dir"], spec["timeout"])
             self.tools = self.server.tools
         except ServerFault as e:
             self.server, self.tools, self.fault = None, [], str(e)
-
-    def start_turn(self, k):
-        return []  # every tool is listed from the start
-
-    def user_messages(self, k):
-        return [{"role": "user", "content": self.task["turns"][k]}]
 
     def step(self, text, fmt):
         calls, parse_error = C.parse(text, fmt)
@@ -240,32 +234,3 @@ class Session:
     def close(self):
         if self.server is not None:
             self.server.close()
-
-
-def trajectory(episode):
-    """The episode engine's Trajectory on a Session: the server's system prompt before Ω's cues, and
-    an episode whose server failed ends there, naming it (stop "server_error", record "error")."""
-
-    class Trajectory(episode.Trajectory):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._ended_by_fault()
-
-        def make_view(self, tools, shown, system):
-            own = self.env.system
-            return episode.TemplateView(self.tok, tools, shown, "\n\n".join(x for x in (own, system) if x) or None,
-                                        plain_system=own)
-
-        def advance(self, gen, text):
-            out = super().advance(gen, text)
-            self._ended_by_fault()
-            return out
-
-        def _ended_by_fault(self):
-            if self.env.fault and self.stop is None:
-                self.finish("server_error", "server_error")
-
-        def record(self, round_, policy):
-            return super().record(round_, policy) | ({"error": self.env.fault} if self.env.fault else {})
-
-    return Trajectory
