@@ -49,29 +49,21 @@ def diagnose_file(env, path, workers=1):
     _ENV = env  # forked workers inherit it, loaded once
     bar = dict(total=len(jobs), desc="diagnose", unit="traj")
     if workers <= 1 or len(jobs) < 2:
-        done = map(_diagnose, jobs)
-        return [_checked(x) for x in tqdm(done, **bar)]
+        return list(tqdm(map(_diagnose, jobs), **bar))
     with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("fork")) as pool:
-        return [_checked(x) for x in tqdm(pool.map(_diagnose, jobs, chunksize=4), **bar)]
+        return list(tqdm(pool.map(_diagnose, jobs, chunksize=4), **bar))  # re-raises a worker's RecordError
 
 
 _ENV = None  # the environment the jobs are diagnosed against (a module global: forked workers share it)
 
 
 def _diagnose(job):
-    """(record, None) or (None, the RecordError's message naming the file and line)."""
+    """The diagnosis record of a job; a RecordError names its file and line."""
     where, r = job
     try:
-        return _ENV.diagnose(_ENV.tasks[r["task_id"]], r), None
+        return _ENV.diagnose(_ENV.tasks[r["task_id"]], r)
     except RecordError as e:
-        return None, f"{where}: {e}"
-
-
-def _checked(result):
-    record, error = result
-    if error:
-        raise RecordError(error)
-    return record
+        raise RecordError(f"{where}: {e}") from None
 
 
 def print_summary(records, top, categories):

@@ -24,11 +24,9 @@ parser.add_argument("--max-reward", type=float, default=0.6, help="mean reward m
 parser.add_argument("--max-cues", type=int, default=interface.MAX_CUES, help="capability cues at most")
 parser.add_argument("--round", type=int, default=None, help="round of Ω_{t+1} (default: diagnoses' round + 1)")
 
-DIAG_FIELDS = ["task_id", "round", "reward", "turn_labels"]
-
 
 def read_diagnoses(path):
-    records = read_jsonl(path, required=DIAG_FIELDS)
+    records = read_jsonl(path, required=["task_id", "round", "reward", "turn_labels"])
     if not records:
         raise RecordError(f"{path}: no diagnosis records")
     for rec in records:
@@ -99,12 +97,12 @@ def select(profile, args):
     return passing[: args.max_cues], why_not
 
 
-def rounded(obj, digits=4):
+def rounded(obj):
     """Floats rounded so the file is short and stable across platforms."""
     if isinstance(obj, float):
-        return round(obj, digits)
+        return round(obj, 4)
     if isinstance(obj, dict):
-        return {k: rounded(v, digits) for k, v in obj.items()}
+        return {k: rounded(v) for k, v in obj.items()}
     return obj
 
 
@@ -177,5 +175,4 @@ if __name__ == "__main__":
     try:
         main(parser.parse_args())
     except RecordError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(f"error: {e}")

@@ -40,8 +40,7 @@ PY=.venv/bin/python
 command -v "$PY" >/dev/null || { echo "loop: needs a python3 (>= 3.8) on PATH, or PYTHON naming one" >&2; exit 2; }
 
 # ---------------------------------------------------------------------------- presets and modes
-# every preset variable, the mode's, RECORD, and what ENV's kind decides (ENV_PLAY, EVAL_TASKS, ENV_EVAL,
-# OOD_i, RUN_SUFFIX, BASE_SUFFIX: common/presets.py env_shell)
+# every preset variable, the mode's, RECORD, and what ENV's kind decides (common/presets.py env_shell)
 settings=$($PY -m common.presets "$PRESET" --mode "$MODE" "${SETS[@]+"${SETS[@]}"}") || exit 2
 eval "$settings"
 # The memory plan of a GPU preset, from the architecture numbers in configs/models/ (nothing loads).
@@ -49,7 +48,6 @@ if [ -n "$PLAN" ]; then
   if [ -z "$GPU_MEM_GIB" ]; then echo "loop: $PRESET runs on CPU: no GPU memory plan (set GPU_MEM_GIB for one)"; exit 0; fi
   exec $PY -m common.train.memplan "$PRESET" "${SETS[@]+"${SETS[@]}"}"
 fi
-# A thinking model's rollouts follow QwenFCHandler, which drops earlier turns' reasoning as bfcl-eval does
 if [ -n "$THINKING" ] && { [ "$BFCL_HANDLER" != QwenFCHandler ] || [ "$PROMPTS" != bfcl ]; }; then
   echo "loop: THINKING=1 ($PRESET's model writes <think>...</think> before each answer) needs" \
     "BFCL_HANDLER=QwenFCHandler and PROMPTS=bfcl, which drop earlier turns' reasoning as bfcl-eval does" \
@@ -96,7 +94,6 @@ NAME=${NAME:-$PRESET-$MODE$RUN_SUFFIX}
 # only their lengths differ. SCORE_ARGS decides the scores; the base model's config.json records it.
 COMMON_ARGS=(--engine "$ENGINE" --handler "$BFCL_HANDLER" --max-steps-per-turn "$MAX_STEPS" --call-format "$CALL_FORMAT")
 SCORE_ARGS=("${COMMON_ARGS[@]}" ${EVAL_LEN:+--max-model-len "$EVAL_LEN"} ${EVAL_NEW:+--max-new-tokens "$EVAL_NEW"})
-PLAY_ARGS=("${SCORE_ARGS[@]}")
 # The base model's scores are shared by every run of the preset and ENV under $RUNS, so they must come from one
 # model and one set of evaluation settings (common/run/runinfo.py base_dir finds them).
 BASE=$RUNS/base-$PRESET$BASE_SUFFIX
@@ -143,8 +140,7 @@ limit_args() { [ -n "$1" ] && echo "--limit $1"; true; }
 
 # ---------------------------------------------------------------------------- the engine
 # One vLLM server (common/engine/serve.py) for the whole run, or the servers SERVER names: started at the first
-# stage that plays, it loads each new policy in place, sleeps on GPUs while the trainer holds them, and stops
-# with its process group when the run ends, fails or is interrupted.
+# stage that plays, stopped with the run (docs/hardware.md §4).
 SERVER_STATE=$RUN/server.json
 SERVER_LOG=$RUN/logs/server.log
 GPU=$($PY -c "from common.engine.serve import cpu_build; print('' if cpu_build() else 1)")
@@ -174,7 +170,7 @@ playing() {  # playing POLICY CMD...: CMD on the run's server(s), which serve PO
 
 evaluate() {  # evaluate POLICY ROUND DIR: EVAL_TASKS, as ENV's kind names them, Ω removed
   run eval "$2" "$3/scores.json" playing "$1" $PY evaluate.py --policy "$1" --tasks "$EVAL_TASKS" \
-    $(limit_args "$EVAL_LIMIT") "${PLAY_ARGS[@]}" "${ENV_EVAL[@]+"${ENV_EVAL[@]}"}" --out "$3"
+    $(limit_args "$EVAL_LIMIT") "${SCORE_ARGS[@]}" "${ENV_EVAL[@]+"${ENV_EVAL[@]}"}" --out "$3"
 }
 
 ood() {  # ood POLICY TAG DIR: every bench of $OOD (OOD_i: its --tasks and flags), Ω removed, into DIR/<bench>/
@@ -182,7 +178,7 @@ ood() {  # ood POLICY TAG DIR: every bench of $OOD (OOD_i: its --tasks and flags
   for ((i = 0; i < $(wc -w <<< "$OOD"); i++)); do
     ref="OOD_$i[@]"; bench=("${!ref}")
     run "ood-$2-${bench[0]}" $((ROUNDS - 1)) "$3/${bench[0]}/scores.json" playing "$1" $PY evaluate.py --policy "$1" \
-      --tasks "${bench[@]}" $(limit_args "$OOD_LIMIT") "${PLAY_ARGS[@]}" --out "$3/${bench[0]}"
+      --tasks "${bench[@]}" $(limit_args "$OOD_LIMIT") "${SCORE_ARGS[@]}" --out "$3/${bench[0]}"
   done
 }
 

@@ -55,10 +55,9 @@ def select_tasks(env, limit=None, ids=None, batch=None, round_=0):
         tasks = [t for t in tasks if t["id"] in set(wanted)]
     if batch:
         # A fixed order (not --seed) so that every run and mode sees the same tasks per round.
-        order = list(tasks)
-        random.Random(0).shuffle(order)
-        start = (round_ * batch) % len(order)
-        tasks = (order + order)[start:start + min(batch, len(order))]
+        random.Random(0).shuffle(tasks)
+        start = (round_ * batch) % len(tasks)
+        tasks = (tasks + tasks)[start:start + min(batch, len(tasks))]
     return tasks
 
 

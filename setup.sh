@@ -9,11 +9,8 @@ PY=${PYTHON:-python3}
 GPU_TORCH="torch 2.14 (CUDA 13)"
 MIN_DRIVER=580
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  flavour=gpu
-else
-  flavour=cpu
-fi
+flavour=cpu
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=gpu; fi
 # the sleeping rollout server and the trainer share each GPU, which Exclusive_Process mode refuses late
 if [ "$flavour" = gpu ]; then
   modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>/dev/null | grep -v ', Default$' || true)

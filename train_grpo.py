@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from common import presets
 from common.engine import serve
-from common.engine.models import model_context, resolve_model
+from common.engine.models import load_tokenizer, model_context, resolve_model
 from common.envs import checks_turns, cut_stops
 from common.jsonl import RecordError, read_json, read_jsonl, write_json, write_jsonl
 from common.train import checkpoint, grpo, memplan
@@ -84,7 +84,6 @@ TOKENIZER_FILES = (
     "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )  # fmt: skip
 OPTIMIZER_DIR = "optimizer"  # inside --out
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def main(argv=None):
@@ -127,7 +126,7 @@ def train(args):
     reference = choose_reference(args.kl_coef, args.ref_model, policy)
     state_info = checkpoint.read_info(args.optimizer_state) if args.optimizer_state else None
 
-    accelerator = dist.make_accelerator(args.cpu, args.grad_clip, args.timeout)
+    accelerator = dist.make_accelerator(args.cpu, args.timeout)
     if unsampled and accelerator.is_main_process:
         print(f"warning: {args.rollouts}: {unsampled} of {len(rollouts)} records carry no sampling temperature; "
               "read as temperature 1", file=sys.stderr)
@@ -329,11 +328,10 @@ def check_memory(args, policy, reference, mini_batches, accelerator):
     if not tokens:
         return
     gpu_mem = torch.cuda.get_device_properties(accelerator.device).total_memory
-    chunk = presets.LOGPROB_CHUNK
     plans = [memplan.train_plan(arch, accelerator.num_processes, dist.sharded(accelerator), tokens,
-                                args.gradient_checkpointing, gpu_mem, lora=policy.use_lora, chunk=chunk)]
+                                args.gradient_checkpointing, gpu_mem, lora=policy.use_lora)]
     if reference.source == "ref_model":
-        plans.append(memplan.reference_plan(arch, tokens, gpu_mem, chunk=chunk))
+        plans.append(memplan.reference_plan(arch, tokens, gpu_mem))
     for plan in plans:
         accelerator.print(memplan.render(plan, gpu_mem))
         if not plan.fits:
@@ -416,7 +414,7 @@ def old_logprobs(model, reference, mini_batches, temperature, accelerator):
 def optimise(args, training, mini_batches, this_round, accelerator):
     """Every mini-batch once per epoch: one metrics line per optimiser step."""
     model, optimizer, params, global_step = training
-    metrics, step = [], 0
+    metrics = []
     max_norm = args.grad_clip if args.grad_clip > 0 else math.inf
     bar = tqdm(total=len(mini_batches) * args.epochs, desc="grpo optimiser steps", unit="step",
                disable=not accelerator.is_main_process)
@@ -433,9 +431,8 @@ def optimise(args, training, mini_batches, this_round, accelerator):
             if accelerator.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
-            step += 1
             global_step += 1
-            metrics.append({"step": step, "global_step": global_step, "epoch": epoch}
+            metrics.append({"step": len(metrics) + 1, "global_step": global_step, "epoch": epoch}
                            | step_metrics(args.kl_coef, mb, sums, grad_norm, seconds, this_round, accelerator)
                            | {"lr": optimizer.param_groups[0]["lr"]})
             bar.update(1)
@@ -561,7 +558,6 @@ def save(args, policy, training, metrics, accelerator, start=None):
 
 def weights_probe(args, model, dtype, accelerator):
     """serve.py's probe log-probabilities under the weights being saved (every process runs the forward)."""
-    from common.engine.models import load_tokenizer
     ids = serve.probe_ids(load_tokenizer(args.model))
     if len(ids) < 2:  # a tokenizer that cannot spell it: the label alone is checked
         return None
@@ -598,9 +594,9 @@ def weights_record(args, folder, start):
 def saved_dtype(args, policy, accelerator):
     """--policy-dtype, else on GPU the input config's 16-bit dtype; on CPU and for an adapter float32."""
     if args.policy_dtype:
-        return DTYPES[args.policy_dtype]
+        return getattr(torch, args.policy_dtype)
     if accelerator.mixed_precision != "no" and not policy.use_lora and policy.saved_dtype in ("bfloat16", "float16"):
-        return DTYPES[policy.saved_dtype]
+        return getattr(torch, policy.saved_dtype)
     return torch.float32
 
 

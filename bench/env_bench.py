@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils  # noqa: E402
 from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker  # noqa: E402
 
+from common.engine import calls as C  # noqa: E402
 from common.envs.bfcl import harness as bfcl  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -36,7 +37,7 @@ def ours():
             for turn, gt in enumerate(task["ground_truth"]):
                 env.start_turn(turn)
                 if gt:
-                    env.step(bfcl.ground_truth_text(task, turn), fmt="python")
+                    env.step(C.format_calls(bfcl.ground_truth_calls(task, turn), "python"), fmt="python")
         solved += bfcl.official_verdict(task, env.decoded)["valid"]
     return solved
 

@@ -69,7 +69,7 @@ for domain in args.domains:
             engine = Longest(tiny.ScriptEngine(tok, lambda script=script: script.agent_text(None, None)))
             row, policy = tau2_tiny.tau2_play(env, task, script, engine, omega_api.initial(), evaluate=False)
             openings.append(policy.counts["prompt_tokens"])
-            longest.append(max(engine.longest, policy.context_len()))
+            longest.append(max(engine.longest, len(policy.log)))
             steps.append(len(row["agent_steps"]))
     if not longest:
         continue

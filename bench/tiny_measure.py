@@ -14,6 +14,7 @@ scored by τ²'s evaluator; no parse rate.
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -59,7 +60,7 @@ def measure(model_dir, *, temperatures=(1.0, 0.7), samples=None, eval_tasks=None
     if m["eval_tasks"]:
         tasks = list(bfcl.load_tasks(tasks_path).values())
         tiny._log(f"measuring the first-step parse rate: greedy first output on {m['eval_tasks']} tasks")
-        rate, _ = first_step_parse_rate(model_dir, bfcl_tiny.pick_eval_tasks(tasks, m["eval_tasks"]), m["eval_max_new_tokens"])
+        rate, _ = first_step_parse_rate(model_dir, pick_eval_tasks(tasks, m["eval_tasks"]), m["eval_max_new_tokens"])
         out["first_step_parse_rate"] = round(rate, 4)
     out["sampled_reward"] = {}
     for view, omega in (("plain", None), ("schema_cue", omega_api.initial())):
@@ -70,6 +71,15 @@ def measure(model_dir, *, temperatures=(1.0, 0.7), samples=None, eval_tasks=None
                 model_dir, played, preset, {**m, "check_temperature": temp}, omega=omega)
     out["seconds"] = round(time.time() - t0, 1)
     return out
+
+
+def pick_eval_tasks(tasks, n):
+    """`n` tasks whose turn 0 has ground-truth calls, round-robin over categories in file order."""
+    by_cat = {}
+    for t in tasks:
+        if t["ground_truth"][0]:
+            by_cat.setdefault(t["category"], []).append(t)
+    return [t for rank in itertools.zip_longest(*by_cat.values()) for t in rank if t is not None][:n]
 
 
 def preset_reward(model_dir, env, tasks, args, engine=None, omega=None):

@@ -25,21 +25,17 @@ class PresetError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """loop.sh's variables, a field each (--set MAX_LEN=... sets max_len), values as text (empty: unset).
-    Defaults, the paper's (docs/design.md §7): GRPO groups of N=8, 32 tasks a round, mini-batches of 8 tasks
-    (at most 4 optimiser steps a round; 18 rounds ~ 72), lr 1e-6 (1e-5 with LORA=--lora), KL 0.001,
-    temperature 1.0, 16k context."""
+    """loop.sh's variables, a field each (--set MAX_LEN=... sets max_len), values as text (empty: unset);
+    the defaults are the paper's (docs/design.md §7)."""
 
     rounds: str = "18"  # --rounds
     eval_every: str = "6"  # --eval-every: held-in scores every K rounds, and after the last
-    # A hub id at its pinned commit REVISION (downloaded once and recorded: a resume depends neither
-    # on the hub's latest commit nor on HF_HOME), or a model folder.
+    # A hub id at its pinned commit REVISION (docs/hardware.md §1), or a model folder.
     model: str = ""
     engine: str = "vllm"
     server: str = ""  # URL[,URL...]: play on servers the user started instead of loop.sh's own
-    # GPUs of the node a GPU preset runs on: 1, 2, 4 or 8, from which DP (GPUS / TP), NPROC and
-    # ACCEL_CONFIG (configs/accelerate/fsdp_<GPUS>gpu.yaml) follow unless set themselves. Empty: what
-    # `nvidia-smi -L` lists, or where it lists none (--plan on any machine) the preset's own NPROC.
+    # GPUs of the node a GPU preset runs on, 1, 2, 4 or 8 (empty: what `nvidia-smi -L` lists), from which DP,
+    # NPROC and ACCEL_CONFIG follow (docs/hardware.md §2)
     gpus: str = ""
     dp: str = "1"  # the vLLM server's data parallel size
     tp: str = "1"  # and tensor parallel size
@@ -54,10 +50,9 @@ class Preset:
     mini_batch: str = "8"  # tasks per optimiser step, at least
     lr: str = ""  # empty: LR_FULL, or LR_LORA with LORA=--lora (what the run records is the value used)
     kl: str = "0.001"
-    # The objective beyond the paper's (train_grpo.py's flags; docs/design.md §6, "The objective"): the
-    # rollout correction and its cap (ROLLOUT_IS=off: the paper's objective exactly), clip-higher (CLIP_HIGH
-    # empty: the symmetric clip), Dr. GRPO's advantages (ADV_SCALE=none), GSPO's ratio (RATIO_LEVEL=sequence),
-    # and trajectories cut by training's own limits left out of the loss (CUT=keep: trained as failures).
+    # The objective beyond the paper's (train_grpo.py's flags, docs/design.md §6): the rollout correction
+    # and its cap (ROLLOUT_IS=off: the paper's objective exactly), clip-higher, Dr. GRPO's advantages
+    # (ADV_SCALE=none), GSPO's ratio (RATIO_LEVEL=sequence), CUT=keep (cut trajectories trained as failures).
     rollout_is: str = "token-tis"
     rollout_is_cap: str = "2"
     clip_high: str = ""
@@ -72,24 +67,21 @@ class Preset:
     eval_limit: str = ""  # first K held-in tasks per category only
     micro_tokens: str = "32768"  # padded tokens per training forward (a longer sequence goes alone)
     extra_train: str = ""  # more train_grpo.py flags
-    # Disk: once round t's policy exists, earlier rounds lose their optimiser state and, unless
-    # evaluated, their policy. KEEP=latest drops evaluated policies too; KEEP=all deletes nothing.
+    # What stays on disk of earlier rounds: evaluated policies, the latest only, or all (docs/hardware.md §6)
     keep: str = "evaluated"
     # The environment trained on (common/envs/__init__.py KINDS): bfcl, tau2:DOMAIN (a τ²-bench domain against
     # USER_MODEL or USER_BASE_URL and USER_MODEL_NAME; on CPU the scripted user), mcp:DIR (docs/environments.md).
     env: str = "bfcl"
     tasks: str = "data/train.jsonl"  # another ENV's: ENV:train
     seed: str = "0"
-    # Out-of-distribution benches after the last round (OOD_BENCHES; off by default), each an evaluate.py
-    # --tasks; OOD_LIMIT: first K per category/domain. τ²'s user simulator: USER_MODEL (a model folder the stage
-    # serves) or USER_BASE_URL and USER_MODEL_NAME.
+    # Out-of-distribution benches after the last round (OOD_BENCHES: evaluate.py --tasks; docs/ood.md), their
+    # first K per category/domain, and τ²'s user simulator: USER_MODEL or USER_BASE_URL and USER_MODEL_NAME.
     ood: str = ""
     ood_limit: str = ""
     user_model: str = ""
     user_base_url: str = ""
     user_model_name: str = ""
-    # Seconds a user-simulator request may wait (past it the stage stops; a 429 or 5xx is tried twice more),
-    # and vLLM's tool-call parser of a served USER_MODEL (hermes for Qwen, llama3_json for Llama 3).
+    # Seconds a user-simulator request may wait, a served USER_MODEL's tool parser (docs/environments.md §2)
     user_timeout: str = "180"
     user_tool_parser: str = "hermes"
     # τ² evaluations: episodes per task; K > 1 adds pass^1..pass^K to scores.json (τ²'s own pass^k)
@@ -140,10 +132,8 @@ RECORDED_AS = {"accel_config": "accelerate_config", "temp": "temperature", "max_
 MAY_CHANGE = {"server", "keep", "report_to", "ood", "ood_limit", "user_model", "user_base_url", "user_model_name",
               "user_timeout", "user_tool_parser", "gpu_mem_gib"}
 
-# The GPU presets: one vLLM server, data parallel over 4 GPUs x TP 1, for rollouts (a 3-8B model
-# and its KV cache fit one 80 GB GPU; docs/hardware.md §4), then FSDP full fine-tuning with
-# gradient checkpointing over the same 4 GPUs (e.g. 4x A100/H100 80GB). Their per-GPU memory:
-# bash loop.sh PRESET --plan (docs/hardware.md §8).
+# The GPU presets: rollouts on one vLLM server, data parallel over 4 GPUs x TP 1, then FSDP full fine-tuning
+# over the same 4 GPUs (docs/hardware.md §2, §8).
 FOUR_GPUS = dict(nproc="4", dp="4", accel_config="configs/accelerate/fsdp_4gpu.yaml", gpu_mem_gib="79",
                  extra_train="--gradient-checkpointing")
 PRESETS = {
@@ -158,21 +148,13 @@ PRESETS = {
                      micro_tokens="16384", **FOUR_GPUS),
     "qwen7b": Preset(model="Qwen/Qwen2.5-7B-Instruct", revision="a09a35458c702b33eeacc393d103063234e8bc28",
                      micro_tokens="8192", **FOUR_GPUS),
-    # ToolACE writes calls as a Python list [f(a=1)], as LlamaHandler's prompts ask. No commit of this repository is pinned: a run
-    # names one with --set REVISION=<commit>.
+    # No commit of this repository is pinned: a run names one (--set REVISION=<commit>; docs/hardware.md §1).
     "toolace8b": Preset(model="Team-ACE/ToolACE-2-Llama-3.1-8B", bfcl_handler="LlamaHandler",
                         micro_tokens="8192", **FOUR_GPUS),
-    # Beside the paper's: the models bfcl-eval 2026.3.23 registers for local inference as
-    # Qwen/Qwen3-4B-Instruct-2507-FC and Qwen/Qwen3-8B-FC, both with QwenFCHandler
-    # (bfcl_eval/constants/model_config.py:1660 and :1684). Evaluation runs as that handler does:
-    # the model's own context (262,144 and 40,960: base_oss_handler.py:143) and up to 4096 new tokens
-    # a call (base_oss_handler.py:328-336), EVAL_LEN and EVAL_NEW's defaults; its prompt ends with
-    # "<|im_start|>assistant\n" (qwen_fc.py:238), which leaves Qwen3-8B thinking, as its template
-    # defaults. Revisions: the hub's commits as found in public snapshot paths.
+    # Beside the paper's: the models bfcl-eval 2026.3.23 registers for local inference with QwenFCHandler,
+    # evaluated as that handler runs them (docs/hardware.md §9). Revisions: the hub's commits.
     "qwen3-4b": Preset(model="Qwen/Qwen3-4B-Instruct-2507", revision="cdbee75f17c01a7cc42f958dc650907174af0554",
                        bfcl_model="Qwen/Qwen3-4B-Instruct-2507-FC", micro_tokens="16384", **FOUR_GPUS),  # non-thinking only
-    # Rollouts get the 4096 new tokens a call that evaluation gives (reasoning, then the answer) and
-    # 32,768 tokens of context, 8k short of its own; a micro-batch holds one such sequence.
     "qwen3-8b": Preset(model="Qwen/Qwen3-8B", revision="b968826d9c46dd6066d109eabc6255188de91218", thinking="1",
                        bfcl_model="Qwen/Qwen3-8B-FC",
                        max_new="4096", max_len="32768", **FOUR_GPUS),
@@ -200,8 +182,8 @@ MODES = {
 # The modes beyond the paper: research modes no GPU run has tested (evaluate.py --compare marks their rows).
 RESEARCH_MODES = ("seal-adaptive", "seal-turn")
 
-# The learning rates an empty LR takes: the paper's for full fine-tuning, 10x that for a LoRA adapter (whose B
-# starts at 0; LoRA's best rate is ~10x full fine-tuning's, Schulman et al., "LoRA Without Regret", 2025).
+# The learning rates an empty LR takes: the paper's for full fine-tuning, 10x that for a LoRA adapter
+# (docs/design.md §6).
 LR_FULL = "1e-6"
 LR_LORA = "1e-5"
 
@@ -229,9 +211,7 @@ ENGINE = Preset.engine  # --engine
 USER_TIMEOUT = float(Preset.user_timeout)  # --user-timeout (τ² tasks)
 USER_TOOL_PARSER = Preset.user_tool_parser  # --user-tool-parser (τ² tasks)
 LORA_RANK = 16  # train_grpo.py --lora-r, and the rank the vLLM server is started for
-# Positions projected onto the vocabulary at once (common/train/grpo.py sequence_logprobs; the memory plan
-# counts one chunk): ~LOGPROB_CHUNK x vocabulary x 14 bytes in backward, 2.2 GB at Qwen2.5's 152,064 entries,
-# and still a large matmul.
+# Positions projected onto the vocabulary at once (common/train/grpo.py sequence_logprobs; docs/design.md §6)
 LOGPROB_CHUNK = 1024
 
 
@@ -280,10 +260,7 @@ def _number(text, above):
 
 def positive(text):
     """Whether `text` is a number above 0 (finite)."""
-    try:
-        return 0 < float(text) < float("inf")
-    except ValueError:
-        return False
+    return _number(text, 0) and float(text) < float("inf")
 
 
 def environment(preset, changes):
@@ -352,15 +329,11 @@ def visible_gpus():
     return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
-def mode(name):
-    if name not in MODES:
-        raise PresetError(f"unknown mode {name} ({', '.join(MODES)})")
-    return MODES[name]
-
-
 def record(preset, preset_name, mode_name):
     """The settings config.json records, as {key: text}: the preset, the mode and every variable."""
-    m = mode(mode_name)
+    if mode_name not in MODES:
+        raise PresetError(f"unknown mode {mode_name} ({', '.join(MODES)})")
+    m = MODES[mode_name]
     out = {"preset": preset_name, "mode": mode_name, "omega": m.omega, "reweight": "" if m.reweight else "--no-reweight",
            "adaptive_rho": "--adaptive-rho" if m.adaptive_rho else "",
            "turn_credit": "--turn-credit" if m.turn_credit else ""}
@@ -373,10 +346,9 @@ def shell(preset, preset_name, mode_name):
     """The bash assignments loop.sh evaluates (every value quoted)."""
     settings = record(preset, preset_name, mode_name)
     lines = [f"{f.name.upper()}={shlex.quote(getattr(preset, f.name))}" for f in dataclasses.fields(Preset)]
-    lines += [f"OMEGA={shlex.quote(settings['omega'])}", f"REWEIGHT={shlex.quote(settings['reweight'])}",
-              f"ADAPTIVE_RHO={shlex.quote(settings['adaptive_rho'])}",
-              f"TURN_CREDIT={shlex.quote(settings['turn_credit'])}",
-              f"LORA_RANK={LORA_RANK}"]
+    lines += [f"{k.upper()}={shlex.quote(settings[k])}"
+              for k in ("omega", "reweight", "adaptive_rho", "turn_credit")]
+    lines.append(f"LORA_RANK={LORA_RANK}")
     for var, value in env_shell(preset).items():
         lines.append(f"{var}=" + (shlex.quote(value) if isinstance(value, str) else
                                   "(" + " ".join(shlex.quote(w) for w in value) + ")"))

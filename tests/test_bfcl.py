@@ -35,7 +35,8 @@ def play(task, turns, fmt="python"):
 
 
 def gt_turns(task):
-    return [[bfcl.ground_truth_text(task, t)] if gt else [] for t, gt in enumerate(task["ground_truth"])]
+    return [[C.format_calls(bfcl.ground_truth_calls(task, t), "python")] if gt else []
+            for t, gt in enumerate(task["ground_truth"])]
 
 
 def test_split_is_100_per_category_and_disjoint(train, heldin):

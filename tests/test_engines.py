@@ -18,7 +18,7 @@ def prompts(tiny_model):
     """A full BFCL turn-0 prompt (~5k tokens, a task of the tiny preset) and two short chat prompts, as token ids."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    task = tiny.pick_eval_tasks(list(bfcl.load_tasks(tiny.PRESET_TASKS).values()), 1)[0]
+    task = next(t for t in bfcl.load_tasks(tiny.PRESET_TASKS).values() if t["ground_truth"][0])
     full = tok(first_prompt(task))["input_ids"]  # bfcl-eval's QwenFCHandler prompt, as the model is trained on
     short = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
              for q in ["List the files in the current directory.", "Post a tweet saying hello."]]
@@ -271,7 +271,7 @@ def test_tokenizer_is_autotokenizers_without_its_imports(tiny_model, tmp_path):
     from common.engine.models import load_tokenizer
     auto, ours = AutoTokenizer.from_pretrained(tiny_model), load_tokenizer(tiny_model)
     assert type(ours) is type(auto) and type(ours).__name__ == "Qwen2Tokenizer"
-    text = first_prompt(tiny.pick_eval_tasks(list(bfcl.load_tasks(tiny.PRESET_TASKS).values()), 1)[0])
+    text = first_prompt(next(t for t in bfcl.load_tasks(tiny.PRESET_TASKS).values() if t["ground_truth"][0]))
     assert ours(text)["input_ids"] == auto(text)["input_ids"]
     assert ours.eos_token_id == auto.eos_token_id and ours.chat_template == auto.chat_template
     probe = "import sys; from common.engine.models import load_tokenizer; load_tokenizer(sys.argv[1]); " \

@@ -237,22 +237,22 @@ def test_tau2_build_learns_the_episodes_its_loop_plays(tok):
     (the last write's string argument suffixed, or the closing message without what the user must be
     told) 0, so sampled groups can be mixed. Its examples train only on what the rollouts' own
     policy generated: the script's messages and their closing <|im_end|>, nothing the user or a tool said."""
-    scripts = tau2_tiny.tau2_scripts("tau2:airline", True)
-    assert len(scripts) == Tau2Env.TINY_TASKS
+    warm = tau2_tiny.WarmStart("tau2:airline", {"miss_share": 0.4, "context": 256})
+    assert len(warm.tasks) == Tau2Env.TINY_TASKS
     misses = {}
-    for env, task, make in scripts:
-        assert tau2_tiny.tau2_play(env, task, make(False))[0]["reward"] == 1.0, task.id
-        if make(True) is not None:
-            row, _ = tau2_tiny.tau2_play(env, task, make(True))
+    for task in warm.tasks:
+        assert tau2_tiny.tau2_play(warm.env, task, warm.script(task, False))[0]["reward"] == 1.0, task.id
+        if warm.script(task, True) is not None:
+            row, _ = tau2_tiny.tau2_play(warm.env, task, warm.script(task, True))
             misses[task.id] = row["reward"]
             sent = [c for m in row["transcript"] if m["role"] == "assistant" for c in m.get("tool_calls") or []]
             if any(c["arguments"] != a.arguments for c, a in zip(sent, task.evaluation_criteria.actions, strict=False)):
                 assert any(str(v).endswith(tiny.NEAR_MISS_SUFFIX) for c in sent for v in c["arguments"].values())
     # airline's first tasks: 7 and 9 write (cancel_reservation), 3 only reads and must tell a figure
     assert misses == {"3": 0.0, "7": 0.0, "9": 0.0}
-    env, task, make = next(s for s in scripts if s[1].id == "9")
-    examples, weights = tau2_tiny.tau2_examples([(env, task, make)], tok, 256, 0.4)
-    script, texts = make(False), []
+    warm.tasks = [task for task in warm.tasks if task.id == "9"]
+    examples, weights = warm.examples(tok, None)
+    script, texts = warm.script(warm.tasks[0], False), []
     while not script.told:
         texts.append(script.agent_text(None, None))
     targets = [tok.decode([int(x[p + 1]) for p in pos]) for x, pos, _ in examples]

@@ -556,7 +556,7 @@ def test_accelerate_configs_parse(monkeypatch):
         with monkeypatch.context() as m:
             for k, v in launch_env(name).items():
                 m.setenv(k, v)
-            plugins = distributed_plugins(cfg.mixed_precision, 0.5)
+            plugins = distributed_plugins(cfg.mixed_precision)
         assert list(plugins) == (["fsdp_plugin"] if kind == "FSDP" else []), name
         if kind == "FSDP":
             fsdp, asked = plugins["fsdp_plugin"], cfg.fsdp_config
@@ -586,7 +586,7 @@ def test_gradients_are_reduced_in_float32(monkeypatch):
         with monkeypatch.context() as m:
             for k, v in launch_env(name).items():
                 m.setenv(k, v)
-            plugins = distributed_plugins("bf16", 0.5)
+            plugins = distributed_plugins("bf16")
         if name == "fsdp_4gpu":
             policy = plugins["fsdp_plugin"].mixed_precision_policy
             assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)

@@ -139,16 +139,8 @@ def _decode_python(src):
 
 def _resolve_call(node):
     """resolve_ast_call: the attribute path's name, keyword arguments only (`**x` as the keyword None)."""
-    parts, func = [], node.func
-    while isinstance(func, ast.Attribute):
-        parts.append(func.attr)
-        func = func.value
-    if isinstance(func, ast.Name):
-        parts.append(func.id)
-    args = {}
-    for kw in node.keywords:
-        args[f"{kw.arg}"] = _resolve(kw.value, kw.arg)
-    return ".".join(reversed(parts)), args
+    args = {f"{kw.arg}": _resolve(kw.value, kw.arg) for kw in node.keywords}
+    return _dotted(node.func, strict=False), args
 
 
 def _resolve(node, key):
@@ -289,13 +281,18 @@ def _parse_source(text, params):
     return calls
 
 
-def _dotted(func):
-    """`f` or `a.b.f` as a name (bfcl-eval's decoder joins attribute paths); None for anything else."""
+def _dotted(func, strict=True):
+    """`f` or `a.b.f` as a name (bfcl-eval's decoder joins attribute paths); None for anything else, where
+    `strict`, else the attributes alone (`x[0].f` is `f`), as resolve_ast_call reads them."""
     parts = []
     while isinstance(func, ast.Attribute):
         parts.append(func.attr)
         func = func.value
-    return ".".join([func.id] + parts[::-1]) if isinstance(func, ast.Name) else None
+    if isinstance(func, ast.Name):
+        parts.append(func.id)
+    elif strict:
+        return None
+    return ".".join(reversed(parts))
 
 
 def _literal(node, key):
@@ -318,15 +315,13 @@ def _check_value(value, key, depth):
     """Plain JSON-like data only, finite, of sane size."""
     if depth > MAX_DEPTH:
         raise CallError(f"argument {key}: nested too deeply")
-    if value is None or isinstance(value, (bool, int, str)):
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**18:
-            raise CallError(f"argument {key}: number too large")
-        if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
-            raise CallError(f"argument {key}: string too long")
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise CallError(f"argument {key}: number must be finite")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**18:
+        raise CallError(f"argument {key}: number too large")
+    if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
+        raise CallError(f"argument {key}: string too long")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CallError(f"argument {key}: number must be finite")
+    if value is None or isinstance(value, (bool, int, float, str)):
         return
     if isinstance(value, list):
         for v in value:
@@ -351,22 +346,18 @@ VALUE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a 
 
 def validate(call, tools):
     """None if `call` fits one of `tools` (listed now), else the reason: for labels and hints only."""
-    by_name = {t["name"]: t for t in tools}
-    tool = by_name.get(call["name"])
+    tool = {t["name"]: t for t in tools}.get(call["name"])
     if tool is None:
         return f"unknown tool {call['name']}"
-    params = tool["parameters"].get("properties", {})
-    for key in call["arguments"]:
-        if key not in params:
-            return f"{call['name']}: unknown parameter {key}"
-    for key in tool["parameters"].get("required", []):
-        if key not in call["arguments"]:
-            return f"{call['name']}: missing required parameter {key}"
-    for key, value in call["arguments"].items():
-        reason = _check_type(value, params[key], f"{call['name']}: parameter {key}")
-        if reason:
-            return reason
-    return None
+    name, args, params = call["name"], call["arguments"], tool["parameters"].get("properties", {})
+    unknown = [k for k in args if k not in params]
+    if unknown:
+        return f"{name}: unknown parameter {unknown[0]}"
+    missing = [k for k in tool["parameters"].get("required", []) if k not in args]
+    if missing:
+        return f"{name}: missing required parameter {missing[0]}"
+    checks = (_check_type(v, params[k], f"{name}: parameter {k}") for k, v in args.items())
+    return next(filter(None, checks), None)
 
 
 TYPE_CHECKS = {"string": str, "integer": int, "float": (int, float), "number": (int, float), "boolean": bool,
@@ -376,29 +367,22 @@ TYPE_CHECKS = {"string": str, "integer": int, "float": (int, float), "number": (
 def _check_type(value, schema, where):
     kind = schema.get("type", "any")
     types = TYPE_CHECKS.get(kind)  # "any", or a type not listed: anything
-    # An optional parameter whose schema default is None accepts an explicit None.
     if value is None and "default" in schema and schema["default"] is None:
         return None
     if types and not (isinstance(value, types) and (kind == "boolean" or not isinstance(value, bool))):
         got = VALUE_NAMES.get(type(value), type(value).__name__)
         return f"{where} must be {TYPE_NAMES.get(kind, kind)}, got {got}"
     enum = enum_values(schema)
-    if enum is not None:
-        for v in (value if kind == "array" and "enum" not in schema else [value]):
-            if v not in enum:
-                return f"{where} must be one of {enum}"
+    values = value if kind == "array" and "enum" not in schema else [value]
+    if enum is not None and any(v not in enum for v in values):
+        return f"{where} must be one of {enum}"
+    inner = []  # (value, schema, where) of the items or properties inside
     if kind == "array" and "items" in schema:
-        for item in value:
-            reason = _check_type(item, schema["items"], f"{where} item")
-            if reason:
-                return reason
-    if kind == "dict" and "properties" in schema:
-        for k, v in value.items():
-            if k in schema["properties"]:
-                reason = _check_type(v, schema["properties"][k], f"{where}.{k}")
-                if reason:
-                    return reason
-    return None
+        inner = [(item, schema["items"], f"{where} item") for item in value]
+    elif kind == "dict" and "properties" in schema:
+        props = schema["properties"]
+        inner = [(v, props[k], f"{where}.{k}") for k, v in value.items() if k in props]
+    return next(filter(None, (_check_type(*args) for args in inner)), None)
 
 
 ENUM_NOTE_RE = re.compile(r"\[Enum\]: (\[[^\]]*\])")
@@ -445,10 +429,8 @@ def result_error(result):
     if result.startswith(EXEC_ERROR_PREFIX):
         return result[len(EXEC_ERROR_PREFIX):].strip()
     if result.startswith("{") and '"error"' in result:  # cheap test first: results can be large
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             payload = json.loads(result)
-        except json.JSONDecodeError:
-            return None
-        if isinstance(payload, dict) and "error" in payload:
-            return str(payload["error"])
+            if isinstance(payload, dict) and "error" in payload:
+                return str(payload["error"])
     return None

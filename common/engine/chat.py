@@ -1,10 +1,7 @@
 """Conversations rendered by the model's own chat template (`--prompts template`, verl's convention).
 
-Token-in/token-out: the ids the engine produced are kept as they are and never
-re-rendered. Everything the environment adds (tool responses, the next user turn,
-the generation prompt) is rendered by the chat template as the text it would add
-to the conversation, and only that text is tokenised, so the context is always
-exactly what the engine consumed.
+Token-in/token-out (docs/prompts.md): the engine's ids are never re-rendered; only the text the template
+adds after them (tool responses, the next user turn, the generation prompt) is tokenised.
 """
 
 import json
@@ -53,12 +50,8 @@ class Renderer:
         return self.ids(self.text(messages, True))
 
     def continuation_text(self, history, content, new_messages):
-        """The text that follows a model output `content` (already in the context as generated ids).
-
-        `history` is the conversation before that assistant message. The result closes
-        the assistant message as the template would, then adds `new_messages` and the
-        generation prompt.
-        """
+        """The text after the model output `content` that followed `history`: the assistant message's
+        closing as the template writes it, `new_messages` and the generation prompt."""
         before = self.text(history, True)
         closed = self.text(history + [{"role": "assistant", "content": content}], False)
         after = self.text(history + [{"role": "assistant", "content": content}] + new_messages, True)
@@ -72,14 +65,9 @@ class Renderer:
 
 
 def kept_output(tok, gen, stop_ids, closing):
-    """(ids, logprobs, stop text) of a generation as a token-in/token-out context keeps it.
-
-    A final stop id stays only if it is how the prompt format itself closes an assistant
-    message (`closing`, e.g. Qwen's <|im_end|>): then its text is returned, and the caller
-    drops it from the rendered closing. Another stop id (Qwen2.5's <|endoftext|>, Llama's
-    <|eom_id|>) is not part of the conversation: it leaves the context (and is not trained
-    on) and the format's own closing follows instead.
-    """
+    """(ids, logprobs, stop text) of a generation as a token-in/token-out context keeps it: a final stop
+    id stays only where `closing` starts with it (Qwen's <|im_end|>; the caller drops its text from the
+    closing); another (Qwen2.5's <|endoftext|>) leaves the context, as docs/prompts.md says."""
     ids, logprobs = list(gen.ids), list(gen.logprobs)
     if gen.finish == "stop" and ids and ids[-1] in stop_ids:
         stop_text = tok.decode(ids[-1:], skip_special_tokens=False)

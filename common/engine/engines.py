@@ -58,12 +58,6 @@ class Engine:
     def close(self):
         pass
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def _limits(self, prompts, max_new_tokens):
         """Per-prompt generation limits, clamped to the room left in the context."""
         if len(prompts) != len(max_new_tokens):
@@ -82,17 +76,14 @@ class Engine:
     def _finish(self, ids, logprobs, limit):
         """Cut a raw continuation at its first stop id or its limit."""
         ids, logprobs = list(ids[:limit]), list(logprobs[:limit])
-        stops = set(self.stop_ids)
-        for t, i in enumerate(ids):
-            if i in stops:
-                return Generation(ids[: t + 1], logprobs[: t + 1], "stop")
-        return Generation(ids, logprobs, "length")
+        end = next((t + 1 for t, i in enumerate(ids) if i in self.stop_ids), None)
+        return Generation(ids[:end], logprobs[:end], "length" if end is None else "stop")
 
 
-def make_engine(kind, model_dir, *, max_model_len, seed=0, servers=None, dtype=None, **kwargs):
+def make_engine(kind, model_dir, *, max_model_len, seed=0, servers=None, **kwargs):
     """An engine for a model or adapter folder: "hf" (in this process) or "vllm" on the servers `servers`."""
     if kind == "hf":
-        return HFEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **kwargs)
+        return HFEngine(model_dir, max_model_len=max_model_len, seed=seed, **kwargs)
     if kind == "vllm":
         if not servers:
             raise ValueError("the vllm engine plays through running servers: pass servers=[URL, ...] "
@@ -105,19 +96,16 @@ def make_engine(kind, model_dir, *, max_model_len, seed=0, servers=None, dtype=N
 class HFEngine(Engine):
     """transformers `generate`, left-padded, split so that rows × (prompt + limit) stay in `max_batch_tokens`."""
 
-    def __init__(self, model_dir, *, max_model_len, seed=0, dtype=None, max_batch_tokens=None, device=None):
+    def __init__(self, model_dir, *, max_model_len, seed=0, max_batch_tokens=None):
         import torch
         from transformers import AutoModelForCausalLM
         super().__init__(model_dir, max_model_len, seed)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype is None:
-            dtype = torch.float32 if self.device.type == "cpu" else "auto"
-        elif isinstance(dtype, str) and dtype != "auto":
-            dtype = getattr(torch, dtype)
-        self.max_batch_tokens = max_batch_tokens or (65_536 if self.device.type == "cpu" else 1_048_576)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        cpu = self.device.type == "cpu"
+        self.max_batch_tokens = max_batch_tokens or (65_536 if cpu else 1_048_576)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(self.base, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(self.base, dtype=torch.float32 if cpu else "auto")
         if self.adapter:
             from peft import PeftModel
             model = PeftModel.from_pretrained(model, self.adapter).merge_and_unload()
@@ -131,18 +119,14 @@ class HFEngine(Engine):
             raise ValueError("the HF engine has no presence or frequency penalty (use --engine vllm)")
         if not prompts:
             return []
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        batches, batch = [], []
-        for i in order:
-            rows = len(batch) + 1
-            width = max([len(prompts[j]) for j in batch] + [len(prompts[i])])
-            new = max([limits[j] for j in batch] + [limits[i]])
-            if batch and rows * (width + new) > self.max_batch_tokens:
-                batches.append(batch)
-                batch = []
-            batch.append(i)
-        if batch:
-            batches.append(batch)
+        batches = [[]]  # longest prompts first: a batch's first row is its widest
+        for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
+            batch = batches[-1] + [i]
+            tokens = len(batch) * (len(prompts[batch[0]]) + max(limits[j] for j in batch))
+            if len(batch) > 1 and tokens > self.max_batch_tokens:
+                batches.append([i])
+            else:
+                batches[-1] = batch
         results = [None] * len(prompts)
         # deterministic per (seed, call), without disturbing the caller's global RNG state
         devices = [self.device] if self.device.type == "cuda" else []
@@ -213,10 +197,9 @@ class HFEngine(Engine):
                 logits_processor=transformers.LogitsProcessorList([recorder]),
                 stopping_criteria=transformers.StoppingCriteriaList([RowLimit()]))
         new = out.sequences[:, width:]
-        logprobs = recorder.finish(new)
-        new, logprobs = new.tolist(), logprobs.tolist()
+        logprobs = recorder.finish(new).tolist()
         for r, i in enumerate(batch):
-            results[i] = self._finish(new[r], logprobs[r], limits[i])
+            results[i] = self._finish(new[r].tolist(), logprobs[r], limits[i])
 
     def close(self):
         self.model = None

@@ -2,6 +2,7 @@
 config, context, tokenizer, stop ids, sampling defaults, LoRA rank. Nothing here imports torch.
 """
 
+import contextlib
 import json
 import os
 
@@ -15,24 +16,23 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank
 
 def resolve_model(model_dir):
     """(base folder, adapter folder or None, adapter config or None), both absolute."""
-    if not os.path.isfile(os.path.join(model_dir, "config.json")) and \
-            not os.path.isfile(os.path.join(model_dir, "adapter_config.json")):
-        # Hub ids are resolved to a local snapshot by loop.sh; stages take folders only.
-        raise RecordError(f"{model_dir}: not a model or adapter folder (no config.json)")
-    model_dir = os.path.abspath(model_dir)
-    cfg_path = os.path.join(model_dir, "adapter_config.json")
+    folder = os.path.abspath(model_dir)
+    cfg_path = os.path.join(folder, "adapter_config.json")
     if not os.path.isfile(cfg_path):
-        return model_dir, None, None
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            # Hub ids are resolved to a local snapshot by loop.sh; stages take folders only.
+            raise RecordError(f"{model_dir}: not a model or adapter folder (no config.json)")
+        return folder, None, None
     cfg = read_json(cfg_path)
     base = cfg.get("base_model_name_or_path")
     if not base:
         raise RecordError(f"{cfg_path}: no base_model_name_or_path")
     # a relative base against the adapter folder first; peft records it relative to the save's working directory
-    beside = os.path.join(model_dir, base)  # join keeps an absolute base as it is
+    beside = os.path.join(folder, base)  # join keeps an absolute base as it is
     base = os.path.abspath(beside if os.path.isfile(os.path.join(beside, "config.json")) else base)
     if not os.path.isfile(os.path.join(base, "config.json")):
         raise RecordError(f"{cfg_path}: base model {base} is not a model folder (no config.json)")
-    return base, model_dir, cfg
+    return base, folder, cfg
 
 
 def model_context(model_dir):
@@ -61,8 +61,7 @@ def load_tokenizer(model_dir):
     where = adapter if adapter and os.path.isfile(os.path.join(adapter, "tokenizer_config.json")) else base
     cls = _own_tokenizer_class(where, base)
     if cls is None:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(where)
+        from transformers import AutoTokenizer as cls
     return cls.from_pretrained(where)
 
 
@@ -87,12 +86,10 @@ def _own_tokenizer_class(where, base):
 def stop_ids(tokenizer, base):
     """The tokenizer's eos plus the eos ids of the base model's generation_config."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    # read as GenerationConfig.from_pretrained would, without importing transformers' generation code
-    try:
-        with open(os.path.join(base, "generation_config.json"), encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token_id")
-    except OSError:  # no generation_config.json
-        eos = None
+    eos = None  # read as GenerationConfig.from_pretrained would, without transformers' generation code
+    path = os.path.join(base, "generation_config.json")
+    with contextlib.suppress(OSError), open(path, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token_id")
     for i in eos if isinstance(eos, list) else [eos]:
         if i is not None and i not in ids:
             ids.append(i)

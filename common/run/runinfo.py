@@ -9,13 +9,12 @@ model is recorded as id and revision (an older snapshot path .../models--ORG--NA
 """
 
 import importlib.metadata
-import json
 import os
 import re
 import subprocess
 import sys
 
-from common.jsonl import write_json
+from common.jsonl import read_json, write_json
 from common.presets import MAY_CHANGE, folders
 
 SNAPSHOT = re.compile(r".*/models--([^/]+?)--([^/]+)/snapshots/([0-9a-f]{40})/?$")
@@ -57,8 +56,7 @@ def hub_id(settings):
 def main(path, pairs):
     settings = dict(p.split("=", 1) for p in pairs)
     if os.path.isfile(path):
-        with open(path) as f:
-            config = json.load(f)
+        config = read_json(path)
         old = hub_id(config["settings"])
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         free = MAY_CHANGE | (set(settings) - set(old))

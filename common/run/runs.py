@@ -8,8 +8,7 @@
     run.base_eval(), run.base_ood()   # the base model's, shared by every run of the preset
     round_rho(metrics, omega)     # the ρ a round's weights used, and whether the adaptive rule moved it
 
-A live run lacks the artifacts of stages that have not run yet: absent is empty (None, [] or
-{}), not an error.
+A live run lacks the artifacts of the stages not run yet: absent is empty (None, [] or {}), not an error.
 """
 
 import glob

@@ -4,11 +4,8 @@ rounded group scores, both to two decimals; shared by evaluate.py and the OOD be
 
 def percent_by_group(results, groups, key, value):
     """{group: 100 x mean of result[value] over the results of that result[key], or None}, in order."""
-    scores = {}
-    for g in groups:
-        values = [r[value] for r in results if r[key] == g]
-        scores[g] = round(100 * sum(values) / len(values), 2) if values else None
-    return scores
+    values = {g: [r[value] for r in results if r[key] == g] for g in groups}
+    return {g: round(100 * sum(v) / len(v), 2) if v else None for g, v in values.items()}
 
 
 def mean(scores):

@@ -118,25 +118,17 @@ def near_miss(calls):
     return None
 
 
-
 # ----------------------------------------------------------------------------- tokenizer
-
-
-def _pre_tokenizer():
-    from tokenizers import Regex, pre_tokenizers
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-
-
 def train_bpe(texts, vocab_size, added=ADDED_TOKENS):
     """A byte-level BPE with Qwen2's normalizer and pre-tokenizer (a `tokenizers.Tokenizer`)."""
+    import tokenizers
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
                                fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = _pre_tokenizer()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   special_tokens=SPECIAL_TOKENS + added,
@@ -163,21 +155,15 @@ def hf_tokenizer(bpe, added=ADDED_TOKENS):
 
 
 # ----------------------------------------------------------------------------- warm-start examples
-
-
 def make_examples(ids, spans, first_flags, context):
-    """One example per assistant message: `context` tokens before it, then the message.
-
-    Returns (ids, loss positions, is_first_step) triples; loss position p predicts token p + 1.
-    A message longer than MAX_TARGET tokens keeps only its first MAX_TARGET tokens.
-    """
+    """(ids, loss positions, is_first_step) per assistant message: `context` tokens before it, then the
+    message's first MAX_TARGET tokens; loss position p predicts token p + 1."""
     out = []
     for (s, e), first in zip(spans, first_flags, strict=True):
         start = max(0, s - context)
         e = min(e, s + MAX_TARGET)
         out.append((ids[start:e], [p - start - 1 for p in range(max(s, start + 1), e)], first))
     return out
-
 
 
 def token_examples(prompt_ids, ids, mask, context):
@@ -208,13 +194,9 @@ class ScriptEngine:
         return [Generation(ids=ids, logprobs=[0.0] * len(ids), finish="stop")]
 
 
-
 # ----------------------------------------------------------------------------- build
-
-
 def _log(msg):
     print(f"[tiny] {msg}", file=sys.stderr, flush=True)
-
 
 
 def resolved(overrides):
@@ -230,16 +212,15 @@ def resolved(overrides):
     return args, warm
 
 
-def build(out, *, on_step=None, **overrides):
+def build(out, **overrides):
     """Build the tiny model folder at `out` (atomically). Returns build_info."""
     from common.jsonl import atomic_dir
     args, warm = resolved(overrides)
     with atomic_dir(out) as tmp:
-        info = _build_into(tmp, args, warm, on_step)
-    return info
+        return _build_into(tmp, args, warm)
 
 
-def _build_into(folder, args, warm, on_step=None):
+def _build_into(folder, args, warm):
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen3Config
 
@@ -284,7 +265,7 @@ def _build_into(folder, args, warm, on_step=None):
 
     t0 = time.time()
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
-    losses = warm_start(model, examples, args, weights, on_step)
+    losses = warm_start(model, examples, args, weights)
     timings["train_s"] = round(time.time() - t0, 2)
     model.save_pretrained(folder)
     timings["total_s"] = round(time.time() - t_start, 2)
@@ -296,9 +277,9 @@ def _build_into(folder, args, warm, on_step=None):
     return info
 
 
-def warm_start(model, examples, args, weights, on_step=None):
+def warm_start(model, examples, args, weights):
     """AdamW on the assistant tokens of the examples, drawn with `weights`; the LM head runs
-    only at loss positions. `on_step(step)` is called after every optimiser step."""
+    only at loss positions."""
     import torch
     import torch.nn.functional as F
 
@@ -334,15 +315,11 @@ def warm_start(model, examples, args, weights, on_step=None):
         losses.append(round(loss.item(), 4))
         if step % 10 == 0 or step == steps - 1:
             _log(f"step {step}/{steps} loss {loss.item():.3f}")
-        if on_step:
-            on_step(step + 1)
     model.eval()
     return losses
 
 
 # ----------------------------------------------------------------------------- cache
-
-
 def build_key(**overrides):
     """Hash of this file's source and the warm start's module, the build arguments and what ENV's warm start
     learns from (its task files; a τ² domain's tasks, policy, schemas and database, which a user may change)."""
@@ -356,10 +333,8 @@ def build_key(**overrides):
 
 
 def build_cached(cache_root=None, **overrides):
-    """Path of the tiny model folder, built once into `<cache_root>/tiny-<hash>/` and reused.
-
-    SEAL_TINY_SEED=K builds (and every caller then uses) the model of another seed: the way
-    to check that tests and the preset hold on a build whose floats differ from this one's."""
+    """Path of the tiny model folder, built once into `<cache_root>/tiny-<hash>/` and reused. SEAL_TINY_SEED=K
+    builds (and every caller then uses) another seed's model: tests and the preset checked on other floats."""
     from filelock import FileLock
     overrides.setdefault("seed", int(os.environ.get("SEAL_TINY_SEED", DEFAULTS["seed"])))
     cache_root = cache_root or os.path.join(REPO, ".cache")
@@ -376,8 +351,7 @@ def build_cached(cache_root=None, **overrides):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Build the tiny offline tool-calling model (HF model folder) "
-                                "and print its folder (bench/tiny_measure.py measures it).")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " Prints its folder.")
     p.add_argument("--out", help="build into this folder (replaced atomically); default: the cached build "
                    "(.cache/tiny-<hash>, built if missing)")
     p.add_argument("--steps", type=int, default=None, help="warm-start optimiser steps (default: the environment's, "

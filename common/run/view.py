@@ -7,6 +7,7 @@ A static page and one data script per round and evaluation, rebuilt when their a
 
 import argparse
 import glob
+import itertools
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import sys
 from common import envs
 from common.jsonl import RecordError, atomic_open
 from common.run.runs import Run, optional_json, round_rho
-from common.seal.taxonomy import LABELS
+from common.seal.taxonomy import LABELS, profile
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "viewer")
 FORMAT = 2  # data files of another format are rebuilt
@@ -56,13 +57,7 @@ def read_object(path, rel, missing, required=False):
 
 def mask_runs(mask):
     """The loss mask as [value, length] runs: the k-th run of 1s is the k-th model output."""
-    runs = []
-    for m in mask:
-        if runs and runs[-1][0] == m:
-            runs[-1][1] += 1
-        else:
-            runs.append([m, 1])
-    return runs
+    return [[m, len(list(run))] for m, run in itertools.groupby(mask)]
 
 
 def trajectory(rec):
@@ -171,7 +166,7 @@ def round_summary(t, data, metrics, summary, omega, seconds):
         "turn_w_mean": mean([m.get("turn_w_mean") for m in metrics if m.get("step", 0) > 0]),
         "turn_zeroed_share": mean([m.get("turn_zeroed_share") for m in metrics if m.get("step", 0) > 0]),
         "global_step": max((m.get("global_step", 0) for m in metrics), default=None),
-        "label_share": {z: labels.count(z) / len(labels) for z in LABELS} if labels else {},
+        "label_share": profile(labels) if labels else {},
         "omega": omega and {k: omega.get(k) for k in ("version", "schema_cue", "error_feedback", "capability_cues")},
         "rho": rho, "rho_adapted": adapted,
         "gen_tokens": summary.get("gen_tokens"), "cue_tokens": summary.get("cue_tokens"),
@@ -220,19 +215,19 @@ def build(path, out=None):
     os.makedirs(os.path.join(out, "data"), exist_ok=True)
     built_path = os.path.join(out, "data", "built.json")
     built_before = read_object(built_path, "built.json", []) or {}
-    built, cache = {}, {}
+    built = {}
 
     def cached(name, inputs, make):
-        """The data of `name`, rebuilt only when its inputs changed since the last build."""
+        """The summary of `name`; its data, make()'s (data, summary), rebuilt only when its inputs changed."""
         sig = signature(inputs)
         old = built_before.get(name)
         if old and old["signature"] == sig and os.path.isfile(os.path.join(out, "data", name + ".js")):
             built[name] = old
             return old["summary"]
-        data = make()
+        data, summary = make()
         write_data(out, name, data)
-        built[name] = {"signature": sig, "summary": cache.pop(name, None)}
-        return built[name]["summary"]
+        built[name] = {"signature": sig, "summary": summary}
+        return summary
 
     env = settings.get("env") or "bfcl"
     kind = envs.kind_of(env)  # the environment's views: its categories, task views, evaluation's tasks
@@ -263,8 +258,7 @@ def build(path, out=None):
             tasks, notes = tasks_for("train")
             data = build_round(folder, rel, tasks, kind.task_view, settings)
             data["missing"] += notes
-            cache[rel] = round_summary(t, data, metrics, summary, data["omega"], run.seconds(t))
-            return data
+            return data, round_summary(t, data, metrics, summary, data["omega"], run.seconds(t))
 
         row = cached(rel, files + [os.path.join(path, "timing.jsonl")], make)
         missing += row["missing"] + notes
@@ -278,12 +272,11 @@ def build(path, out=None):
         name, rel = f"eval_{tag}", os.path.relpath(folder, os.path.dirname(os.path.abspath(path)))
         scores = read_object(os.path.join(folder, "scores.json"), f"{rel}/scores.json", missing, required=True)
 
-        def make(folder=folder, tag=tag, rel=rel, name=name):
+        def make(folder=folder, tag=tag, rel=rel):
             tasks, notes = tasks_for("eval")
             data = build_eval(folder, tag, rel, tasks, kind.task_view)
             data["missing"] += notes
-            cache[name] = {"missing": data["missing"]}
-            return data
+            return data, {"missing": data["missing"]}
 
         summary = cached(name, [os.path.join(folder, f) for f in ("results.jsonl", "rollouts.jsonl")], make)
         missing += summary["missing"]

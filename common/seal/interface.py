@@ -1,10 +1,7 @@
 """The training-time observation interface Ω (docs/design.md §5): cue text added to what the agent reads,
 never a change to the environment, tools, tasks or verifier; with Ω None every function here is the identity
-or None. Three cue families: the schema cue (`tool_view`: [required], types, enums in parameter
-descriptions), error feedback (`error_hint`: a recovery hint after a failed or refused call, from schema facts
-and fixed text only; an environment adds its own ERROR_RULES) and capability cues (`system_cue`: up to 3
-reviewed guideline lines). The interface record (interface.json, docs/design.md §3): version, round,
-schema_cue {enabled, required, types, enums}, error_feedback, capability_cues [{label, text}], profile, rho.
+or None. Three cue families: the schema cue (`tool_view`), error feedback (`error_hint`, from schema facts and
+fixed text only) and capability cues (`system_cue`). The interface record, interface.json: docs/design.md §3.
 """
 
 import copy
@@ -79,8 +76,7 @@ def check(omega):
     """None if `omega` has the interface record's shape, else what is wrong."""
     if not isinstance(omega, dict):
         return "interface must be a JSON object"
-    keys = ["version", "round", "schema_cue", "error_feedback", "capability_cues", "profile", "rho"]
-    missing = [k for k in keys if k not in omega]
+    missing = [k for k in initial() if k not in omega]
     if missing:
         return f"missing field(s) {', '.join(missing)}"
     for k in ("version", "round"):
@@ -115,8 +111,6 @@ def check(omega):
 
 
 # ----------------------------------------------------------------------------- schema cue
-
-
 def tool_view(schemas, omega):
     """The tool schemas as the agent sees them; the input itself when the schema cue is off."""
     cue = omega["schema_cue"] if omega else SCHEMA_OFF
@@ -153,8 +147,6 @@ def _type_text(prop):
 
 
 # ----------------------------------------------------------------------------- capability cues
-
-
 def system_cue(omega):
     """Guideline lines for the system prompt, one per selected failure label; None if none."""
     if not omega or not omega["capability_cues"]:
@@ -175,23 +167,15 @@ KIND_TEXT = {  # the type named in a validation reason -> how to write it
 READ_ONLY = ("get_", "list_", "search_", "view_", "display", "check_", "find")
 
 
-def _hint_json_format(m, tools):
-    return ('Expected format: <tool_call>\n{"name": "<tool name>", "arguments": {"<parameter>": <value>}}'
-            "\n</tool_call>, valid JSON, one block per call, a newline after <tool_call> and before </tool_call>.")
-
-
-def _hint_python_format(m, tools):
-    return ("Expected format: one Python list of calls with keyword arguments and literal values, "
-            "like [tool_name(parameter=value), other_tool(parameter=value)].")
-
-
-def _hint_literal(m, tools):
-    return ("Use plain literal values only (strings, numbers, true/false, lists, objects): "
-            "no variables, expressions or nested calls.")
-
-
-def _hint_size(m, tools):
-    return "Send fewer calls per output and keep the output short."
+# The hints of fixed text; the others are functions of the rule's match and the tools.
+JSON_FORMAT = ('Expected format: <tool_call>\n{"name": "<tool name>", "arguments": {"<parameter>": <value>}}'
+               "\n</tool_call>, valid JSON, one block per call, a newline after <tool_call> and before "
+               "</tool_call>.")
+PYTHON_FORMAT = ("Expected format: one Python list of calls with keyword arguments and literal values, "
+                 "like [tool_name(parameter=value), other_tool(parameter=value)].")
+LITERAL = ("Use plain literal values only (strings, numbers, true/false, lists, objects): "
+           "no variables, expressions or nested calls.")
+SIZE = "Send fewer calls per output and keep the output short."
 
 
 def _hint_unknown_tool(m, tools):
@@ -261,15 +245,15 @@ def _hint_invalid_value(m, tools):
 
 # Error classes, tried in order after an environment's own (its `rules`): (class, source, pattern, hint).
 # `call` errors are the reasons common.engine.calls gives for an undecodable output or a schema break; `env`
-# errors are what an executed call returned (an exception or an {"error": ...} payload). Every hint is built
-# from fixed text and the schemas of `tools` only.
+# errors are what an executed call returned (an exception or an {"error": ...} payload). Every hint is fixed
+# text or built from fixed text and the schemas of `tools` only.
 ERROR_RULES = [
     ("format_json", "call", r"<tool_call>|</tool_call>|not valid JSON|JSON object|unexpected key|is not an allowed value",
-     _hint_json_format),
+     JSON_FORMAT),
     ("format_python", "call", r"Python list|list of function calls|plain function names|\*args|\*\*kwargs"
-     r"|too many positional|given twice", _hint_python_format),
-    ("literal_value", "call", r"^argument \w+: ", _hint_literal),
-    ("output_size", "call", r"^output too long|^too many calls", _hint_size),
+     r"|too many positional|given twice", PYTHON_FORMAT),
+    ("literal_value", "call", r"^argument \w+: ", LITERAL),
+    ("output_size", "call", r"^output too long|^too many calls", SIZE),
     ("unknown_tool", "call", r"^unknown tool |^invalid function name", _hint_unknown_tool),
     ("unknown_parameter", "call", r"^(?P<tool>\w+): unknown parameter (?P<param>\w+)$", _hint_unknown_param),
     ("missing_parameter", "call", r"^(?P<tool>\w+): missing required parameter (?P<param>\w+)$",
@@ -302,7 +286,9 @@ def error_hint(error, tools, omega, rules=()):
     if not omega or not omega["error_feedback"] or not error:
         return None
     name, m, hint = error_class(error, rules)
-    return None if name is None else hint(m, tools)
+    if name is None or isinstance(hint, str):
+        return hint
+    return hint(m, tools)
 
 
 def _split_error(error):
@@ -336,12 +322,7 @@ def _lookup_tools(message, tools):
 
 def pick(tools, keys, require=(), exclude=(), limit=4):
     """' (a, b)' naming available tools whose name contains one of `keys` (in key order); '' if none."""
-    names = []
-    for key in keys:
-        for t in tools:
-            name = t["name"]
-            if (key in name and name not in names
-                    and (not require or name.startswith(require))
-                    and not any(x in name for x in exclude)):
-                names.append(name)
+    names = [t["name"] for key in keys for t in tools if key in t["name"]
+             and t["name"].startswith(require or "") and not any(x in t["name"] for x in exclude)]
+    names = list(dict.fromkeys(names))  # in key order, each once
     return f" ({', '.join(names[:limit])})" if names else ""

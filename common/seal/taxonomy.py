@@ -1,10 +1,9 @@
 """The failure taxonomy Ψ (docs/design.md §4): one label per user turn, from executable evidence only.
 
 What every environment shares lives here: the labels, ρ's default table, the priority order the failure
-rules are tried in (`label`), the rule every environment's turns answer alike (invalid_tool_call: the parser's
-and schema validator's verdicts), the profile and the evidence helpers. Each environment passes its own rules
-(common/envs/bfcl/diagnose.py, common/envs/tau2/diagnose.py); a rule returns a one-line evidence string when
-it applies, None otherwise.
+rules are tried in (`label`), the rule all environments share (invalid_tool_call), the profile, the evidence
+helpers. Each environment passes its own rules (common/envs/*/diagnose.py), each returning a one-line evidence
+string when it applies, None otherwise.
 """
 
 # The order other stages report labels in: the two good outcomes, then the failures by priority.
@@ -24,8 +23,6 @@ RHO = {
 }
 
 MAX_EVIDENCE = 200  # characters: evidence is one short line
-
-
 PRIORITY = LABELS[2:]  # the failure labels in the paper's priority order: the first rule that applies labels
 
 
@@ -41,10 +38,8 @@ def label(turn, rules, *evidence):
 
 
 def invalid_tool_call(turn):
-    """Some model output in the turn did not parse into calls (its step has a parse_error),
-    or a parsed call broke the schemas of the tools listed at that turn (a tool not
-    listed yet or not at all, an unknown or missing required parameter, a wrong type,
-    a value outside an enum). Such a call may still have run; the label records the break."""
+    """Some model output in the turn did not parse into calls, or a parsed call broke the schemas of the tools
+    listed at that turn (docs/design.md §4); such a call may still have run: the label records the break."""
     if turn.parse_errors:
         return f"unparsable output: {turn.parse_errors[0]}"
     if turn.schema_errors:
@@ -54,14 +49,11 @@ def invalid_tool_call(turn):
 
 
 def profile(labels):
-    """p_j: the fraction of the trajectory's turns per label, every label in LABELS order
-    (zeros included), so that all records have the same keys."""
+    """p_j: the fraction of the trajectory's turns per label, every label of LABELS (zeros included)."""
     return {z: labels.count(z) / len(labels) for z in LABELS}
 
 
 # ----------------------------------------------------------------------------- evidence helpers
-
-
 def arg_diff(model, gt):
     for key, value in gt.items():
         if key not in model:

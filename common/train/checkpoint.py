@@ -16,14 +16,9 @@ INFO = "trainer_state.json"
 
 def save(folder, model, optimizer, global_step, master, world_size=1, distributed_type="NO", main=True):
     """Write the state into `folder`, each process its shard; `master`: the float32 weights too."""
-    optimizer = getattr(optimizer, "optimizer", optimizer)
     # no AdamW state before its first step: asking DCP for one would take a zero-lr step, counted
     has_optimizer = global_step > 0
-    state = {}
-    if master:
-        state["model"] = sd.get_model_state_dict(model)
-    if has_optimizer:
-        state["optim"] = sd.get_optimizer_state_dict(model, optimizer)
+    state = _template(model, optimizer, master, has_optimizer)
     if state:
         dcp.save(state, checkpoint_id=folder)
     if main:
@@ -32,20 +27,28 @@ def save(folder, model, optimizer, global_step, master, world_size=1, distribute
                                                 "distributed_type": distributed_type})
 
 
-def read_info(folder, fmt=FORMAT):
-    """trainer_state.json of a state folder in format `fmt`; RecordError naming the folder otherwise."""
+def _template(model, optimizer, master, optim):
+    """The state dict DCP saves from or loads into: the master weights and the AdamW state, as asked."""
+    state = {"model": sd.get_model_state_dict(model)} if master else {}
+    if optim:  # Accelerate's wrapper unwrapped
+        state["optim"] = sd.get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer))
+    return state
+
+
+def read_info(folder):
+    """trainer_state.json of a state folder in FORMAT; RecordError naming the folder otherwise."""
     path = os.path.join(folder, INFO)
     if not os.path.isfile(path):
         raise RecordError(f"{folder}: not an optimiser state folder (no {INFO})")
     info = read_json(path)
     found = info.get("format") if isinstance(info, dict) else None
-    if found != fmt:
+    if found != FORMAT:
         if found is None and os.path.isfile(os.path.join(folder, "optimizer.bin")):
             found = "Accelerate's save_state, of an earlier train_grpo.py"
-        raise RecordError(f"{folder}: optimiser state in the format {found}, this run reads {fmt}; "
+        raise RecordError(f"{folder}: optimiser state in the format {found}, this run reads {FORMAT}; "
                           "rerun the round that wrote it, or start without --optimizer-state")
-    if fmt == FORMAT and (info["master_weights"] or info["optimizer"]) \
-            and not os.path.isfile(os.path.join(folder, ".metadata")):
+    saved = info["master_weights"] or info["optimizer"]
+    if saved and not os.path.isfile(os.path.join(folder, ".metadata")):
         raise RecordError(f"{folder}: {INFO} but no .metadata: an incomplete {FORMAT} folder")
     return info
 
@@ -53,11 +56,7 @@ def read_info(folder, fmt=FORMAT):
 def load(folder, info, model, optimizer):
     """Read what was saved into `model` and `optimizer`; RecordError, on every process, if it does not fit."""
     optimizer = getattr(optimizer, "optimizer", optimizer)
-    state = {}
-    if info["master_weights"]:
-        state["model"] = sd.get_model_state_dict(model)
-    if info["optimizer"]:
-        state["optim"] = sd.get_optimizer_state_dict(model, optimizer)  # the template DCP fills in place
+    state = _template(model, optimizer, info["master_weights"], info["optimizer"])  # DCP fills it in place
     if not state:
         return
     try:

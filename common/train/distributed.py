@@ -28,14 +28,12 @@ GRAD_CLIP = 1.0  # max gradient norm (train_grpo.py --grad-clip)
 TIMEOUT_MINUTES = 60
 
 
-def make_accelerator(cpu=False, grad_clip=GRAD_CLIP, timeout=TIMEOUT_MINUTES, mixed_precision=None):
+def make_accelerator(cpu=False, timeout=TIMEOUT_MINUTES, mixed_precision=None):
     """The run's Accelerator: bf16 compute on GPUs; on CPU float32 unless the launch asks for bf16."""
-    if mixed_precision is None:
-        if torch.cuda.is_available() and not cpu:
-            mixed_precision = "bf16"
-        else:  # the launch's choice is honoured only for bf16: float32 stays the CPU default
-            mixed_precision = "bf16" if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" else "no"
-    plugins = distributed_plugins(mixed_precision, grad_clip)
+    if mixed_precision is None:  # on CPU the launch's choice is honoured for bf16 only: float32 by default
+        gpu = torch.cuda.is_available() and not cpu
+        mixed_precision = "bf16" if gpu or os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" else "no"
+    plugins = distributed_plugins(mixed_precision)
     accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, **plugins,
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout))])
     if "fsdp_plugin" in plugins and accelerator.distributed_type == DistributedType.MULTI_CPU:
@@ -53,17 +51,16 @@ def finish(accelerator):
     accelerator.end_training()
 
 
-def distributed_plugins(mixed_precision, grad_clip):
+def distributed_plugins(mixed_precision):
     """The FSDP plugin `accelerate launch` asked for, reducing in float32 with no output cast (docs/design.md §6)."""
-    plugins = {}
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        fsdp = FullyShardedDataParallelPlugin()
-        if mixed_precision != "no":
-            fsdp.set_mixed_precision(mixed_precision, override=True)
-            fsdp.mixed_precision_policy = dataclasses.replace(fsdp.mixed_precision_policy, reduce_dtype=torch.float32,
-                                                              output_dtype=None)
-        plugins["fsdp_plugin"] = fsdp
-    return plugins
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return {}
+    fsdp = FullyShardedDataParallelPlugin()
+    if mixed_precision != "no":
+        fsdp.set_mixed_precision(mixed_precision, override=True)
+        mp = dataclasses.replace(fsdp.mixed_precision_policy, reduce_dtype=torch.float32, output_dtype=None)
+        fsdp.mixed_precision_policy = mp
+    return {"fsdp_plugin": fsdp}
 
 
 def gradient_dtypes(accelerator, model, params):

@@ -312,8 +312,8 @@ def token_segments(tokens, where="rollouts"):
     more = tokens.get("segments", [])
     if not isinstance(more, list) or not more and "segments" in tokens:
         raise RecordError(f"{where}: tokens.segments must be a non-empty list when present")
-    for k, seg in enumerate(more, 1):
-        _check_tokens(seg, f"{where}: tokens.segments[{k - 1}]")
+    for k, seg in enumerate(more):
+        _check_tokens(seg, f"{where}: tokens.segments[{k}]")
     return [tokens, *more]
 
 
@@ -354,8 +354,7 @@ def join_trajectories(rollouts, diagnoses, rho, reweight=True, rollouts_path="ro
         key = _key(d, where)
         if key in diag_by_key:
             raise RecordError(f"{where}: second diagnosis for task {key[0]} sample {key[1]}")
-        reward = d["reward"]
-        if not number(reward):
+        if not number(d["reward"]):
             raise RecordError(f"{where}: reward must be a number")
         profile = d["profile"]
         if not isinstance(profile, dict) or not all(number(p) and 0 <= p <= 1 for p in profile.values()):
@@ -412,10 +411,9 @@ def join_trajectories(rollouts, diagnoses, rho, reweight=True, rollouts_path="ro
 
     adv, _ = group_advantages([t.task_id for t in trajectories], [t.reward for t in trajectories],
                               scale=adv_scale, cut=[t.cut for t in trajectories])
-    records = {_key(r, ""): r for r in rollouts} if turn_credit else {}
-    for t, a in zip(trajectories, adv, strict=True):
+    for t, r, a in zip(trajectories, rollouts, adv, strict=True):  # one trajectory per rollout, in order
         if turn_credit:
-            r, (d, _) = records[t.task_id, t.sample_index], diag_by_key[t.task_id, t.sample_index]
+            d, _ = diag_by_key[t.task_id, t.sample_index]
             t.turn_weights = turn_weights(d["turn_labels"], [turn.get("end") for turn in r["turns"]], a, t.weight,
                                           rho, checked is None or checked(r), reweight)
         for seq in t.sequences():
@@ -455,11 +453,9 @@ def rollout_temperature(rollouts, path="rollouts"):
                 raise RecordError(f"{where}: sampling.temperature must be a non-negative number")
             if t == 0:
                 raise RecordError(f"{where}: temperature 0 (greedy) rollouts cannot be trained on; sample at T > 0")
-            truncated = sampling.get("top_p") not in (None, 1) or sampling.get("top_k") not in (None, 0, -1) \
-                or sampling.get("min_p") not in (None, 0)
-            penalised = any(sampling.get(k) not in (None, d) for k, d in
-                            (("repetition_penalty", 1), ("presence_penalty", 0), ("frequency_penalty", 0)))
-            if truncated or penalised:
+            neutral = {"top_p": (1,), "top_k": (0, -1), "min_p": (0,), "repetition_penalty": (1,),
+                       "presence_penalty": (0,), "frequency_penalty": (0,)}
+            if any(sampling.get(k) not in (None, *v) for k, v in neutral.items()):
                 raise RecordError(f"{where}: top-p / top-k / min-p sampling or penalties cannot be rescored "
                                   "(the trainer uses the full softmax at T)")
         if temperature is None:
@@ -476,11 +472,8 @@ def mini_batch_slices(n_groups, size):
     if n_groups <= 0:
         return []
     k = max(1, n_groups // size)
-    base, extra = divmod(n_groups, k)
-    bounds = [0]
-    for i in range(k):
-        bounds.append(bounds[-1] + base + (i < extra))
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+    base, extra = divmod(n_groups, k)  # the first `extra` mini-batches hold one group more
+    return [(i * base + min(i, extra), (i + 1) * base + min(i + 1, extra)) for i in range(k)]
 
 
 def plan_micro_batches(lengths, num_processes, max_tokens, group_by_length=True):

@@ -54,8 +54,7 @@ def hostnames(nodelist):
         prefix, ranges, suffix = m.groups()
         for part in ranges.split(","):
             lo, _, hi = part.partition("-")
-            for n in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{n:0{len(lo)}d}{suffix}")
+            hosts += [f"{prefix}{n:0{len(lo)}d}{suffix}" for n in range(int(lo), int(hi or lo) + 1)]
     if not hosts:
         raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r}: no host names in it")
     return hosts

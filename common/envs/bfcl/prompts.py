@@ -87,10 +87,9 @@ class Conversation:
         return self.questions[turn] if new_tools is None else new_tools_message(new_tools)
 
     def add_user(self, turn, messages):
-        if turn == 0:
-            self.data = self.h.add_first_turn_message_prompting(self.data, messages)
-        else:
-            self.data = self.h._add_next_turn_user_message_prompting(self.data, messages)
+        h = self.h
+        add = h.add_first_turn_message_prompting if turn == 0 else h._add_next_turn_user_message_prompting
+        self.data = add(self.data, messages)
 
     def prompt(self):
         return self.h._format_prompt(self.data["message"], self.data["function"])
@@ -106,8 +105,7 @@ class Conversation:
 
     def continuation(self, results=None, call_strings=(), turn_messages=None):
         """The handler's text after an assistant message (results, a new turn, the generation prompt)."""
-        probe = Conversation.__new__(Conversation)
-        probe.h = self.h
+        probe = copy.copy(self)  # the same handler, another history
         probe.data = {"message": [{"role": "user", "content": "u"}], "function": []}
         probe.data["message"].append({"role": "assistant", "content": SENTINEL})
         if results is not None:

@@ -3,6 +3,7 @@ loop without its early return, so every turn keeps its outcome and the first fai
 What to replay is re-derived from the untrusted records through the environment's own gate (docs/design.md §3).
 """
 
+import functools
 from dataclasses import dataclass, field
 
 from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_checker as _checker
@@ -29,14 +30,11 @@ class Turn:
     response: dict | None = None  # official response_checker result (None: not checked)
     failure: str | None = None  # the error type the official checker would stop with here
     task: dict = field(default=None, repr=False)
-    _gt_calls: list | None = field(default=None, repr=False)
 
-    @property
+    @functools.cached_property
     def gt_calls(self):
         """The ground-truth calls parsed like model output; parsed on first use (failing turns only)."""
-        if self._gt_calls is None:
-            self._gt_calls = bfcl.ground_truth_calls(self.task, self.index)
-        return self._gt_calls
+        return bfcl.ground_truth_calls(self.task, self.index)
 
 
 def read_turns(task, rollout_turns):
@@ -45,20 +43,17 @@ def read_turns(task, rollout_turns):
     if not isinstance(rollout_turns, list) or len(rollout_turns) > n:
         raise RecordError(f"turns must be a list of at most {n} turns (the task's), "
                           f"got {len(rollout_turns) if isinstance(rollout_turns, list) else type(rollout_turns).__name__}")
-    turns = []
+    turns = [Turn(t, gt, bfcl.tools_at(task, t), played=t < len(rollout_turns), task=task)
+             for t, gt in enumerate(task["ground_truth"])]
     dispatchable = bfcl.methods(task["involved_classes"])
-    for t in range(n):
-        turn = Turn(t, task["ground_truth"][t], bfcl.tools_at(task, t), played=t < len(rollout_turns), task=task)
-        if turn.played:
-            _read_steps(turn, rollout_turns[t], dispatchable)
-        turns.append(turn)
+    for turn, record in zip(turns, rollout_turns, strict=False):  # the played turns
+        _read_steps(turn, record, dispatchable)
     return turns
 
 
 def _read_steps(turn, record, dispatchable):
-    where = f"turn {turn.index}"
     if not isinstance(record, dict) or not isinstance(record.get("steps"), list):
-        raise RecordError(f"{where}: expected an object with a 'steps' list")
+        raise RecordError(f"turn {turn.index}: expected an object with a 'steps' list")
     for s, step in enumerate(record["steps"]):
         where = f"turn {turn.index} step {s}"
         if not isinstance(step, dict) or "calls" not in step or "parse_error" not in step:

@@ -68,29 +68,28 @@ def result_entry(h, task, record):
         # multi_threaded_inference's record of a whole entry that failed
         return {"id": task["id"], "result": f"Error during inference: {record['inference_error']}"}
     tokens = iter(_step_tokens(record))
-    result, inputs, outputs, latency, reasoning, log = [], [], [], [], [], []
+    turns, log = [], []  # per turn: each step's parse, with its latency
     for t, turn in enumerate(record["turns"]):
         # what the model was shown at the turn's start, as bfcl-eval's loop logs it
         docs = prompts.announced(task, t)
         turn_log = {"begin_of_turn_query": prompts.new_tools_message(docs) if docs is not None else task["questions"][t]}
-        texts, ins, outs, secs, thoughts = [], [], [], [], []
+        turns.append([])
         for s, step in enumerate(turn["steps"]):
-            n_in, n_out = next(tokens)
-            parsed = h._parse_query_response_prompting(prompts.response(step["text"], n_in, n_out))
-            texts.append(parsed["model_responses"])
-            ins.append(parsed["input_token"])
-            outs.append(parsed["output_token"])
+            parsed = h._parse_query_response_prompting(prompts.response(step["text"], *next(tokens)))
             # our records time trajectories, not steps: bfcl's aggregator skips a 0 as not measured
-            secs.append(step.get("latency", 0.0))
-            thoughts.append(parsed.get("reasoning_content", ""))
+            turns[-1].append({**parsed, "latency": step.get("latency", 0.0)})
             last = s == len(turn["steps"]) - 1 and t == len(record["turns"]) - 1
             turn_log[f"step_{s}"] = _step_log(h, step, parsed, forced_quit=last and record.get("stop") == "step_limit",
                                               steps=len(turn["steps"]))
-        for acc, val in ((result, texts), (inputs, ins), (outputs, outs), (latency, secs), (reasoning, thoughts)):
-            acc.append(val)
         log.append(turn_log)
-    entry = {"id": task["id"], "result": result, "input_token_count": inputs, "output_token_count": outputs,
-             "latency": latency, "inference_log": log}
+
+    def per_step(key, default=None):
+        return [[p.get(key, default) for p in steps] for steps in turns]
+
+    entry = {"id": task["id"], "result": per_step("model_responses"),
+             "input_token_count": per_step("input_token"), "output_token_count": per_step("output_token"),
+             "latency": per_step("latency"), "inference_log": log}
+    reasoning = per_step("reasoning_content", "")
     if any(r for turn in reasoning for r in turn):
         entry["reasoning_content"] = reasoning
     return entry
@@ -143,8 +142,7 @@ def _step_tokens(record):
     if not tokens:
         return [(0, 0)] * steps
     runs, start = [], None
-    mask = tokens["mask"]
-    for i, m in enumerate([*mask, 0]):
+    for i, m in enumerate([*tokens["mask"], 0]):
         if m and start is None:
             start = i
         elif not m and start is not None:

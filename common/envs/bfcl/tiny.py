@@ -1,10 +1,11 @@
-"""BFCL's warm start of the tiny model (common/run/tiny.py): the tiny preset's tasks (data/tiny.jsonl), each
-learnt from its ground-truth conversation with real tool results, rendered as rollouts show it (bfcl-eval's
-QwenFCHandler prompts, token-in/token-out) in both views of the tools (plain, Ω_0's schema cue), and
-`miss_share` of the time from its near miss (one string argument suffixed "_old", which the checker fails),
-so that GRPO's groups are mixed (docs/learning-on-cpu.md §1a). The BPE learns the whole train split's text.
+"""BFCL's warm start of the tiny model (common/run/tiny.py): each task of the tiny preset (data/tiny.jsonl)
+learnt from its ground-truth conversation with real tool results as rollouts show it (bfcl-eval's
+QwenFCHandler prompts, token-in/token-out), in both views of the tools (plain, Ω_0's schema cue), and
+`miss_share` of the time from its near miss, so that GRPO's groups are mixed (docs/learning-on-cpu.md §1a).
+The BPE learns the whole train split's text.
 """
 
+import itertools
 import json
 import os
 
@@ -39,9 +40,8 @@ class WarmStart:
         return tokenizer_texts(self.tasks, [conversation(t, thinking=self.thinking) for t in self.tasks])
 
     def examples(self, tok, bpe):
-        """Each preset task's right conversation (1 - miss_share) and near miss (miss_share), both views of the
-        tools: the 8 tasks are all the warm start learns (on the whole split a 1 M model learns the format
-        but not the calls)."""
+        """Each preset task's right conversation (1 - miss_share) and near miss (miss_share), both tool views:
+        the 8 tasks are all it learns (on the whole split a 1 M model learns the format, not the calls)."""
         from common.seal import interface as omega_api
         share, examples, weights = self.args["miss_share"], [], []
         pairs = [(t, conversation(t, thinking=self.thinking), conversation(t, miss=True, thinking=self.thinking))
@@ -50,7 +50,7 @@ class WarmStart:
             for task, right, miss in pairs:
                 for msgs, w in ((right, 1.0 - share if miss else 1.0), (miss, share)):
                     if msgs is not None and w > 0:
-                        ex = warm_start_examples(tok, bpe, [task], [msgs], self.args["context"], omega)
+                        ex = warm_start_examples(bpe, task, msgs, self.args["context"], omega)
                         examples += ex
                         weights += [w] * len(ex)
         return examples, weights
@@ -58,10 +58,9 @@ class WarmStart:
 
 def conversation(task, miss=False, thinking=False):
     """The ground-truth conversation of `task` as chat messages, with real tool results: per turn the user
-    message(s), then one assistant message of all its calls, the tool messages and a short closing answer (a turn
-    without ground truth: an answer saying what is missing). With `miss`, each turn's calls are their near_miss
-    (None where a turn's calls have none); with `thinking`, each assistant message opens with a reasoning.
-    """
+    message(s), one assistant message of all its calls, the tool messages and a closing answer (no ground
+    truth: an answer saying what is missing). `miss`: each turn's calls are their near_miss (None where a
+    turn's calls have none); `thinking`: each assistant message opens with a reasoning."""
     from common.engine import calls as C
     from common.envs.bfcl import harness as bfcl
 
@@ -94,19 +93,6 @@ def think(reasoning, thinking):
     return f"<think>\n{reasoning}\n</think>\n\n" if thinking else ""
 
 
-def pick_eval_tasks(tasks, n):
-    """`n` tasks whose turn 0 has ground-truth calls, round-robin over categories in file order."""
-    by_cat = {}
-    for t in tasks:
-        if t["ground_truth"][0]:
-            by_cat.setdefault(t["category"], []).append(t)
-    picked, i = [], 0
-    while len(picked) < n and any(i < len(v) for v in by_cat.values()):
-        picked.extend(v[i] for v in by_cat.values() if i < len(v))
-        i += 1
-    return picked[:n]
-
-
 def render(task, msgs, omega=None):
     """A conversation from `conversation` as a rollout's context spells it: bfcl-eval's
     QwenFCHandler prompt (tools and cues as the interface `omega` shows them), each assistant message as
@@ -119,74 +105,51 @@ def render(task, msgs, omega=None):
         return tool_view(docs, omega) if docs is not None else None
 
     conv = Conversation("QwenFCHandler", task, tool_view(task["tools"], omega), system_cue(omega))
-    i, turn = 0, 0
-    while i < len(msgs) and msgs[i]["role"] == "user":
-        i += 1
     conv.add_user(0, conv.turn_messages(0, announce(0)))
-    text = conv.prompt()
-    while i < len(msgs):
-        content = msgs[i]["content"]
-        i += 1
-        results = []
-        while i < len(msgs) and msgs[i]["role"] == "tool":
-            results.append(msgs[i]["content"])
-            i += 1
+    text, turn = conv.prompt(), 0
+    for k, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        results = [r["content"] for r in itertools.takewhile(lambda r: r["role"] == "tool", msgs[k + 1:])]
+        after = msgs[k + 1 + len(results):]
         nxt = None
-        if i < len(msgs) and msgs[i]["role"] == "user":
-            while i < len(msgs) and msgs[i]["role"] == "user":
-                i += 1
+        if after and after[0]["role"] == "user":
             turn += 1
             nxt = conv.turn_messages(turn, announce(turn))
-        text += content + conv.continuation(results or None, [""] * len(results), nxt)
+        text += m["content"] + conv.continuation(results or None, [""] * len(results), nxt)
     return text.removesuffix(GENERATION_PROMPT)
 
 
 def tokenizer_texts(tasks, conversations):
     """Training text for the BPE: tool docs, questions and rendered ground-truth turns, deduplicated."""
-    seen, texts = set(), []
-
-    def add(s):
-        if s and s not in seen:
-            seen.add(s)
-            texts.append(s)
-
     from common.envs.bfcl import prompts
 
+    texts = []
     for task in tasks:
         # the tool docs and held-out-tool messages as bfcl-eval's QwenFCHandler shows them
-        for tool in prompts.hinted(task["id"], task["tools"]) + [s for v in task["missed_function"].values() for s in v]:
-            add(json.dumps(tool))
-        for docs in task["missed_function"].values():
-            add(prompts.new_tools_message(docs)[0]["content"])
-        for msgs in task["questions"]:
-            for m in msgs:
-                add(m["content"])
-    for msgs in conversations:
-        for m in msgs:
-            add(m["content"][:20_000])
-    add(CHAT_TEMPLATE)
-    return texts
+        held_out = [s for v in task["missed_function"].values() for s in v]
+        texts += [json.dumps(tool) for tool in prompts.hinted(task["id"], task["tools"]) + held_out]
+        texts += [prompts.new_tools_message(docs)[0]["content"] for docs in task["missed_function"].values()]
+        texts += [m["content"] for msgs in task["questions"] for m in msgs]
+    texts += [m["content"][:20_000] for msgs in conversations for m in msgs]
+    return [s for s in dict.fromkeys(texts + [CHAT_TEMPLATE]) if s]
 
 
 def assistant_spans(text):
     """Character spans [start, end) of assistant contents plus their closing <|im_end|>."""
     head = "<|im_start|>assistant\n"
     spans, pos = [], 0
-    while True:
-        i = text.find(head, pos)
-        if i < 0:
-            return spans
+    while (i := text.find(head, pos)) >= 0:
         start = i + len(head)
-        end = text.index(EOS, start) + len(EOS)
-        spans.append((start, end))
-        pos = end
+        pos = text.index(EOS, start) + len(EOS)
+        spans.append((start, pos))
+    return spans
 
 
 def token_spans(enc, char_spans):
     """Token index spans matching character spans; tokens must not straddle a boundary."""
-    offsets = enc.offsets
-    starts = {s: i for i, (s, _) in enumerate(offsets)}
-    ends = {e: i + 1 for i, (_, e) in enumerate(offsets)}
+    starts = {s: i for i, (s, _) in enumerate(enc.offsets)}
+    ends = {e: i + 1 for i, (_, e) in enumerate(enc.offsets)}
     out = []
     for cs, ce in char_spans:
         if cs not in starts or ce not in ends:
@@ -195,29 +158,19 @@ def token_spans(enc, char_spans):
     return out
 
 
-def warm_start_examples(tok, bpe, tasks, convs, context, omega=None):
-    """Training examples (ids, loss positions, is_first_step) of all conversations, with the tool list as the
-    interface `omega` shows it (None: plain). The system block (~4-7k tokens) and the messages after it,
-    which start with <|im_start|>, tokenise apart: the block's end is tokenised once per tool list."""
+def warm_start_examples(bpe, task, msgs, context, omega=None):
+    """Training examples (ids, loss positions, is_first_step) of one conversation, the tools as `omega` shows
+    them (None: plain). The system block and the messages after it (from <|im_start|>) tokenise apart."""
     import torch
 
-    sys_cache, sys_ids, conv_texts = {}, [], []
-    for task, msgs in zip(tasks, convs, strict=True):
-        text = render(task, msgs, omega)
-        cut = text.index(EOS + "\n") + len(EOS) + 1
-        if text[cut:].find("<|im_start|>") != 0:
-            raise RuntimeError("the chat template's system block is not followed by <|im_start|>")
-        if text[:cut] not in sys_cache:
-            sys_cache[text[:cut]] = bpe.encode(text[:cut]).ids[-context:]
-        sys_ids.append(sys_cache[text[:cut]])
-        conv_texts.append(text[cut:])
-    examples = []
-    for head, text, enc, msgs in zip(sys_ids, conv_texts, bpe.encode_batch(conv_texts), convs, strict=True):
-        spans = [(s + len(head), e + len(head)) for s, e in token_spans(enc, assistant_spans(text))]
-        # an assistant message that answers a user message is the first step of its turn
-        first_flags = [prev["role"] == "user" for prev, m in zip(msgs, msgs[1:], strict=False)
-                       if m["role"] == "assistant"]
-        for x, pos, first in make_examples(head + enc.ids, spans, first_flags, context):
-            examples.append((torch.tensor(x), torch.tensor(pos), first))
-    return examples
-
+    text = render(task, msgs, omega)
+    cut = text.index(EOS + "\n") + len(EOS) + 1
+    if text[cut:].find("<|im_start|>") != 0:
+        raise RuntimeError("the chat template's system block is not followed by <|im_start|>")
+    head, enc = bpe.encode(text[:cut]).ids[-context:], bpe.encode(text[cut:])
+    spans = [(s + len(head), e + len(head)) for s, e in token_spans(enc, assistant_spans(text[cut:]))]
+    # an assistant message that answers a user message is the first step of its turn
+    first_flags = [prev["role"] == "user" for prev, m in zip(msgs, msgs[1:], strict=False)
+                   if m["role"] == "assistant"]
+    return [(torch.tensor(x), torch.tensor(pos), first)
+            for x, pos, first in make_examples(head + enc.ids, spans, first_flags, context)]

@@ -10,12 +10,9 @@ class Tau2Env:
     its database, τ²'s evaluator scores each episode."""
 
     CHECKS_TURNS = False  # one verdict per episode, which the labelling rules place on its turns
-    # The tiny preset on ENV=tau2:DOMAIN: the first TINY_TASKS train tasks (TRAIN_LIMIT), the ones its model's
-    # warm start learnt (common/envs/tau2/tiny.py), and room for a call in MAX_NEW (airline's
-    # update_reservation_flights is 100 of the tiny model's tokens).
+    # the tiny preset's TRAIN_LIMIT (the tasks its warm start learnt) and MAX_NEW: docs/environments.md §2
     TINY_TASKS, TINY_MAX_NEW = 8, 160
-    # A GPU preset's rollout context: the oracle's episodes reach 12.4k tokens (bench/tau2_context.py,
-    # docs/benchmarks.md); 32k leaves 2.6x that for a served user's longer messages and a policy that explores.
+    # a GPU preset's rollout context: 2.6x the oracle's longest episode (docs/environments.md §2)
     MAX_LEN = 32768
 
     def __init__(self, source, user=None, user_log=None, max_steps=200, bench=False):
@@ -63,8 +60,7 @@ class Tau2Env:
         from common.envs.tau2 import tau2
         if self.user is None:
             raise RecordError(f"{self.source}: no user simulator given (a tau2.User, or 'scripted')")
-        with tau2.user_simulator(None if self.user == "scripted" else self.user, self.user_log,
-                                 [self.domain]) as (user_sim, ready):
+        with tau2.user_simulator(self.user, self.user_log, [self.domain]) as (user_sim, ready):
             ready()  # a served user model is up and, on a domain whose user has tools, calls them
             return tau2.rollouts(self.tau2, self.domain, [t["tau2"] for t in tasks], n, engine, spec, user_sim,
                                  round_=round_, policy=policy, max_steps=self.max_steps)
@@ -75,24 +71,21 @@ class Tau2Env:
 
     @staticmethod
     def cut_stops(short_context):
-        from common.envs.tau2 import tau2
-        return tau2.cut_stops(short_context)
+        """The user simulator's error, and a context shorter than evaluation's, are not the policy's failure;
+        τ²'s step and error limits and the agent's own errors are."""
+        return {"user_error"} | ({"context_limit"} if short_context else set())
 
     def evaluate(self, out, policy, spec, engine, *, limit=None, trials=None, concurrency=None):
-        """Score `policy` on these tasks (evaluate.py --tasks tau2...): every task `trials` times on the
-        engine `engine()` opens, against this environment's user (None: `--policy oracle`, the gold actions
-        and a scripted user), by τ²'s evaluator with pass^1..pass^trials: out/results.jsonl, out/scores.json."""
+        """Score `policy` on these tasks (evaluate.py --tasks tau2...) with tau2.evaluate."""
         from common.envs.tau2 import tau2
-        return tau2.evaluate(out, policy, spec, self.user, engine, domains=self.domains, limit=limit,
-                             concurrency=concurrency or self.concurrency, max_episode_steps=self.max_steps,
-                             split=self.split, trials=trials or self.trials)
+        return tau2.evaluate(self, out, policy, spec, engine, limit, trials or self.trials,
+                             concurrency or self.concurrency)
 
     # a run's settings (common/presets.py; standard library only)
 
     @classmethod
     def preset(cls, p, changes):
-        """ENV=tau2:DOMAIN: its user simulator checked (a GPU preset needs one), MAX_LEN of context on GPUs,
-        and on the tiny preset the tasks its model learnt (TRAIN_LIMIT) and room for a call (MAX_NEW)."""
+        """ENV=tau2:DOMAIN: its user simulator checked (GPU presets need one), MAX_LEN, the tiny limits."""
         import re
 
         from common.presets import PresetError
@@ -111,8 +104,7 @@ class Tau2Env:
 
     @staticmethod
     def _user_args(p):
-        """The user-simulator flags of USER_MODEL (served by the stage; on GPUs in the share the memory plan
-        counts) or USER_BASE_URL and USER_MODEL_NAME; [] for none."""
+        """Flags of USER_MODEL (served by the stage) or USER_BASE_URL and USER_MODEL_NAME; [] for none."""
         from common.presets import PresetError
         if p.user_model and (p.user_base_url or p.user_model_name):
             raise PresetError("USER_MODEL, or USER_BASE_URL with USER_MODEL_NAME: one user simulator")

@@ -1,11 +1,6 @@
-"""Ψ's rules on τ²-bench episodes (common/seal/taxonomy.py holds the labels and their priority order).
-
-τ²'s verdict is one per episode (its evaluator: the database against the gold actions' replay, environment
-assertions, gold actions made, information communicated), gathered into an `Episode`; each user turn's
-evidence (parse errors, schema breaks against τ²'s tool schemas, calls, results with τ²'s error flag) into a
-`Turn`. An episode τ² solves passes on every turn; otherwise each turn takes the first rule that applies, what
-the turn itself shows first, the episode's verdict after (a database that differs at the end differs at every
-turn, as BFCL's state is cumulative).
+"""Ψ's rules on τ²-bench episodes (docs/environments.md §3; common/seal/taxonomy.py holds the labels and
+their priority order): τ²'s verdict on the episode gathered into an `Episode`, each user turn's evidence
+into a `Turn`.
 """
 
 import dataclasses
@@ -19,8 +14,7 @@ EVAL_RAISED = "τ²'s evaluation raised"
 
 
 def argument_mismatch(turn, episode):
-    """A call in the turn names the tool of a gold action τ²'s action check found missing, and
-    matches no gold action (τ²'s own comparison: the action's compare_args, else all arguments)."""
+    """A call names a missing gold action's tool and matches no gold action (τ²'s compare_args, else all)."""
     for call in turn.calls:
         for action in episode.unmatched_actions:
             if action.name == call["name"] and not episode.matches_gold(call):
@@ -29,9 +23,7 @@ def argument_mismatch(turn, episode):
 
 
 def state_mismatch(turn, episode):
-    """τ²'s database check fails (the database after the episode's calls differs from the gold
-    actions' replay; the evidence names the differing tables and rows), or one of the task's
-    environment assertions does not hold."""
+    """τ²'s database check fails (naming the differing rows), or an environment assertion does not hold."""
     if episode.db_match is False:
         return f"database differs from the gold actions' replay: {episode.db_diff or 'τ² hash check'}"
     if episode.failed_assertions:
@@ -40,17 +32,15 @@ def state_mismatch(turn, episode):
 
 
 def recovery_failure(turn, episode):
-    """The turn's last call failed (τ²'s tool message has error=True) and nothing corrected it
-    in the turn."""
+    """The turn's last call failed (τ²'s error=True) and nothing corrected it in the turn."""
     if turn.results and turn.errors[-1]:
         return f"last call failed: {show(turn.calls[-1])} -> {turn.results[-1]}"
     return None
 
 
 def missing_tool_call(turn, episode):
-    """The episode ended before the user was done (τ²'s termination is not a stop by the user or
-    the agent: an agent error, the step or error limit), or a gold action was never made (τ²'s
-    action check) and no call of the turn names its tool."""
+    """The episode ended early (an agent error, a step or error limit), or a gold action never made is not
+    named by any call of the turn."""
     if episode.early_end:
         return f"episode ended early: {episode.early_end}"
     for action in episode.unmatched_actions:
@@ -78,8 +68,7 @@ RULES = {  # by label; taxonomy.label tries them in its priority order
 
 
 def label_turn(turn, episode):
-    """(label, evidence) for one turn of a τ² episode (a reward below 1 comes from an early end or a failed
-    check, each a rule above)."""
+    """(label, evidence) of one turn of a τ² episode: a pass, or the first rule above that applies."""
     if episode.reward == 1:
         return "pass", line(f"τ² reward 1 ({len(turn.calls)} call(s) in the turn)")
     return taxonomy.label(turn, RULES, episode)
@@ -111,7 +100,8 @@ class Episode:
     gold: list  # every gold action of the agent
 
     def matches_gold(self, call):
-        tc = _tool_call(call)
+        from tau2.data_model.message import ToolCall
+        tc = ToolCall(id="", name=call["name"], arguments=call["arguments"])
         return any(a.compare_with_tool_call(tc) for a in self.gold)
 
 
@@ -132,16 +122,10 @@ def turn_evidence(index, turn, schemas):
         raise RecordError(f"turn {index} is not a τ² rollout's turn ({type(e).__name__}: {e})") from None
 
 
-def _tool_call(call):
-    from tau2.data_model.message import ToolCall
-    return ToolCall(id="", name=call["name"], arguments=call["arguments"])
-
-
 def diagnose(tau2, domain, task, record):
     """The diagnosis record (docs/design.md §3) of one τ² rollout record: τ²'s own reward, and a
     label and evidence for every user turn (the rules above)."""
-    missing = [k for k in ("transcript", "termination") if k not in record]
-    if missing:
+    if missing := [k for k in ("transcript", "termination") if k not in record]:
         raise RecordError(f"not a τ² rollout record (no {missing[0]!r}): was it played on BFCL tasks?")
     transcript = messages(record)
     info = verdict(tau2, domain, task, transcript, record["termination"])
@@ -149,8 +133,7 @@ def diagnose(tau2, domain, task, record):
     turns = [turn_evidence(i, turn, tau2.schemas(domain)) for i, turn in enumerate(record["turns"])]
     crit = task.evaluation_criteria
     gold = [a for a in (crit.actions or []) if a.requestor == "assistant"] if crit else []
-    # The database, assertion and communication checks count where the task's reward counts them;
-    # the gold actions are the episode's ground-truth calls whatever its reward basis.
+    # checks count where the task's reward basis counts them; gold actions always (docs/environments.md §3)
     basis = {getattr(b, "value", b) for b in (crit.reward_basis if crit else [])}
     differs = info.db_check is not None and not info.db_check.db_match and "DB" in basis
     episode = Episode(
@@ -165,9 +148,8 @@ def diagnose(tau2, domain, task, record):
                            and c.action.requestor == "assistant"],
         unmet_info=[c.info for c in info.communicate_checks or [] if not c.met and "COMMUNICATE" in basis],
         gold=gold)
-    labelled = [label_turn(t, episode) for t in turns]
-    if not labelled:  # no user turn (the user simulator failed at once): one turn, the episode's
-        labelled = [label_turn(Turn(0, [], [], [], [], []), episode)]
+    # no user turn (the user simulator failed at once): one turn, the episode's
+    labelled = [label_turn(t, episode) for t in turns or [Turn(0, [], [], [], [], [])]]
     labels = [z for z, _ in labelled]
     failed = [k for k, v in (info.reward_breakdown or {}).items() if v < 1]
     official = {"valid": info.reward == 1, "reward": info.reward, "termination": record["termination"],
@@ -181,9 +163,8 @@ def diagnose(tau2, domain, task, record):
 
 
 def db_diff(tau2, domain, task, transcript, limit=4):
-    """Where the database after the episode differs from the gold actions' replay, as one short
-    line ("" when it does not): the two environments τ²'s own environment evaluator builds, read
-    back through the constructor it is given."""
+    """Where the database after the episode differs from the gold actions' replay, as one short line ("" when
+    it does not), read from the two environments τ²'s environment evaluator builds."""
     from tau2.evaluator.evaluator_env import EnvironmentEvaluator
 
     built, make = [], tau2.registry.get_env_constructor(domain)
@@ -206,9 +187,8 @@ def db_diff(tau2, domain, task, transcript, limit=4):
             if a == b:
                 continue
             if isinstance(a, dict) and isinstance(b, dict):
-                rows = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
                 diffs += [f"{table}[{k}] {'added' if k not in b else 'missing' if k not in a else 'changed'}"
-                          for k in rows]
+                          for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
             elif isinstance(a, list) and isinstance(b, list):
                 diffs.append(f"{table}: {len(a)} rows, gold {len(b)}" if len(a) != len(b) else f"{table} changed")
             else:
@@ -229,9 +209,7 @@ def messages(record):
 
 
 def verdict(tau2, domain, task, transcript, termination):
-    """τ²'s own evaluator on an episode's `transcript` (τ²'s messages; its RewardInfo): the database
-    replayed from the transcript's tool calls against the gold actions', the action checks and the
-    communicated information, exactly as τ²'s runner scores an episode."""
+    """τ²'s own evaluator's RewardInfo of a `transcript` (τ²'s messages), as τ²'s runner scores it."""
     from pydantic import ValidationError
     from tau2.data_model.simulation import SimulationRun
 
@@ -247,6 +225,5 @@ def verdict(tau2, domain, task, transcript, termination):
         if str(e).startswith("Tool call:"):  # τ²'s replay checks every recorded tool result against a fresh run
             raise RecordError(f"the transcript does not replay in τ²'s environment: "
                               f"{' '.join(str(e).split())[:300]}") from None
-        # A domain's assertion that raises where its state has no answer (mock's assert_task_status
-        # on a task the agent never created): τ²'s runner fails the episode; so does this.
+        # a domain's assertion that raises where its state has no answer: τ²'s runner fails the episode too
         return tau2.RewardInfo(reward=0.0, info={"note": f"{EVAL_RAISED}: {type(e).__name__}: {e}"})

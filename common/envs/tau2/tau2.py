@@ -1,10 +1,7 @@
-"""τ²-bench as an environment: a domain's tasks and splits, episodes through τ²'s own orchestrator, user
-simulator and environment, scored by τ²'s own evaluator (evaluate.py --tasks tau2:DOMAIN:SPLIT, pass^k).
-
-The agent is our engine (ModelPolicy) with the model's chat template, τ²'s tool schemas and system prompt,
-token-in/token-out on the episode engine (common/engine/episode.py), each episode in its own thread. Model
-text is decoded into literal calls (common/engine/calls.py), which become τ²'s ToolCalls; an output without
-calls is a message to the user. Where τ²'s orchestrator would raise, the episode ends as AGENT_ERROR (0).
+"""τ²-bench as an environment (docs/environments.md §2-4): a domain's tasks and splits, episodes through
+τ²'s own orchestrator, user simulator and environment with our engine as the agent (ModelPolicy), scored by
+τ²'s own evaluator (evaluate.py --tasks tau2:DOMAIN:SPLIT, pass^k). Where τ²'s orchestrator would raise, the
+episode ends as AGENT_ERROR (0).
 """
 
 import contextlib
@@ -18,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from itertools import takewhile
 
 from common import presets
 from common.engine import calls as calls_api
@@ -31,19 +29,13 @@ DOMAINS = ("retail", "airline", "telecom")
 SPLITS = {"telecom": "base"}  # without it, telecom's task set has 2,285 tasks; the paper's is base (114)
 ORACLE_HELLO = "Hi, I need help with my account."
 ORACLE_DONE = "Done."
-# the user_sim of the scripted ScenarioUser: no model, so its scores are not τ²-bench's
 SCENARIO = {"kind": "scripted", "note": "ScenarioUser (common/envs/tau2/tau2.py): no model; not τ²-bench's scores"}
 SCENARIO_REPLY = "I don't know. Please go on with what you can do."
 
 
-class GiveUp(Exception):
-    """The agent cannot go on (an empty output, a full context): the episode ends as AGENT_ERROR."""
-
-
 @dataclasses.dataclass(frozen=True)
 class User:
-    """The user simulator: a local model folder served here (`model`), or an endpoint the user
-    runs (`base_url` and `name`); neither is the oracle's scripted user."""
+    """The user simulator: a local model folder served here (`model`), or an endpoint (`base_url`, `name`)."""
 
     model: str | None = None
     base_url: str | None = None
@@ -66,15 +58,13 @@ def import_tau2():
     from loguru import logger
     logger.remove()  # τ²'s registry logs its whole registry at import; keep errors only
     logger.add(sys.stderr, level="ERROR")
-    tau2 = Tau2()
     for entry in filter(None, (e.strip() for e in os.environ.get("SEAL_TAU2_DOMAINS", "").split(","))):
         import_domain(entry)
-    return tau2
+    return Tau2()
 
 
 def import_domain(entry):
     """Import a module that registers a τ² domain of the user's (a .py file or a module name)."""
-    import importlib
     import importlib.util
     try:
         if entry.endswith(".py"):
@@ -135,8 +125,7 @@ class Tau2:
         return script.agent_text, self.classes[1](script)
 
     def model_players(self, engine, spec, user_sim):
-        """Players for a model policy: our engine as the agent, τ²'s user simulator at `user_sim`
-        (its kind "scripted": the ScenarioUser)."""
+        """Players for a model policy: our engine as the agent, against `user_sim` (or the ScenarioUser)."""
         def players(task, tools, user_tools, system, fmt):
             if user_sim["kind"] == "scripted":
                 return ModelPolicy(engine, tools, system, spec), self.classes[4](task)
@@ -147,20 +136,15 @@ class Tau2:
 
     def play(self, domain, task, players, max_steps, fmt, trial=0, evaluate=True):
         """One episode through τ²'s orchestrator, scored by τ²'s evaluator: a results.jsonl row.
-        `players(task, agent tools, user tools, agent system prompt, fmt)` gives the agent's policy
-        (new messages -> model text) and the user; `trial` (a task's sample or trial index) picks
-        the seed τ²'s own runner gives that trial."""
+        `players(task, agent tools, user tools, system prompt, fmt)` gives the agent's policy (new
+        messages -> model text) and the user; `trial` picks the seed τ²'s runner gives that trial."""
         if not playable(task):
             raise RecordError(f"τ² task {domain}/{task.id}: a task that starts mid-conversation is not supported")
         Agent, _, _, Orchestrator, _ = self.classes
         env = self.registry.get_env_constructor(domain)()
         tools = env.get_tools()
-        try:
-            user_tools = env.get_user_tools()
-        except ValueError:  # retail and airline: the user has no tools
-            user_tools = None
         system = self.system_template.format(domain_policy=env.get_policy(), agent_instruction=self.instruction)
-        policy, user = players(task, tools, user_tools, system, fmt)
+        policy, user = players(task, tools, tools_of_user(env), system, fmt)
         agent = Agent(tools, env.get_policy(), policy, fmt)
         # run_tasks' seeds: random.seed(300), then one randint per trial, given to agent and user as τ² does
         draw = random.Random(self.config.DEFAULT_SEED)
@@ -172,8 +156,7 @@ class Tau2:
                                                solo_mode=False, domain=domain) if evaluate else self.RewardInfo(
             reward=0.0, info={"note": "not evaluated here: diagnose.py scores the transcript"})
         return {"domain": domain, "task_id": task.id, "trial": trial, "seed": seed, "reward": reward_info.reward,
-                "termination": sim.termination_reason.value if hasattr(sim.termination_reason, "value")
-                else str(sim.termination_reason),
+                "termination": str(getattr(sim.termination_reason, "value", sim.termination_reason)),
                 "error": orch.error, "reward_info": reward_info.model_dump(mode="json"),
                 "agent_steps": agent.steps, "tokens": getattr(agent.policy, "counts", None),
                 "transcript": [m.model_dump(mode="json", exclude={"raw_data"}) for m in sim.messages],
@@ -203,41 +186,33 @@ def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
             out, step = to_assistant_message(msg, text, self.fmt, len(self.steps))
             self.steps.append(step)
             if out is None:
-                raise GiveUp("the agent's output is empty (no text, no tool calls)")
+                raise AgentError("the agent's output is empty (no text, no tool calls)")
             state["history"].append(out)
             return out, state
 
     class Simulator(tau2.UserSimulator):
-        """τ²'s user simulator; an output τ²'s orchestrator would raise on ends the episode as USER_ERROR.
-        Each request waits `llm_args["timeout"]` seconds at most (user_llm_args); a transient failure
-        (a 429, a 5xx, a refused connection) is tried again USER_RETRIES times, an empty answer
-        τ²'s DEFAULT_MAX_RETRIES times as τ²'s own generate() does; an endpoint that still fails,
-        or does not answer in time, stops the stage (RecordError): no score from absent users."""
+        """τ²'s user simulator: an output τ²'s orchestrator would raise on ends the episode (USER_ERROR), an
+        empty one is asked again as τ²'s generate() does, a failed request stops the stage (retried)."""
 
         def generate_next_message(self, message, state):
-            import litellm
-            import openai
+            import openai  # every error litellm raises, a timeout included
             where = f"user simulator {self.llm} at {self.llm_args.get('api_base')}"
-            kept, failures, empties = len(state.messages), 0, 0
-            while True:
-                del state.messages[kept:]  # τ²'s simulator appends `message` before it asks
-                try:
-                    out, state = super().generate_next_message(message, state)
-                except (ValueError, TypeError, litellm.BadRequestError) as e:
-                    # arguments that are not JSON, a conversation longer than its context: this
-                    # episode's simulator failed, the episode ends
-                    raise UserError(f"user simulator failed: {type(e).__name__}: {e}") from None
-                except openai.OpenAIError as e:  # every error litellm raises, a timeout included
-                    if transient(e) and failures < USER_RETRIES:
-                        time.sleep(retry_wait(failures))
-                        failures += 1
-                        continue
-                    raise RecordError(request_failure(where, e, self.llm_args.get("timeout"), failures)) from None
+            kept, timeout = len(state.messages), self.llm_args.get("timeout")
+            for _ in range(tau2.config.DEFAULT_MAX_RETRIES + 1):
+                out, state = retried(lambda s=state: self._ask(message, s, kept), where, timeout,
+                                     openai.OpenAIError)
                 if out.has_text_content() or out.is_tool_call():
                     return out, state
-                if empties >= tau2.config.DEFAULT_MAX_RETRIES:
-                    raise UserError("the user simulator's message is empty")
-                empties += 1
+            raise UserError("the user simulator's message is empty")
+
+        def _ask(self, message, state, kept):
+            import litellm
+            del state.messages[kept:]  # τ²'s simulator appends `message` before it asks
+            try:
+                return super().generate_next_message(message, state)
+            except (ValueError, TypeError, litellm.BadRequestError) as e:
+                # arguments not JSON, a conversation past its context: this episode's simulator failed
+                raise UserError(f"user simulator failed: {type(e).__name__}: {e}") from None
 
     class ScriptedUser(BaseUser):
         """The oracle's user: performs the gold user actions it is told about, then ends the episode."""
@@ -263,9 +238,8 @@ def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
             action = self.script.next_user_action()
             if action is not None:
                 return self.perform(action), state
-            if self.script.finished:
-                return msg.UserMessage(role="user", content="###STOP###"), state
-            return msg.UserMessage(role="user", content=ORACLE_DONE), state
+            text = "###STOP###" if self.script.told else ORACLE_DONE  # told: after every gold action
+            return msg.UserMessage(role="user", content=text), state
 
         def perform(self, action):
             """The user's message that performs the gold user action `action` with the user's tools."""
@@ -274,20 +248,18 @@ def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
             return msg.UserMessage(role="user", tool_calls=[call])
 
     class ScenarioUser(ScriptedUser):
-        """A scripted user for runs without a user model (the tiny preset on CPU): it opens with the
-        task's reason for calling and what it knows, performs the next gold user action when the
-        agent's message names its tool (and, after its result, the next one if that message names
-        it too), answers anything else with a fixed reply, and ends the episode after `turns` agent
-        messages or when the agent says the request is complete."""
+        """A scripted user for runs without a user model (docs/environments.md §2): it ends the episode
+        after `turns` agent messages or when the agent says the request is complete."""
 
-        def __init__(self, task, turns=4):
+        turns = 4
+
+        def __init__(self, task):
             super().__init__(OracleScript(task, "json"))
             # its own script holds the user's actions alone (the agent's are not its to wait for)
             self.script.actions = [a for a in self.script.actions if a.requestor == "user"]
             ins = task.user_scenario.instructions
             self.opening = (f"{ins.reason_for_call.strip()} {(ins.known_info or '').strip()}".strip()
                             if hasattr(ins, "reason_for_call") else str(ins))
-            self.turns = turns
 
         def generate_next_message(self, message, state):
             if not self.script.hello:
@@ -301,39 +273,25 @@ def _classes(tau2, LocalAgent, BaseUser, Orchestrator, AgentError, UserError):
             pending = self.script.next_user_action() if self.script.asked(text) else None
             if pending is not None:
                 return self.perform(pending), state
-            if state.get("agent_messages", 0) >= self.turns or "request is complete" in text.lower():
-                return msg.UserMessage(role="user", content="###STOP###"), state
-            return msg.UserMessage(role="user", content=SCENARIO_REPLY), state
+            done = state.get("agent_messages", 0) >= self.turns or "request is complete" in text.lower()
+            return msg.UserMessage(role="user", content="###STOP###" if done else SCENARIO_REPLY), state
 
     class Orch(Orchestrator):
-        """τ²'s orchestrator, except that our agent's and the simulator's give-ups end the episode
-        (τ²'s own run() would raise) with the reason kept."""
+        """τ²'s orchestrator, except that agent and simulator errors end the episode (τ²'s would raise)."""
 
         error = None
 
         def step(self):
             try:
                 super().step()
-            except (AgentError, GiveUp) as e:
-                self._end(tau2.TerminationReason.AGENT_ERROR, e)
-            except UserError as e:
-                self._end(tau2.TerminationReason.USER_ERROR, e)
-
-        def _end(self, reason, e):
-            self.done, self.termination_reason, self.error = True, reason, str(e)
+            except (AgentError, UserError) as e:
+                reason = "USER_ERROR" if isinstance(e, UserError) else "AGENT_ERROR"
+                self.done, self.termination_reason, self.error = True, tau2.TerminationReason[reason], str(e)
 
     return Agent, ScriptedUser, Simulator, Orch, ScenarioUser
 
 
 # ----------------------------------------------------------------------------- training rollouts
-
-
-def cut_stops(short_context):
-    """The stops of a τ² rollout that are not the policy's failure under evaluation's rules
-    (common/envs/__init__.py): the user simulator's error (USER_ERROR), and the context limit where the
-    rollouts' context is shorter than evaluation's. τ²'s step and error limits and the agent's
-    own errors are evaluation's too: the policy's failures."""
-    return {"user_error"} | ({"context_limit"} if short_context else set())
 
 
 def playable(task):
@@ -350,9 +308,8 @@ def user_label(user_sim):
 
 def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy="", concurrency=None,
              max_steps=200):
-    """(records, timing): rollout records (docs/design.md §3, plus τ²'s transcript) of `n` episodes of every
-    task in (task, sample) order against `user_sim` (a served model's settings, or SCENARIO: the scripted
-    ScenarioUser), `concurrency` at once on `spec.schedule` (common/engine/episode.py run_episodes)."""
+    """(records, timing): rollout records (docs/design.md §3, plus τ²'s transcript) of `n` episodes of
+    every task in (task, sample) order against `user_sim`, `concurrency` at once on `spec.schedule`."""
     def one(job, agent):
         task, k = job
         made = []
@@ -377,8 +334,7 @@ def rollouts(tau2, domain, tasks, n, engine, spec, user_sim, *, round_=0, policy
 def episode_record(row, tokens, sample_index, round_, policy, user, seconds, omega=None, cue_tokens=0):
     """One rollout record from an episode: each user message opens a turn, each agent output is a
     step holding its calls and what came back (τ²'s tool messages: `error=True` is a call error)."""
-    turns, steps = [], list(row["agent_steps"])
-    schemas = row["tools"]
+    turns, steps, schemas = [], list(row["agent_steps"]), row["tools"]
     for m in row["transcript"]:
         if m["role"] == "user" and m.get("content") and not m.get("tool_calls") and not stops(m["content"]):
             turns.append({"user": m["content"], "steps": [], "end": None})
@@ -392,13 +348,11 @@ def episode_record(row, tokens, sample_index, round_, policy, user, seconds, ome
             last = turns[-1]["steps"][-1]
             last["results"].append(m["content"])
             last["call_errors"].append(m["content"] if m.get("error") else None)
-    for step in steps:  # an output the orchestrator never took (an empty one: the episode ended)
-        if turns:
-            turns[-1]["steps"].append({**step, "schema_errors": [], "results": [], "call_errors": [],
-                                       "feedback": None})
     stop = "context_limit" if row["error"] and "fills the context" in row["error"] else row["termination"]
-    if turns and turns[-1]["end"] is None:
-        turns[-1]["end"] = stop
+    if turns:  # outputs the orchestrator never took (an empty one: the episode ended)
+        turns[-1]["steps"] += [{**step, "schema_errors": [], "results": [], "call_errors": [],
+                                "feedback": None} for step in steps]
+        turns[-1]["end"] = turns[-1]["end"] or stop
     task = {"id": row["task_id"], "category": row["domain"]}
     return episode.record(task, sample_index, round_, policy, omega, turns, stop, "end_turn", tokens, cue_tokens,
                           seconds) | {"env": f"tau2:{row['domain']}", "user_simulator": user,
@@ -413,17 +367,13 @@ def stops(text):
 
 
 def to_assistant_message(msg, text, fmt, index):
-    """(τ² AssistantMessage or None when empty, step record) for one model output.
-
-    Calls decoded from the text become ToolCalls (literal arguments only); the text
-    before the first call is the message's content, as vLLM's tool parsers give it.
-    An output that does not decode into calls is all content.
-    """
+    """(τ² AssistantMessage or None when empty, step record) for one model output: its decoded calls
+    (literal arguments only) as ToolCalls, the text before them as content, as vLLM's tool parsers give it."""
     calls, error = calls_api.parse(text, fmt)
     step = {"text": text, "calls": calls, "parse_error": error}
     # a thinking model's reasoning is not said to the user (a served model's reasoning parser keeps it
     # out of the message too); the context keeps it, as the model wrote it
-    text = text.split("</think>")[-1] if "</think>" in text else text
+    text = text.split("</think>")[-1]
     if calls:
         head = text.split("<tool_call>")[0] if fmt == "json" else ""
         tool_calls = [msg.ToolCall(id=f"call_{index}_{i}", name=c["name"], arguments=c["arguments"])
@@ -444,12 +394,8 @@ def chat_messages(messages):
 
 
 class ModelPolicy:
-    """Our engine as τ²'s agent, token-in/token-out under the model's chat template (common/engine/episode.py
-    TemplateView and TokenLog): the ids grow by what the engine produced and the template's text for what
-    came back. Ω (training only) acts as on BFCL: the schema cue on τ²'s tool schemas, capability cues after
-    the domain policy, and a recovery hint after a tool message τ² flags error=True (by the call's schema
-    break, else τ²'s error text). An output that does not decode into calls is a message to the user in τ²'s
-    protocol, so it gets no parse hint."""
+    """Our engine as τ²'s agent, token-in/token-out (TemplateView, TokenLog), Ω as in docs/environments.md §4.
+    An output that does not decode into calls is a message to the user in τ²'s protocol: no parse hint."""
 
     def __init__(self, engine, tools, system, spec):
         self.engine, self.omega, self.fmt, self.temperature = engine, spec.omega, spec.fmt, spec.temperature
@@ -478,8 +424,10 @@ class ModelPolicy:
             else:
                 self.log.append(self.log.follow(more_text), 0)
         limit = self.log.room()
-        if limit is None:
-            raise GiveUp(f"the conversation fills the context ({len(self.log)} of {self.log.max_model_len} tokens)")
+        if limit is None:  # the agent cannot go on: the episode ends as AGENT_ERROR
+            from tau2.agent.base import AgentError
+            raise AgentError(f"the conversation fills the context ({len(self.log)} of "
+                             f"{self.log.max_model_len} tokens)")
         gen = self.engine.generate([self.log.context()], [limit], self.temperature)[0]
         text = episode.decode(self.engine.tokenizer, gen, self.engine.stop_ids)
         self.log.take(gen, self.view.closing())
@@ -506,11 +454,9 @@ class ModelPolicy:
                           or json.dumps({"error": (m.content or "").removeprefix("Error: ")})
                           if m.role == "tool" and m.error else None)
         contents, feedback = self.log.hinted([m["content"] for m in msgs], errors, self.schemas, self.omega)
-        for m, content in zip(msgs, contents, strict=True):
-            m["content"] = content
         if feedback:
             self.feedback[-1] = feedback
-        return msgs
+        return [{**m, "content": c} for m, c in zip(msgs, contents, strict=True)]
 
     def tokens(self, transcript):
         """The record's tokens. An episode that ended before the agent's first output (its user simulator
@@ -532,10 +478,6 @@ class OracleScript:
         self.info = list(crit.communicate_info or []) if crit else []
         self.fmt, self.cursor, self.told, self.hello, self.shared = fmt, 0, False, False, shared
 
-    @property
-    def finished(self):
-        return self.cursor >= len(self.actions) and self.told
-
     def asked(self, text):
         """Whether `text` names the tool of the gold user action due now."""
         return self.cursor < len(self.actions) and self.actions[self.cursor].requestor == "user" \
@@ -556,11 +498,9 @@ class OracleScript:
             if action.requestor == "assistant":
                 self.cursor += 1
                 return calls_api.format_calls([{"name": action.name, "arguments": action.arguments}], self.fmt)
-            asks = []  # every user action due before the agent's next one, in one request
-            for a in self.actions[self.cursor:]:
-                if a.requestor != "user":
-                    break
-                asks.append(a.get_func_format())
+            # every user action due before the agent's next one, in one request
+            due = takewhile(lambda a: a.requestor == "user", self.actions[self.cursor:])
+            asks = [a.get_func_format() for a in due]
             if not self.shared:
                 self.cursor += len(asks)
             return f"Please do this on your side: {'; then '.join(asks)}."
@@ -568,19 +508,13 @@ class OracleScript:
         return "\n".join([*self.info, "Your request is complete."])
 
 
-# ----------------------------------------------------------------------------- engines and the user simulator
+# ----------------------------------------------------------------------------- the user simulator
+# Its timeout, retries and tool check: docs/environments.md §2.
 
-
-# A request to the user simulator that fails for a passing reason (a refused or dropped connection, a
-# 429, a 5xx) is tried again this many times, 1 s and then 4 s later; one that times out is not.
-USER_RETRIES = 2
+USER_RETRIES = 2  # tries again after a passing failure, 1 s and then 4 s later
 TOOL_PARSERS = "hermes for Qwen, llama3_json for Llama 3"
 TOOL_CHECK = ("You are checking a tool-calling setup. Call the tool you are asked to call through the "
               "function-calling interface, with no other text.")
-
-
-def retry_wait(failures):
-    return 4 ** failures
 
 
 def timed_out(e):
@@ -589,19 +523,27 @@ def timed_out(e):
 
 
 def transient(e):
-    """Whether a user-simulator request that failed with `e` (litellm's, or urllib's) is worth another
-    try: a refused or dropped connection, a 408, 409, 429 or 5xx; not a timeout (the endpoint had its
-    whole timeout), not a refusal of the request itself."""
+    """Whether a request that failed with `e` (litellm's, or urllib's) is worth another try: not a timeout
+    (the endpoint had its whole timeout), not a refusal of the request itself."""
     import openai
     if timed_out(e):
         return False
-    if isinstance(e, urllib.error.HTTPError):
-        status = e.code
-    elif isinstance(e, (openai.APIConnectionError, urllib.error.URLError, ConnectionError)):
-        return True
-    else:
-        status = getattr(e, "status_code", None)
+    status = e.code if isinstance(e, urllib.error.HTTPError) else getattr(e, "status_code", None)
+    if status is None and isinstance(e, (openai.APIConnectionError, urllib.error.URLError, ConnectionError)):
+        return True  # a refused or dropped connection
     return isinstance(status, int) and (status in (408, 409, 429) or status >= 500)
+
+
+def retried(ask, where, timeout, errors):
+    """ask(), tried again USER_RETRIES times after a transient failure among `errors`; a failure that
+    persists, or a timeout, stops the stage (RecordError naming the simulator `where`)."""
+    for failures in range(USER_RETRIES + 1):
+        try:
+            return ask()
+        except errors as e:
+            if not transient(e) or failures == USER_RETRIES:
+                raise RecordError(request_failure(where, e, timeout, failures)) from None
+            time.sleep(4 ** failures)
 
 
 def request_failure(where, e, timeout, failures):
@@ -613,27 +555,6 @@ def request_failure(where, e, timeout, failures):
         return f"{where} failed{tries}: HTTP {e.code} ({_error_text(e)[:300]})"
     text = " ".join(str(e).split())
     return f"{where} failed{tries}: {text if type(e).__name__ in text else f'{type(e).__name__}: {text}'}"[:500]
-
-
-def user_llm_args(max_tokens, url, timeout=presets.USER_TIMEOUT):
-    """litellm arguments of the user simulator: τ²'s temperature 0, `timeout` seconds a request, and
-    no retries of litellm's own (the Simulator retries, common/envs/tau2/tau2.py _classes)."""
-    out = {"temperature": 0.0, "num_retries": 0, "timeout": timeout, "api_base": url, "api_key": "EMPTY"}
-    if max_tokens:
-        out["max_tokens"] = max_tokens
-    return out
-
-
-def _get(url, timeout):
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - localhost or the user's own URL
-        return r.status, r.read()
-
-
-def _post(url, body, timeout):
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": "Bearer EMPTY"})
-    with urllib.request.urlopen(request, timeout=timeout) as r:  # noqa: S310 - localhost or the user's own URL
-        return r.read()
 
 
 def _error_text(e):
@@ -649,10 +570,11 @@ def _error_text(e):
     return e.seal_text
 
 
-def check_endpoint(url, name, timeout=10):
+def check_endpoint(url, name, timeout):
     """The endpoint answers /models within `timeout` seconds and serves `name`; RecordError otherwise."""
     try:
-        status, body = _get(f"{url}/models", timeout)
+        with urllib.request.urlopen(f"{url}/models", timeout=timeout) as r:  # noqa: S310 - the user's own URL
+            body = r.read()
     except urllib.error.HTTPError as e:
         raise RecordError(f"user simulator at {url} answers /models with HTTP {e.code} ({_error_text(e)[:300]}); "
                           f"is it an OpenAI-compatible base URL ending in /v1?") from None
@@ -668,45 +590,41 @@ def check_endpoint(url, name, timeout=10):
         raise RecordError(f"user simulator at {url} does not serve {name!r} (it serves {', '.join(served)})")
 
 
-def user_tools(domain):
-    """The tools τ²'s `domain` gives its user (telecom's act on the phone), or [] (airline, retail)."""
-    from tau2.registry import registry
+def tools_of_user(env):
+    """The tools τ²'s `env` gives its user (telecom's act on the phone), or None (airline, retail)."""
     try:
-        return registry.get_env_constructor(domain)().get_user_tools()
+        return env.get_user_tools()
     except ValueError:  # τ²'s "User tools not available"
-        return []
+        return None
 
 
 def check_tool_calls(url, name, domain, tools, timeout, parser=None):
-    """The user simulator at `url` answers a tool offer (`tools`, the user tools of `domain`, offered
-    as τ²'s simulator offers them: tool_choice auto) with a tool call, or RecordError naming what to
-    set: a vLLM server without --enable-auto-tool-choice refuses the offer, and one whose tool-call
-    parser is not the model's returns the calls as text, which would score every episode 0.
-    `parser`: the one of a model served here (User.tool_parser), else None (an endpoint)."""
+    """The user simulator at `url` answers an offer of `domain`'s user tools (tool_choice auto, as τ²'s
+    simulator offers them) with a tool call, or RecordError naming what to set. `parser`: the one of a
+    model served here (User.tool_parser), else None (an endpoint)."""
     schemas = [t.openai_schema for t in tools]
     asked = next((s for s in schemas if not s["function"]["parameters"].get("required")), schemas[0])["function"]
     body = {"model": name, "tools": schemas, "tool_choice": "auto", "temperature": 0.0, "max_tokens": 1024,
             "messages": [{"role": "system", "content": TOOL_CHECK},
                          {"role": "user", "content": f"Call the tool {asked['name']} now."}]}
+    request = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(), headers={
+        "Content-Type": "application/json", "Authorization": "Bearer EMPTY"})
     where = f"user simulator {name} at {url}"
     why = f"τ²'s {domain} user acts through tool calls; without them every {domain} episode scores 0"
     fix = (f"set --user-tool-parser (USER_TOOL_PARSER) to the model's vLLM tool-call parser ({TOOL_PARSERS}; "
            f"it is served with --enable-auto-tool-choice --tool-call-parser {parser}); a model that does not "
            f"call tools cannot play the {domain} user") if parser else \
         f"start its vLLM server with --enable-auto-tool-choice and the model's --tool-call-parser ({TOOL_PARSERS})"
-    failures = 0
-    while True:
+
+    def ask():
         try:
-            answer = _post(f"{url}/chat/completions", body, timeout)
-            break
-        except (urllib.error.URLError, OSError) as e:
-            if transient(e) and failures < USER_RETRIES:
-                time.sleep(retry_wait(failures))
-                failures += 1
-                continue
-            if isinstance(e, urllib.error.HTTPError) and e.code == 400 and "tool" in (text := _error_text(e)).lower():
+            with urllib.request.urlopen(request, timeout=timeout) as r:  # noqa: S310 - the simulator's URL
+                return r.read()
+        except urllib.error.HTTPError as e:
+            if e.code == 400 and "tool" in (text := _error_text(e)).lower():
                 raise RecordError(f"{where} refuses a tool offer (HTTP 400: {text[:300]}): {why}; {fix}") from None
-            raise RecordError(request_failure(where, e, timeout, failures)) from None
+            raise
+    answer = retried(ask, where, timeout, OSError)
     try:
         message = json.loads(answer)["choices"][0]["message"]
         calls, said = message.get("tool_calls"), " ".join(str(message.get("content") or "").split())
@@ -718,24 +636,25 @@ def check_tool_calls(url, name, domain, tools, timeout, parser=None):
 
 @contextlib.contextmanager
 def user_simulator(user, log, domains=()):
-    """(settings, ready) of `user`'s simulator (a User; None: the scripted ScenarioUser, SCENARIO)
-    for episodes of `domains`: a local model is served for the block (its log at `log`), and ready()
-    waits until it answers, so that the agent's engine can start while it loads; an endpoint must
-    answer first. Where a domain's user has tools (telecom), the simulator must answer a tool offer
-    with a tool call (check_tool_calls): an endpoint before the block, a served model in ready()."""
-    if user is None:
+    """(settings, ready) of `user`'s simulator (a User, or "scripted": SCENARIO) for episodes of `domains`: a
+    local model is served for the block (its log at `log`), ready() waiting until it answers (and calls tools
+    where a domain's user has them) while the agent's engine starts; an endpoint is checked first."""
+    if user == "scripted":
         yield SCENARIO, lambda: None
         return
-    acting = next(((d, tools) for d in domains if (tools := user_tools(d))), None)
+    from tau2.registry import registry
+    acting = next(((d, t) for d in domains if (t := tools_of_user(registry.get_env_constructor(d)()))), None)
     with contextlib.ExitStack() as stack:
         if user.model:
-            state, wait = stack.enter_context(serve_user(user, log))
-            url, name = state["url"] + "/v1", state["settings"]["served_name"]
+            name = os.path.basename(os.path.normpath(user.model))
+            state, proc = serve.spawn(user.model, log, served_name=name, extra=user_server_args(user))
+            stack.callback(serve.stop_group, proc.pid)  # however the block ends
+            url = state["url"] + "/v1"
             user_sim = {"kind": "vllm OpenAI server", "model": os.path.abspath(user.model), "name": name,
                         "base_url": url}
 
             def ready():
-                wait()
+                serve.ready(state, proc, user.start_timeout)
                 if acting:
                     check_tool_calls(url, name, *acting, user.timeout, parser=user.tool_parser)
         else:
@@ -745,26 +664,17 @@ def user_simulator(user, log, domains=()):
                 check_tool_calls(url, name, *acting, user.timeout)
             user_sim = {"kind": "endpoint", "name": name, "base_url": url}
             ready = lambda: None  # noqa: E731
-        yield user_sim | {"llm_args": user_llm_args(user.max_tokens, url, user.timeout)}, ready
+        # τ²'s temperature 0; litellm retries nothing itself (retried does)
+        llm_args = {"temperature": 0.0, "num_retries": 0, "timeout": user.timeout, "api_base": url,
+                    "api_key": "EMPTY"}
+        if user.max_tokens:
+            llm_args["max_tokens"] = user.max_tokens
+        yield user_sim | {"llm_args": llm_args}, ready
 
 
 def user_server_args(user):
-    """What vLLM's server for the User's model gets beyond the engine settings: tool calling on
-    (telecom's user has tools), then the User's own serve_args (loop.sh's on GPUs: memplan.user_serve_args)."""
+    """vLLM's arguments for the User's model beyond the engine's: tool calling on, then its own serve_args."""
     return ["--enable-auto-tool-choice", "--tool-call-parser", user.tool_parser, *shlex.split(user.serve_args or "")]
-
-
-@contextlib.contextmanager
-def serve_user(user, log):
-    """vLLM's server for the User's model, with tool calling on, started in the background (it
-    loads while the agent's engine starts): yields (state, wait), wait() blocking until it is
-    healthy; its process group is stopped however the block ends."""
-    name = os.path.basename(os.path.normpath(user.model))
-    state, proc = serve.spawn(user.model, log, served_name=name, extra=user_server_args(user))
-    try:
-        yield state, lambda: serve.ready(state, proc, user.start_timeout)
-    finally:
-        serve.stop_group(proc.pid)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -775,11 +685,9 @@ def add_user_args(parser):
     parser.add_argument("--scripted-user", action="store_true",
                         help="τ² tasks: the scripted user (ScenarioUser) instead of a model: a CPU check of the "
                              "mechanics, whose scores are not τ²-bench's")
-    parser.add_argument("--user-model", default=None,
-                        help="τ² tasks' user simulator: a local model folder, served with vllm serve")
-    parser.add_argument("--user-base-url", default=None,
-                        help="τ² tasks' user simulator: an OpenAI-compatible endpoint")
-    parser.add_argument("--user-model-name", default=None, help="the model name to ask --user-base-url for")
+    parser.add_argument("--user-model", help="τ² tasks' user simulator: a local model folder, served by vLLM")
+    parser.add_argument("--user-base-url", help="τ² tasks' user simulator: an OpenAI-compatible endpoint")
+    parser.add_argument("--user-model-name", help="the model name to ask --user-base-url for")
     parser.add_argument("--user-tool-parser", default=presets.USER_TOOL_PARSER,
                         help=f"vLLM tool-call parser of the served --user-model ({TOOL_PARSERS})")
     parser.add_argument("--user-serve-args", default="", help="extra arguments for the --user-model server, one string")
@@ -799,41 +707,34 @@ def user_of_args(args, parser):
         parser.error("--policy oracle replays the gold user actions itself; it takes no user simulator")
     if args.scripted_user and (local or remote):
         parser.error("--scripted-user takes no user model")
-    if not oracle and not args.scripted_user:
-        if local == remote:
-            parser.error("τ² tasks need one user simulator: --user-model DIR, or --user-base-url URL "
-                         "--user-model-name NAME (or --scripted-user)")
-        if remote and not (args.user_base_url and args.user_model_name):
-            parser.error("--user-base-url and --user-model-name go together")
+    if local == remote and not (oracle or args.scripted_user):
+        parser.error("τ² tasks need one user simulator: --user-model DIR, or --user-base-url URL "
+                     "--user-model-name NAME (or --scripted-user)")
+    if remote and not (args.user_base_url and args.user_model_name):
+        parser.error("--user-base-url and --user-model-name go together")
     if not presets.positive(args.user_timeout):
         parser.error(f"--user-timeout {args.user_timeout:g}: seconds a user-simulator request may wait, above 0")
     if local:
         from common.engine.models import resolve_model
         if resolve_model(args.user_model)[1]:
             parser.error("--user-model must be a full model folder (a LoRA adapter is not served here)")
-    if oracle:
-        return None
-    if args.scripted_user:
-        return "scripted"
-    return User(args.user_model, args.user_base_url and args.user_base_url.rstrip("/"), args.user_model_name,
-                args.user_tool_parser, args.user_serve_args, args.user_start_timeout, args.user_max_tokens,
-                args.user_timeout)
+    if oracle or args.scripted_user:
+        return None if oracle else "scripted"
+    return User(args.user_model, args.user_base_url, args.user_model_name, args.user_tool_parser,
+                args.user_serve_args, args.user_start_timeout, args.user_max_tokens, args.user_timeout)
 
 
-def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrency=None, max_episode_steps=200,
-             split=None, trials=1):
-    """Play every task of `domains` (of τ²'s `split`, else the paper's set) `trials` times with
-    `policy` as the agent (played as `spec` says, on the engine `engine()` opens) against `user` (a
-    User, "scripted", or None with the oracle), and write DIR/results.jsonl and DIR/scores.json."""
-    oracle = user is None
-    tau2 = import_tau2()
+def evaluate(env, out, policy, spec, engine, limit, trials, concurrency):
+    """Play every task of the Tau2Env `env` `trials` times with `policy` on the engine `engine()` opens
+    against env.user (None: the oracle's): out/results.jsonl, out/scores.json."""
+    tau2, user, domains, split, oracle = env.tau2, env.user, env.domains, env.split, env.user is None
     tasks = {d: [t for t in tau2.tasks(d, split=split) if playable(t)][:limit] for d in domains}  # limit None: all
     with contextlib.ExitStack() as stack:
         if oracle:
             user_sim, agent = {"kind": "scripted", "note": "oracle: gold user actions, no model"}, None
         else:
-            user_sim, user_ready = stack.enter_context(
-                user_simulator(None if user == "scripted" else user, os.path.join(out, "user-server.log"), domains))
+            log = os.path.join(out, "user-server.log")
+            user_sim, user_ready = stack.enter_context(user_simulator(user, log, domains))
             # the agent's engine starts while the user's server loads
             agent = stack.enter_context(engine())
             if user_sim.get("model"):
@@ -846,7 +747,7 @@ def evaluate(out, policy, spec, user, engine, *, domains, limit=None, concurrenc
         def play(job, engine):  # one episode, `engine` its own (run_episodes)
             d, task, k = job
             players = tau2.oracle if engine is None else tau2.model_players(engine, spec, user_sim)
-            row = tau2.play(d, task, players, max_episode_steps, spec.fmt, k)
+            row = tau2.play(d, task, players, env.max_steps, spec.fmt, k)
             del row["tools"]  # the domain's schemas, the same on every row
             trial = f" trial {row['trial']}" if trials > 1 else ""
             print(f"  {row['domain']} {row['task_id']}{trial}: reward {row['reward']:.2f} ({row['termination']})",
