@@ -375,15 +375,32 @@ def test_a_user_endpoint_that_never_answers_stops_the_stage(tmp_path, tiny_model
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("status", ["429", "500"])
-def test_a_user_endpoint_that_errs_stops_the_stage_after_bounded_retries(tmp_path, tiny_model, fake_user, status):
+def test_a_user_endpoint_that_errs_stops_the_stage_after_bounded_retries(tmp_path, tiny_model, fake_user):
     from common.envs.tau2 import tau2 as T
+    status = "500"
     failing = fake_user(status)
     out = tmp_path / "r.jsonl"
     res = rollout(*rollout_args(tiny_model, "tau2:airline:train", failing.url, out), "--user-timeout", str(TIMEOUT))
     stopped(res, says=f"user simulator openai/u at {failing.url} failed after {T.USER_RETRIES + 1} tries: ")
     assert f"fake {status}" in res.stderr and len(failing.chats) == T.USER_RETRIES + 1
     assert not list(tmp_path.iterdir())
+
+
+def test_a_rate_limited_request_is_tried_again_then_stops(fake_user):
+    """A 429 is retried as a 5xx is (end to end above): USER_RETRIES more tries, then the stage's error."""
+    import urllib.error
+    import urllib.request
+
+    from common.envs.tau2 import tau2 as T
+    limited = fake_user("429")
+
+    def ask():
+        request = urllib.request.Request(limited.url + "/chat/completions", data=b'{"messages": []}',
+                                         headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(request, timeout=TIMEOUT)
+    with pytest.raises(T.RecordError, match=f"sim failed after {T.USER_RETRIES + 1} tries: HTTP 429"):
+        T.retried(ask, "sim", TIMEOUT, urllib.error.URLError)
+    assert len(limited.chats) == T.USER_RETRIES + 1
 
 
 def test_a_user_endpoint_that_answers_tool_offers_with_text(tmp_path, tiny_model, fake_user):
